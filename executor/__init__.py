@@ -1,0 +1,1 @@
+"""HELM executor: plan → stages → tokens → measurements."""

@@ -1,0 +1,1 @@
+"""HELM planner: config → IR → costs → machine profile → search → plan."""
