@@ -1,0 +1,231 @@
+"""The generation engine: requests in, tokens out, one step at a time.
+
+A long-running server drives it: requests arrive (`add_request`) and leave (finish or `abort`)
+independently, and every `step()` is
+
+    schedule → run the stages → sample → update
+
+Scheduling is continuous batching over a flat token list: every running sequence decodes one
+token, and waiting sequences join with chunks of their prompt (chunked prefill) while the step's
+token budget lasts. A sequence's KV pages are freed the moment it finishes or is aborted.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from executor.batch import StepBatch
+from executor.errors import RequestError
+from executor.loader import LoadedModel
+from executor.sampling import SamplingParams, StopCriteria, make_generator, sample
+
+
+@dataclass
+class Sequence:
+    request_id: object
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stop: StopCriteria
+    generator: torch.Generator | None
+    arrival_s: float
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "context" | "aborted"
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    @property
+    def ttft_ms(self) -> float | None:
+        return None if self.first_token_s is None else (self.first_token_s - self.arrival_s) * 1e3
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens after the first, per second after the first token."""
+        if self.finish_s is None or self.first_token_s is None or len(self.output_ids) < 2:
+            return None
+        elapsed = self.finish_s - self.first_token_s
+        return (len(self.output_ids) - 1) / elapsed if elapsed > 0 else None
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """What one step produced for one request."""
+    request_id: object
+    token_id: int | None  # None when a request ends without a new token (abort)
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class StageTiming:
+    stage: int
+    device: str
+    ms: float
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    num_tokens: int
+    num_seqs: int
+    max_context: int
+    stages: tuple[StageTiming, ...]
+
+
+class Engine:
+    def __init__(self, model: LoadedModel, eos_token_ids: tuple[int, ...] = (),
+                 context_limit: int | None = None, max_step_tokens: int = 2048,
+                 prefill_chunk: int = 512, max_running: int = 64):
+        self.model = model
+        self.config = model.config
+        self.eos_token_ids = tuple(eos_token_ids or model.config.eos_token_ids)
+        self.context_limit = min(context_limit or model.config.max_position_embeddings,
+                                 model.config.max_position_embeddings)
+        self.max_step_tokens = max_step_tokens
+        self.prefill_chunk = prefill_chunk
+        self.max_running = max_running
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self._by_id: dict[object, Sequence] = {}
+        self._ids = itertools.count()
+        self.last_step: StepRecord | None = None
+
+    # -- request lifecycle ----------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
+                    stop: StopCriteria | None = None, request_id=None) -> Sequence:
+        sampling = sampling or SamplingParams()
+        stop = stop or StopCriteria()
+        sampling.validate()
+        stop.validate()
+        self._check_prompt(prompt_ids)
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        if request_id in self._by_id:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, list(prompt_ids), sampling, stop, make_generator(sampling), time.perf_counter())
+        self.waiting.append(seq)
+        self._by_id[request_id] = seq
+        return seq
+
+    def _check_prompt(self, ids) -> None:
+        if len(ids) == 0:
+            raise RequestError("the prompt is empty: give at least one token")
+        vocab = self.config.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise RequestError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.context_limit:
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens; the context holds {self.context_limit}, "
+                f"leaving no room to generate"
+            )
+
+    def abort(self, request_id) -> bool:
+        """Stop a request now and free its KV pages. False if it was not active."""
+        seq = self._by_id.get(request_id)
+        if seq is None:
+            return False
+        self._finish(seq, "aborted")
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the step -------------------------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        scheduled = self._schedule()
+        if not scheduled:
+            return []
+        emitting = [seq for seq, start, count in scheduled if start + count == seq.num_tokens]
+        parts = [(seq.request_id, start, count) for seq, start, count in scheduled]
+        rows, offset = [], 0
+        for seq, start, count in scheduled:
+            offset += count
+            if start + count == seq.num_tokens:
+                rows.append(offset - 1)
+        batch = StepBatch.build(parts, rows)
+        ids = torch.tensor([seq.token(i) for seq, start, count in scheduled for i in range(start, start + count)],
+                           dtype=torch.int64)
+        logits = self._run_stages(ids, batch)
+        for seq, start, count in scheduled:
+            seq.num_computed = start + count
+        events = [self._append(seq, logits[i]) for i, seq in enumerate(emitting)]
+        for stage in self.model.stages:
+            if stage.kv is not None:
+                stage.kv.enforce_watermark()
+        return events
+
+    def _schedule(self) -> list[tuple[Sequence, int, int]]:
+        """(sequence, first position, token count) for this step: decodes first, then prefill chunks."""
+        plan = [(seq, seq.num_computed, 1) for seq in self.running]
+        budget = self.max_step_tokens - len(plan)
+        for seq in list(self.waiting):
+            if budget <= 0:
+                break
+            if seq.num_computed == 0 and len(self.running) >= self.max_running:
+                break
+            count = min(self.prefill_chunk, budget, len(seq.prompt_ids) - seq.num_computed)
+            plan.append((seq, seq.num_computed, count))
+            budget -= count
+        return plan
+
+    def _run_stages(self, ids: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        x, timings = ids, []
+        for i, stage in enumerate(self.model.stages):
+            t0 = time.perf_counter()
+            x = stage.forward(x, batch)
+            if stage.device.type == "cuda":
+                torch.cuda.synchronize(stage.device)
+            timings.append(StageTiming(i, stage.device.type, (time.perf_counter() - t0) * 1e3))
+        self.last_step = StepRecord(batch.num_tokens, len(batch.slices),
+                                    max(s.start + s.count for s in batch.slices), tuple(timings))
+        return x.float().cpu()
+
+    def _append(self, seq: Sequence, logits: torch.Tensor) -> TokenEvent:
+        token = sample(logits, seq.sampling, seq.generator)
+        seq.output_ids.append(token)
+        now = time.perf_counter()
+        if seq.first_token_s is None:
+            seq.first_token_s = now
+            self.waiting.remove(seq)
+            self.running.append(seq)
+        reason = None
+        if not seq.stop.ignore_eos and token in self.eos_token_ids:
+            reason = "stop"
+        elif token in seq.stop.stop_token_ids:
+            reason = "stop"
+        elif len(seq.output_ids) >= seq.stop.max_new_tokens:
+            reason = "length"
+        elif seq.num_tokens >= self.context_limit:
+            reason = "context"
+        if reason:
+            self._finish(seq, reason)
+        return TokenEvent(seq.request_id, token, reason is not None, reason)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        seq.finish_s = time.perf_counter()
+        for queue in (self.waiting, self.running):
+            if seq in queue:
+                queue.remove(seq)
+        self._by_id.pop(seq.request_id, None)
+        self.model.free_sequence(seq.request_id)
+
+    # -- convenience ----------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None,
+                 stop: StopCriteria | None = None) -> list[Sequence]:
+        """Run prompts to completion together (offline use and tests)."""
+        seqs = [self.add_request(p, sampling, stop) for p in prompts]
+        while self.has_work():
+            self.step()
+        return seqs

@@ -1,0 +1,26 @@
+"""Error types of the executor.
+
+Every failure a user can cause (a bad checkpoint, a bad plan, a bad request) raises a subclass
+of `HelmError` with a message that names the problem; the CLI and the daemon turn these into
+clear messages and status codes instead of tracebacks.
+"""
+
+
+class HelmError(Exception):
+    """Base class: an error the user can act on."""
+
+
+class ConfigError(HelmError):
+    """config.json is missing, unreadable, or describes a model HELM cannot run."""
+
+
+class WeightsError(HelmError):
+    """A weight file is missing, corrupt, or a tensor is absent or mis-shaped."""
+
+
+class RequestError(HelmError, ValueError):
+    """A generation request is invalid (empty prompt, bad sampling value, too long...)."""
+
+
+class PlacementError(HelmError):
+    """A split or stage layout is inconsistent with the model."""

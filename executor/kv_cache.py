@@ -1,0 +1,250 @@
+"""Paged KV cache of one stage: a device page pool, a host page pool, and the eviction policy.
+
+Why pages: sequences grow one token at a time and finish at unpredictable moments; fixed-size
+pages (default 512 tokens) let a sequence's cache grow without copies, be freed at once when the
+sequence ends, and move between device and host memory a page at a time. A page holds the K and
+V of `page_size` consecutive tokens for every layer of the stage:
+
+    page: [num_layers, 2 (K, V), H_kv, page_size, D]
+
+so a layer's K of one page is a contiguous [H_kv, n, D] slab, what attention reads.
+
+`PagePool` is the mechanism (bounded memory on one device, with a free list so pinned host pages
+are not re-allocated); `KVCache` is the policy: which pages a sequence owns, where they live,
+and which to evict (the oldest full pages, once device use passes the watermark).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from executor.attention import KVChunk
+
+
+class PagePool:
+    """Up to `capacity_pages` page buffers on one device (None: bounded only by memory)."""
+
+    def __init__(self, device: torch.device, page_shape: tuple[int, ...], dtype: torch.dtype,
+                 capacity_pages: int | None, pin_memory: bool = False):
+        if capacity_pages is not None and capacity_pages < 0:
+            raise ValueError(f"capacity_pages must be >= 0, got {capacity_pages}")
+        self.device = torch.device(device)
+        self.page_shape = page_shape
+        self.dtype = dtype
+        self.capacity_pages = capacity_pages
+        self.pin_memory = pin_memory and self.device.type == "cpu" and torch.cuda.is_available()
+        self.used_pages = 0
+        self._free: list[torch.Tensor] = []
+
+    @property
+    def page_bytes(self) -> int:
+        n = 1
+        for dim in self.page_shape:
+            n *= dim
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def full(self) -> bool:
+        return self.capacity_pages is not None and self.used_pages >= self.capacity_pages
+
+    def allocate(self) -> torch.Tensor | None:
+        """A page buffer, or None when the pool is at capacity. Contents are undefined."""
+        if self.full:
+            return None
+        self.used_pages += 1
+        if self._free:
+            return self._free.pop()
+        return torch.empty(self.page_shape, dtype=self.dtype, device=self.device, pin_memory=self.pin_memory)
+
+    def release(self, buf: torch.Tensor) -> None:
+        self.used_pages -= 1
+        # Keep pinned buffers (costly to allocate); let ordinary memory go back to the allocator.
+        if self.pin_memory:
+            self._free.append(buf)
+
+
+@dataclass
+class Page:
+    data: torch.Tensor  # [num_layers, 2, H_kv, page_size, D]
+    on_device: bool
+    serial: int  # allocation order: lower is older
+    num_tokens: int = 0
+
+
+@dataclass
+class SequencePages:
+    pages: list[Page] = field(default_factory=list)
+    length: int = 0  # tokens whose K/V are written
+
+
+@dataclass(frozen=True)
+class KVStats:
+    device_pages_used: int
+    device_pages_capacity: int | None
+    host_pages_used: int
+    evictions: int
+    sequences: int
+
+
+class KVCache:
+    """The KV pages of every sequence for the layers of one stage."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, page_size: int = 512, device_pages: int | None = None,
+                 watermark: float = 0.8):
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if not 0.0 < watermark <= 1.0:
+            raise ValueError(f"watermark must be in (0, 1], got {watermark}")
+        self.page_size = page_size
+        self.watermark = watermark
+        self.device = torch.device(device)
+        shape = (num_layers, 2, num_kv_heads, page_size, head_dim)
+        self.device_pool = PagePool(self.device, shape, dtype, device_pages)
+        # Host pages exist only where the device pool is bounded (eviction target). An unbounded
+        # pool (the CPU stage, or a GPU stage with KV offload off) never evicts.
+        self.host_pool = PagePool(torch.device("cpu"), shape, dtype, None, pin_memory=True) \
+            if device_pages is not None else None
+        self._seqs: dict[object, SequencePages] = {}
+        self._serial = itertools.count()
+        self.evictions = 0
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    # -- sequence lifecycle ---------------------------------------------------------------
+    def length(self, seq_id) -> int:
+        seq = self._seqs.get(seq_id)
+        return seq.length if seq else 0
+
+    def reserve(self, seq_id, new_length: int) -> None:
+        """Make sure pages exist for token positions < new_length."""
+        seq = self._seqs.setdefault(seq_id, SequencePages())
+        while len(seq.pages) * self.page_size < new_length:
+            seq.pages.append(self._new_page())
+
+    def free(self, seq_id) -> None:
+        """Return every page of a finished or cancelled sequence at once."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return
+        if self._copy_stream is not None:
+            # Pinned host pages go back to the free list: no async copy may still read them.
+            torch.cuda.synchronize(self.device)
+        for page in seq.pages:
+            (self.device_pool if page.on_device else self.host_pool).release(page.data)
+
+    def sequences(self) -> list:
+        return list(self._seqs)
+
+    # -- data -----------------------------------------------------------------------------
+    def write(self, layer: int, seq_id, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V of tokens at positions start..start+n-1. k, v: [n, H_kv, D]."""
+        seq = self._seqs[seq_id]
+        n = k.shape[0]
+        done = 0
+        while done < n:
+            pos = start + done
+            page = seq.pages[pos // self.page_size]
+            slot = pos % self.page_size
+            take = min(n - done, self.page_size - slot)
+            dst = page.data[layer]  # [2, H_kv, P, D]
+            dst[0, :, slot:slot + take].copy_(k[done:done + take].transpose(0, 1), non_blocking=True)
+            dst[1, :, slot:slot + take].copy_(v[done:done + take].transpose(0, 1), non_blocking=True)
+            page.num_tokens = max(page.num_tokens, slot + take)
+            done += take
+        seq.length = max(seq.length, start + n)
+
+    def chunks(self, layer: int, seq_id, length: int) -> Iterator[KVChunk]:
+        """K/V of positions < length, page by page, oldest first, on the compute device.
+
+        Evicted pages are brought back one layer-slice at a time; on CUDA the next slice is
+        copied on a side stream while attention runs over the current one.
+        """
+        seq = self._seqs[seq_id]
+        count = -(-length // self.page_size)
+        on_cuda = self._copy_stream is not None
+        if on_cuda:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_stream(self._copy_stream)  # pending evictions land before we read them
+        prefetched = None  # (page index, device buffer, ready event)
+        for i in range(count):
+            page = seq.pages[i]
+            n = min(self.page_size, length - i * self.page_size)
+            if page.on_device or not on_cuda:
+                kv = page.data[layer]  # resident, or host memory is the compute memory
+            else:
+                if prefetched is not None and prefetched[0] == i:
+                    _, kv, ready = prefetched
+                    compute.wait_event(ready)
+                    kv.record_stream(compute)
+                else:
+                    kv = page.data[layer].to(self.device, non_blocking=True)
+                prefetched = self._prefetch(seq, i + 1, count, layer)
+            yield kv[0, :, :n], kv[1, :, :n], i * self.page_size
+
+    def _prefetch(self, seq: SequencePages, i: int, count: int, layer: int):
+        """Start copying page i's layer slice to the device on the copy stream."""
+        if i >= count or seq.pages[i].on_device:
+            return None
+        with torch.cuda.stream(self._copy_stream):
+            buf = seq.pages[i].data[layer].to(self.device, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self._copy_stream)
+        return i, buf, ready
+
+    # -- placement policy -----------------------------------------------------------------
+    def _new_page(self) -> Page:
+        buf = self.device_pool.allocate()
+        if buf is None and self._evict_oldest():
+            buf = self.device_pool.allocate()
+        if buf is not None:
+            return Page(buf, on_device=True, serial=next(self._serial))
+        if self.host_pool is None:
+            raise MemoryError("KV device pool is full and has no host pool to spill to")
+        # Device full of partial pages: the new page lives on the host from the start.
+        return Page(self.host_pool.allocate(), on_device=False, serial=next(self._serial))
+
+    def enforce_watermark(self) -> int:
+        """Evict oldest full device pages until device use is at or below the watermark."""
+        cap = self.device_pool.capacity_pages
+        if cap is None:
+            return 0
+        limit = int(self.watermark * cap)
+        moved = 0
+        while self.device_pool.used_pages > limit and self._evict_oldest():
+            moved += 1
+        return moved
+
+    def _evict_oldest(self) -> bool:
+        candidates = [
+            p for seq in self._seqs.values() for p in seq.pages
+            if p.on_device and p.num_tokens == self.page_size
+        ]
+        if not candidates or self.host_pool is None:
+            return False
+        page = min(candidates, key=lambda p: p.serial)
+        host = self.host_pool.allocate()
+        if self._copy_stream is not None:
+            # Copy after the compute stream's writes, then free the device buffer only once the
+            # copy is done (the caching allocator reuses it in stream order).
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._copy_stream):
+                host.copy_(page.data, non_blocking=True)
+                page.data.record_stream(self._copy_stream)
+        else:
+            host.copy_(page.data)
+        self.device_pool.release(page.data)
+        page.data, page.on_device = host, False
+        self.evictions += 1
+        return True
+
+    def stats(self) -> KVStats:
+        return KVStats(
+            device_pages_used=self.device_pool.used_pages,
+            device_pages_capacity=self.device_pool.capacity_pages,
+            host_pages_used=self.host_pool.used_pages if self.host_pool else 0,
+            evictions=self.evictions,
+            sequences=len(self._seqs),
+        )

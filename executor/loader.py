@@ -1,0 +1,122 @@
+"""Build the stages of a placement from a checkpoint, streaming each tensor to its owner.
+
+Weights are read one tensor at a time (memory-mapped safetensors) and moved straight to the
+device of the stage that owns the unit, so peak host memory while loading is the CPU stages'
+weights plus one tensor.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from executor.kv_cache import KVCache
+from executor.model_config import ModelConfig
+from executor.ops import TorchLinear
+from executor.placement import Placement, StageSpec, resolve_device
+from executor.stage import BlockWeights, HeadWeights, Stage
+from executor.weights import CheckpointReader
+
+log = logging.getLogger(__name__)
+
+
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, backend: str):
+    """The linear operator of a stage's backend ("torch": reference PyTorch ops)."""
+    if backend == "torch" or weight.device.type != "cpu":
+        return TorchLinear(weight, bias)
+    raise ValueError(f"unknown CPU kernel backend {backend!r}")
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    stages: list[Stage]
+    placement: Placement
+    model_dir: Path
+
+    def free_sequence(self, seq_id) -> None:
+        for stage in self.stages:
+            if stage.kv is not None:
+                stage.kv.free(seq_id)
+
+
+def load_model(model_dir: str | Path, placement: Placement, config: ModelConfig | None = None,
+               backend: str = "torch") -> LoadedModel:
+    model_dir = Path(model_dir)
+    config = config or ModelConfig.from_dir(model_dir)
+    if placement.num_units != config.num_units:
+        raise ValueError(f"placement has {placement.num_units} units, the model has {config.num_units}")
+    reader = CheckpointReader(model_dir)
+    try:
+        stages = [_load_stage(reader, config, spec, placement, backend) for spec in placement.stages]
+    finally:
+        reader.close()
+    return LoadedModel(config, stages, placement, model_dir)
+
+
+def _load_stage(reader: CheckpointReader, cfg: ModelConfig, spec: StageSpec, placement: Placement,
+                backend: str) -> Stage:
+    device = resolve_device(spec.device)
+    if spec.device == "cuda" and device.type == "cpu":
+        log.info("no CUDA device: the GPU stage (units %d..%d) runs its code on the CPU",
+                 spec.unit_start, spec.unit_end - 1)
+    wdtype, f32 = cfg.dtype, torch.float32
+    H, V, D, I = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.intermediate_size
+    stage_backend = backend if device.type == "cpu" else "torch"
+
+    def get(name, shape, dtype=wdtype):
+        return reader.get(name, shape, dtype, device)
+
+    embedding = None
+    if spec.unit_start == 0:
+        embedding = get("model.embed_tokens.weight", (V, H))
+
+    blocks = []
+    for layer in range(max(spec.unit_start, 1) - 1, min(spec.unit_end, cfg.num_layers + 1) - 1):
+        p = f"model.layers.{layer}."
+        qkv = torch.cat([
+            get(p + "self_attn.q_proj.weight", (cfg.q_dim, H)),
+            get(p + "self_attn.k_proj.weight", (cfg.kv_dim, H)),
+            get(p + "self_attn.v_proj.weight", (cfg.kv_dim, H)),
+        ])
+        qkv_bias = None
+        if cfg.attention_bias:
+            qkv_bias = torch.cat([
+                get(p + "self_attn.q_proj.bias", (cfg.q_dim,), f32),
+                get(p + "self_attn.k_proj.bias", (cfg.kv_dim,), f32),
+                get(p + "self_attn.v_proj.bias", (cfg.kv_dim,), f32),
+            ])
+        gate_up = torch.cat([get(p + "mlp.gate_proj.weight", (I, H)), get(p + "mlp.up_proj.weight", (I, H))])
+        blocks.append(BlockWeights(
+            input_norm=get(p + "input_layernorm.weight", (H,), f32),
+            qkv=make_linear(qkv, qkv_bias, stage_backend),
+            q_norm=get(p + "self_attn.q_norm.weight", (D,), f32) if cfg.qk_norm else None,
+            k_norm=get(p + "self_attn.k_norm.weight", (D,), f32) if cfg.qk_norm else None,
+            o=make_linear(get(p + "self_attn.o_proj.weight", (H, cfg.q_dim)), None, stage_backend),
+            post_norm=get(p + "post_attention_layernorm.weight", (H,), f32),
+            gate_up=make_linear(gate_up, None, stage_backend),
+            down=make_linear(get(p + "mlp.down_proj.weight", (H, I)), None, stage_backend),
+        ))
+
+    head = None
+    if spec.unit_end == cfg.num_units:
+        if cfg.tie_word_embeddings and embedding is not None:
+            lm_head = embedding  # same stage: share the tensor
+        elif cfg.tie_word_embeddings:
+            lm_head = get("model.embed_tokens.weight", (V, H))
+        else:
+            lm_head = get("lm_head.weight", (V, H))
+        head = HeadWeights(norm=get("model.norm.weight", (H,), f32), lm_head=make_linear(lm_head, None, stage_backend))
+
+    kv = None
+    if blocks:
+        bounded = spec.device == "cuda"  # the CPU stage's KV lives in host RAM, never evicted
+        kv = KVCache(
+            num_layers=len(blocks), num_kv_heads=cfg.num_kv_heads, head_dim=D, dtype=wdtype, device=device,
+            page_size=placement.page_size_tokens,
+            device_pages=placement.device_kv_pages if bounded else None,
+            watermark=placement.watermark,
+        )
+    return Stage(cfg, spec.unit_start, spec.unit_end, device, embedding, blocks, head, kv, stage_backend)

@@ -1,0 +1,208 @@
+"""Typed model configuration read from a Hugging Face config.json.
+
+`ModelConfig.from_dir` accepts the four decoder families HELM runs (Qwen3, Llama, Qwen2, Mistral)
+and rejects, with a message naming the field, anything the executor would compute wrongly:
+unknown RoPE types, sliding-window attention that the model actually uses, other activations.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from executor.errors import ConfigError
+
+# model_type -> family traits the executor needs beyond the common decoder layout.
+FAMILIES = {
+    "qwen3": {"qk_norm": True},
+    "llama": {"qk_norm": False},
+    "qwen2": {"qk_norm": False},
+    "mistral": {"qk_norm": False},
+}
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"  # "default" | "llama3"
+    # llama3 scaling parameters (unused for "default")
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry biases (Qwen2)
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    dtype: torch.dtype  # weight dtype on disk
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def num_units(self) -> int:
+        """Partition units: embedding, one per block, final norm + output projection."""
+        return self.num_layers + 2
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"no config.json at {path}: is this a Hugging Face checkpoint directory?")
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path} must hold a JSON object, found {type(raw).__name__}")
+        eos = _read_eos(path.parent, raw)
+        return cls.from_dict(raw, source=str(path), eos_token_ids=eos)
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config", eos_token_ids=None) -> "ModelConfig":
+        def need(key, kind=int):
+            if key not in raw or raw[key] is None:
+                raise ConfigError(f"{source}: missing required field '{key}'")
+            value = raw[key]
+            if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ConfigError(f"{source}: field '{key}' must be a positive integer, got {value!r}")
+            if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ConfigError(f"{source}: field '{key}' must be a positive number, got {value!r}")
+            return value
+
+        model_type = raw.get("model_type")
+        if model_type not in FAMILIES:
+            raise ConfigError(
+                f"{source}: unsupported architecture model_type={model_type!r} "
+                f"(architectures={raw.get('architectures')}); HELM runs {sorted(FAMILIES)}"
+            )
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"{source}: hidden_act={act!r} is not supported (SwiGLU with silu only)")
+        if raw.get("mlp_bias"):
+            raise ConfigError(f"{source}: mlp_bias=true is not supported")
+
+        hidden = need("hidden_size")
+        heads = need("num_attention_heads")
+        kv_heads = raw.get("num_key_value_heads") or heads
+        head_dim = raw.get("head_dim") or hidden // heads
+        if heads % kv_heads:
+            raise ConfigError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        max_pos = need("max_position_embeddings")
+        _check_sliding_window(raw, source, max_pos)
+
+        dtype_name = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+        if dtype_name not in DTYPES:
+            raise ConfigError(f"{source}: torch_dtype={dtype_name!r} is not supported ({sorted(DTYPES)})")
+        if eos_token_ids is None:
+            eos_token_ids = _as_ids(raw.get("eos_token_id"))
+        return cls(
+            model_type=model_type,
+            architecture=(raw.get("architectures") or [model_type])[0],
+            hidden_size=hidden,
+            intermediate_size=need("intermediate_size"),
+            num_layers=need("num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            vocab_size=need("vocab_size"),
+            rms_norm_eps=need("rms_norm_eps", float),
+            max_position_embeddings=max_pos,
+            rope=_read_rope(raw, source),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases; others may declare attention_bias.
+            attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+            qk_norm=FAMILIES[model_type]["qk_norm"],
+            dtype=DTYPES[dtype_name],
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=tuple(eos_token_ids),
+            raw=raw,
+        )
+
+
+def _read_rope(raw: dict, source: str) -> RopeConfig:
+    # transformers 4.x checkpoints carry rope_theta + rope_scaling; 5.x writes rope_parameters.
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = raw.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return RopeConfig(theta=float(theta))
+    if rope_type == "llama3":
+        try:
+            return RopeConfig(
+                theta=float(theta),
+                rope_type="llama3",
+                factor=float(params["factor"]),
+                low_freq_factor=float(params["low_freq_factor"]),
+                high_freq_factor=float(params["high_freq_factor"]),
+                original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+            )
+        except KeyError as e:
+            raise ConfigError(f"{source}: llama3 rope_scaling is missing {e.args[0]!r}") from None
+    raise ConfigError(f"{source}: rope_type={rope_type!r} is not supported (default, llama3)")
+
+
+def _check_sliding_window(raw: dict, source: str, max_pos: int) -> None:
+    window = raw.get("sliding_window")
+    if window is None:
+        return
+    # Qwen2/Qwen3 declare a window but switch it off with use_sliding_window=false.
+    if raw.get("use_sliding_window") is False:
+        return
+    if window < max_pos:
+        raise ConfigError(
+            f"{source}: sliding-window attention (sliding_window={window} < "
+            f"max_position_embeddings={max_pos}) is not supported; HELM computes full attention"
+        )
+
+
+def _as_ids(value) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _read_eos(model_dir: Path, raw: dict) -> list[int]:
+    """EOS ids: generation_config.json wins (as in transformers), else config.json."""
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        try:
+            ids = _as_ids(json.loads(gen.read_text()).get("eos_token_id"))
+        except (OSError, ValueError, TypeError):
+            ids = []
+        if ids:
+            return ids
+    return _as_ids(raw.get("eos_token_id"))

@@ -1,0 +1,50 @@
+"""Reference tensor ops of a decoder block, in plain PyTorch.
+
+Activations and accumulation stay in fp32; weights may be bf16/fp16/fp32. These are the
+reference twins of the Cython kernels and the path used on CUDA.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Rows of a half-precision weight upcast per matmul on the CPU: ~4 MiB of fp32 at a time stays in
+# cache, so the reference path never materialises a full fp32 copy of a large matrix.
+_UPCAST_CHUNK_ELEMS = 1 << 20
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., H] fp32, weight: [H] fp32 → [..., H] fp32."""
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance + eps))
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+class TorchLinear:
+    """y = x @ W.T + b with fp32 activations. W: [N, K] in the checkpoint dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight = weight
+        self.bias = bias
+        self.out_features, self.in_features = weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, K] fp32 → [T, N] fp32
+        w = self.weight
+        if w.dtype == torch.float32:
+            return F.linear(x, w, self.bias)
+        if w.device.type != "cpu":
+            # On CUDA the tensor cores accumulate half-precision products in fp32.
+            y = F.linear(x.to(w.dtype), w).float()
+            return y + self.bias if self.bias is not None else y
+        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        rows = max(1, _UPCAST_CHUNK_ELEMS // self.in_features)
+        for r0 in range(0, self.out_features, rows):
+            r1 = min(r0 + rows, self.out_features)
+            out[:, r0:r1] = x @ w[r0:r1].float().t()
+        if self.bias is not None:
+            out += self.bias
+        return out

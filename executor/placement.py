@@ -1,0 +1,77 @@
+"""Where each partition unit runs: the executor's view of a plan.
+
+A `Placement` is derived either from a plan file written by `helm-plan` (the one plan type, in
+`planner/`) or, without a plan, from `--split K`: K leading units on the CPU, the rest on the
+GPU. A GPU stage on a machine without CUDA runs the very same code on the CPU, so two-stage
+execution (hand-off, device and host KV pools) is exercised everywhere.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from executor.errors import PlacementError
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    device: str  # "cpu" | "cuda" as planned
+    unit_start: int
+    unit_end: int  # exclusive
+
+
+@dataclass(frozen=True)
+class Placement:
+    stages: tuple[StageSpec, ...]
+    num_units: int
+    page_size_tokens: int = 512
+    watermark: float = 0.8  # fraction of the device KV pool in use before eviction starts
+    device_kv_pages: int | None = None  # KV pages the GPU-side stage may hold; None: unbounded
+
+    @property
+    def split_k(self) -> int:
+        return sum(s.unit_end - s.unit_start for s in self.stages if s.device == "cpu")
+
+    @classmethod
+    def from_split(cls, num_units: int, split_k: int, page_size_tokens: int = 512,
+                   watermark: float = 0.8, device_kv_pages: int | None = None) -> "Placement":
+        if isinstance(split_k, bool) or not isinstance(split_k, int) or not 0 <= split_k <= num_units:
+            raise PlacementError(f"split must be an integer in 0..{num_units} (units on the CPU), got {split_k!r}")
+        stages = []
+        if split_k > 0:
+            stages.append(StageSpec("cpu", 0, split_k))
+        if split_k < num_units:
+            stages.append(StageSpec("cuda", split_k, num_units))
+        placement = cls(tuple(stages), num_units, page_size_tokens, watermark, device_kv_pages)
+        placement.validate()
+        return placement
+
+    def validate(self) -> None:
+        if not self.stages:
+            raise PlacementError("a placement needs at least one stage")
+        expected = 0
+        for s in self.stages:
+            if s.device not in ("cpu", "cuda"):
+                raise PlacementError(f"stage device must be 'cpu' or 'cuda', got {s.device!r}")
+            if s.unit_start != expected or s.unit_end <= s.unit_start:
+                raise PlacementError(
+                    f"stages must cover units 0..{self.num_units - 1} contiguously; "
+                    f"found a stage {s.unit_start}..{s.unit_end - 1} after unit {expected - 1}"
+                )
+            expected = s.unit_end
+        if expected != self.num_units:
+            raise PlacementError(f"stages cover units 0..{expected - 1}, the model has {self.num_units}")
+        if self.page_size_tokens < 1:
+            raise PlacementError(f"KV page size must be >= 1 token, got {self.page_size_tokens}")
+        if not 0.0 < self.watermark <= 1.0:
+            raise PlacementError(f"KV eviction watermark must be in (0, 1], got {self.watermark}")
+        if self.device_kv_pages is not None and self.device_kv_pages < 1:
+            raise PlacementError(f"device KV pages must be >= 1, got {self.device_kv_pages}")
+
+
+def resolve_device(planned: str) -> torch.device:
+    """The device a planned stage runs on here: CUDA when present, else the CPU."""
+    if planned == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu")

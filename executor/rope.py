@@ -1,0 +1,49 @@
+"""Rotary position embedding: inverse frequencies (default and Llama 3 scaling) and rotation.
+
+Frequencies are computed in fp32 from config values exactly as the reference implementation
+defines them, so positions rotate identically to transformers.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from executor.model_config import RopeConfig
+
+
+def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """inv_freq: [head_dim/2] fp32."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "llama3":
+        inv_freq = _llama3_scale(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between
+    # interpolated linearly in 1/wavelength.
+    old_len = rope.original_max_position_embeddings
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(in_band, smoothed, scaled)
+
+
+def rotary_tables(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [T, head_dim/2] fp32 for integer positions [T]."""
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate half-split pairs. x: [T, heads, head_dim]; cos/sin: [T, head_dim/2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)

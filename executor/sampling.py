@@ -1,0 +1,78 @@
+"""Sampling parameters, stopping criteria, and the sampler.
+
+Each request owns a torch.Generator seeded from its seed, so a request's tokens depend only on
+its own seed and logits — never on which other requests share its batch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from executor.errors import RequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy (argmax)
+    top_k: int = 0  # 0: no top-k filter
+    top_p: float = 1.0  # 1: no nucleus filter
+    seed: int | None = None  # None: a fresh random seed per request
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise RequestError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2**63):
+            raise RequestError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
+
+
+@dataclass(frozen=True)
+class StopCriteria:
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise RequestError(f"stop token ids must be non-negative integers, got {t!r}")
+
+
+def make_generator(params: SamplingParams) -> torch.Generator | None:
+    if params.greedy:
+        return None
+    gen = torch.Generator()
+    gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+    return gen
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token id from next-token logits [V] (fp32, CPU)."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    scores = logits / params.temperature
+    if params.top_k and params.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True)
+        probs = torch.softmax(sorted_scores, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
+        before = torch.cumsum(probs, dim=-1) - probs
+        drop = before >= params.top_p
+        sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+        scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
+    probs = torch.softmax(scores, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
