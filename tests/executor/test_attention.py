@@ -1,0 +1,88 @@
+"""Streaming paged attention against PyTorch's scaled_dot_product_attention."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from executor.attention import streaming_attention
+
+TOL = 1e-5  # fp32 throughout: only summation order differs from SDPA
+
+
+def pages(k, v, page_size):
+    """Split [H_kv, S, D] K/V into page chunks, the last one partial."""
+    S = k.shape[1]
+    return [(k[:, s:s + page_size], v[:, s:s + page_size], s) for s in range(0, S, page_size)]
+
+
+def reference(q, k, v, causal_positions):
+    """q [T, Hq, D], k/v [Hkv, S, D] → [T, Hq, D] via SDPA with K/V repeated per group."""
+    T, hq, d = q.shape
+    group = hq // k.shape[0]
+    kr = k.repeat_interleave(group, dim=0)[None]
+    vr = v.repeat_interleave(group, dim=0)[None]
+    mask = None
+    if causal_positions is not None:
+        key_pos = torch.arange(k.shape[1])
+        mask = key_pos[None, :] <= causal_positions[:, None]  # True = attend
+    out = F.scaled_dot_product_attention(q.permute(1, 0, 2)[None], kr, vr, attn_mask=mask)
+    return out[0].permute(1, 0, 2)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 512])
+@pytest.mark.parametrize("seq_len,num_queries", [(1, 1), (37, 1), (700, 1), (37, 37), (700, 5)])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)])
+def test_matches_sdpa(page_size, seq_len, num_queries, heads):
+    hq, hkv = heads
+    torch.manual_seed(seq_len * 31 + page_size + hq)
+    d = 16
+    q = torch.randn(num_queries, hq, d)
+    k = torch.randn(hkv, seq_len, d)
+    v = torch.randn(hkv, seq_len, d)
+    # The queries are the last `num_queries` positions; with several queries, mask causally.
+    positions = torch.arange(seq_len - num_queries, seq_len) if num_queries > 1 else None
+    got = streaming_attention(q, pages(k, v, page_size), 1 / math.sqrt(d), positions)
+    want = reference(q, k, v, positions)
+    err = (got - want).abs().max().item()
+    print(f"page={page_size} S={seq_len} T={num_queries} heads={heads}: max |diff| = {err:.2e} (tol {TOL})")
+    assert err < TOL
+
+
+def test_half_precision_pages_are_read_in_fp32():
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 8)
+    k = torch.randn(2, 40, 8).bfloat16()
+    v = torch.randn(2, 40, 8).bfloat16()
+    got = streaming_attention(q, pages(k, v, 16), 0.5)
+    want = reference(q * 0.5 * math.sqrt(8), k.float(), v.float(), None)
+    assert got.dtype == torch.float32
+    assert (got - want).abs().max().item() < TOL
+
+
+def test_design_example_six_tokens():
+    # DESIGN.md §7: scores [2,4,1,0,1,2] over values [10,30,5,2,8,12] give ≈24.2, page by page.
+    scores = torch.tensor([2.0, 4, 1, 0, 1, 2])
+    values = torch.tensor([10.0, 30, 5, 2, 8, 12])
+    q = torch.ones(1, 1, 1)
+    k = scores.view(1, 6, 1)
+    v = values.view(1, 6, 1)
+    for page_size in (1, 2, 4, 6):
+        out = streaming_attention(q, pages(k, v, page_size), scale=1.0).item()
+        assert out == pytest.approx(24.24, abs=0.01), page_size
+    exact = (torch.softmax(scores, 0) * values).sum().item()
+    assert streaming_attention(q, pages(k, v, 2), 1.0).item() == pytest.approx(exact, rel=1e-6)
+
+
+def test_max_rising_late_rescales_earlier_pages():
+    # The largest score sits in the last page: earlier partial sums must be rescaled, not lost.
+    q = torch.ones(1, 1, 1)
+    k = torch.tensor([0.0, 0.0, 0.0, 50.0]).view(1, 4, 1)
+    v = torch.tensor([1.0, 2.0, 3.0, 4.0]).view(1, 4, 1)
+    out = streaming_attention(q, pages(k, v, 1), 1.0).item()
+    assert out == pytest.approx(4.0, abs=1e-6)
+
+
+def test_empty_sequence_is_an_error():
+    with pytest.raises(ValueError):
+        streaming_attention(torch.ones(1, 1, 4), [], 1.0)

@@ -1,0 +1,91 @@
+"""Paged KV cache: page accounting, eviction policy, data preserved across eviction."""
+import pytest
+import torch
+
+from executor.kv_cache import KVCache
+
+LAYERS, HKV, D = 2, 2, 4
+
+
+def cache(page_size=4, device_pages=None, watermark=0.8):
+    return KVCache(LAYERS, HKV, D, torch.float32, torch.device("cpu"), page_size, device_pages, watermark)
+
+
+def fill(kv, seq, n, start=0, base=0.0):
+    """Write n tokens whose K = position + base and V = -(position + base), all layers."""
+    kv.reserve(seq, start + n)
+    pos = torch.arange(start, start + n, dtype=torch.float32) + base
+    k = pos.view(n, 1, 1).expand(n, HKV, D).contiguous()
+    for layer in range(LAYERS):
+        kv.write(layer, seq, start, k + layer, -(k + layer))
+
+
+def gathered(kv, seq, length, layer=0):
+    ks, vs, starts = zip(*[(k, v, s) for k, v, s in kv.chunks(layer, seq, length)])
+    return torch.cat(ks, dim=1), torch.cat(vs, dim=1), starts
+
+
+def test_pages_allocated_per_page_size_and_freed():
+    kv = cache(page_size=4)
+    fill(kv, "a", 9)
+    assert kv.stats().device_pages_used == 3  # 4 + 4 + 1
+    kv.free("a")
+    assert kv.stats().device_pages_used == 0 and kv.stats().sequences == 0
+
+
+def test_chunks_return_written_values_in_order():
+    kv = cache(page_size=4)
+    fill(kv, "a", 6)
+    fill(kv, "a", 3, start=6)
+    k, v, starts = gathered(kv, "a", 9, layer=1)
+    assert starts == (0, 4, 8)
+    assert torch.equal(k[0, :, 0], torch.arange(9, dtype=torch.float32) + 1)
+    assert torch.equal(v, -k)
+
+
+def test_watermark_evicts_oldest_full_pages_and_keeps_data():
+    kv = cache(page_size=4, device_pages=4, watermark=0.5)
+    fill(kv, "a", 8)  # two full pages, oldest
+    fill(kv, "b", 6, base=100)  # one full + one partial
+    before = gathered(kv, "a", 8)[0].clone(), gathered(kv, "b", 6)[0].clone()
+    moved = kv.enforce_watermark()
+    stats = kv.stats()
+    assert moved == 2 and stats.device_pages_used == 2 and stats.host_pages_used == 2
+    pages_a = kv._seqs["a"].pages
+    assert [p.on_device for p in pages_a] == [False, False]  # "a"'s pages were oldest
+    assert torch.equal(gathered(kv, "a", 8)[0], before[0])
+    assert torch.equal(gathered(kv, "b", 6)[0], before[1])
+
+
+def test_partial_pages_are_never_evicted_and_full_device_spills_to_host():
+    kv = cache(page_size=4, device_pages=2, watermark=1.0)
+    fill(kv, "a", 1)
+    fill(kv, "b", 1)
+    assert kv.stats().device_pages_used == 2
+    fill(kv, "c", 2)  # device full of partial pages: c's page starts on the host
+    assert kv._seqs["c"].pages[0].on_device is False
+    assert kv.stats().evictions == 0
+    assert torch.equal(gathered(kv, "c", 2)[0][0, :, 0], torch.tensor([0.0, 1.0]))
+
+
+def test_new_page_evicts_oldest_full_page_when_device_is_full():
+    kv = cache(page_size=2, device_pages=2, watermark=1.0)
+    fill(kv, "a", 4)  # two full device pages
+    fill(kv, "a", 1, start=4)  # needs a third: the oldest full page moves to the host
+    assert [p.on_device for p in kv._seqs["a"].pages] == [False, True, True]
+    k = gathered(kv, "a", 5)[0]
+    assert torch.equal(k[0, :, 0], torch.arange(5, dtype=torch.float32))
+
+
+def test_free_releases_host_pages_too():
+    kv = cache(page_size=2, device_pages=1, watermark=1.0)
+    fill(kv, "a", 6)
+    assert kv.stats().host_pages_used == 2
+    kv.free("a")
+    assert kv.stats().host_pages_used == 0 and kv.stats().device_pages_used == 0
+
+
+@pytest.mark.parametrize("bad", [dict(page_size=0), dict(watermark=0.0), dict(watermark=1.5)])
+def test_bad_settings_rejected(bad):
+    with pytest.raises(ValueError):
+        cache(**bad)

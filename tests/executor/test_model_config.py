@@ -1,0 +1,90 @@
+"""config.json → ModelConfig: the four families, RoPE variants, and clear rejections."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from executor.errors import ConfigError
+from executor.model_config import ModelConfig
+
+CONFIGS = Path(__file__).resolve().parents[2] / "tools" / "model_configs"
+
+
+def write(tmp_path, cfg):
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+def base(name="qwen3-0.6b", **changes):
+    cfg = json.loads((CONFIGS / f"{name}.json").read_text())
+    cfg.update(changes)
+    return cfg
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.json")), ids=lambda p: p.stem)
+def test_every_reference_config_loads(path):
+    cfg = ModelConfig.from_dict(json.loads(path.read_text()))
+    assert cfg.num_units == cfg.num_layers + 2
+    assert cfg.num_heads % cfg.num_kv_heads == 0
+    assert cfg.dtype == torch.bfloat16
+
+
+def test_family_traits():
+    assert ModelConfig.from_dict(base("qwen3-8b")).qk_norm
+    q2 = ModelConfig.from_dict(base("qwen2.5-7b"))
+    assert q2.attention_bias and not q2.qk_norm and q2.head_dim == 3584 // 28
+    llama = ModelConfig.from_dict(base("llama-3.2-1b"))
+    assert llama.rope.rope_type == "llama3" and llama.rope.factor == 32.0 and llama.tie_word_embeddings
+
+
+def test_transformers5_rope_parameters_form():
+    cfg = base("llama-3.2-1b")
+    scaling = cfg.pop("rope_scaling")
+    cfg["rope_parameters"] = {**scaling, "rope_theta": cfg.pop("rope_theta")}
+    assert ModelConfig.from_dict(cfg).rope == ModelConfig.from_dict(base("llama-3.2-1b")).rope
+
+
+def test_eos_from_generation_config(tmp_path):
+    write(tmp_path, base())
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
+    assert ModelConfig.from_dir(tmp_path).eos_token_ids == (151645, 151643)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(model_type="gpt2", architectures=["GPT2LMHeadModel"]), "unsupported architecture"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_type='yarn'"),
+    (dict(sliding_window=4096, use_sliding_window=True), "sliding-window"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(hidden_size=0), "hidden_size"),
+    (dict(num_key_value_heads=3), "multiple"),
+    (dict(torch_dtype="int8"), "torch_dtype"),
+])
+def test_rejections_name_the_problem(tmp_path, change, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_dir(write(tmp_path, base(**change)))
+
+
+def test_mistral_window_is_rejected_only_when_used():
+    assert ModelConfig.from_dict(base("mistral-7b-v0.3", sliding_window=None))
+    assert ModelConfig.from_dict(base("mistral-7b-v0.3", sliding_window=32768))  # = context: never slides
+    with pytest.raises(ConfigError, match="sliding-window"):
+        ModelConfig.from_dict(base("mistral-7b-v0.3", sliding_window=4096))
+
+
+def test_missing_field(tmp_path):
+    cfg = base()
+    del cfg["num_hidden_layers"]
+    with pytest.raises(ConfigError, match="num_hidden_layers"):
+        ModelConfig.from_dir(write(tmp_path, cfg))
+
+
+def test_missing_and_corrupt_config(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json"):
+        ModelConfig.from_dir(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        ModelConfig.from_dir(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="JSON object"):
+        ModelConfig.from_dir(tmp_path)
