@@ -1,0 +1,35 @@
+"""Fixtures shared by the whole test suite.
+
+`checkpoint` builds tiny random-weight Hugging Face checkpoints (tools/make_model.py) once per session,
+so every test that compares HELM against transformers reads the same files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tools.make_model import make_model
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """Factory: `checkpoint(arch, dtype="fp32", seed=0, **overrides) -> Path`.
+
+    Builds `tools.make_model.make_model(arch, "tiny", dtype, seed, overrides=overrides)` into a
+    session temp dir, once per distinct arguments (cached). arch: qwen3, llama, qwen2, mistral;
+    dtype: bf16, fp16, fp32; overrides patch config.json fields, e.g. num_hidden_layers=2 or
+    rope_scaling={...}. The directory is shared by every caller: treat it as read-only.
+    """
+    cache: dict[str, Path] = {}
+
+    def build(arch: str, dtype: str = "fp32", seed: int = 0, **overrides) -> Path:
+        key = json.dumps([arch, dtype, seed, overrides], sort_keys=True)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"ckpt-{arch}-{dtype}-seed{seed}")
+            cache[key] = make_model(arch, "tiny", dtype, seed, out, overrides=overrides or None)
+        return cache[key]
+
+    return build
