@@ -1,0 +1,138 @@
+"""helm-executor generate: output contract and clear errors (exit 2, a message, no traceback)."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from executor.cli import main
+from tests.executor.helpers import helm_generate, prompt_ids
+
+
+def run(capsys, *argv):
+    code = main(["generate", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_output_matches_engine(checkpoint, capsys):
+    path = checkpoint("qwen3", "fp32")
+    prompt = prompt_ids(12, 256, seed=8)
+    code, out, err = run(capsys, "--model", str(path), "--split", "2", "--prompt-ids", ",".join(map(str, prompt)),
+                         "--max-new-tokens", "10", "--ignore-eos", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    want, _ = helm_generate(path, [prompt], max_new_tokens=10)
+    assert result["token_ids"] == want[0]
+    assert isinstance(result["text"], str) and result["ttft_ms"] > 0 and result["decode_tokens_per_s"] > 0
+    assert result["split_k"] == 2
+
+
+def test_text_prompt_streams_text(checkpoint, capsys):
+    path = checkpoint("llama", "bf16")
+    code, out, err = run(capsys, "--model", str(path), "--prompt", "The quick brown fox", "--max-new-tokens", "8",
+                         "--temperature", "0.7", "--seed", "3")
+    assert code == 0, err
+    assert out.strip() and "tok/s" in err or "TTFT" in err
+
+
+def test_console_script_end_to_end(checkpoint):
+    path = checkpoint("mistral", "fp16")
+    proc = subprocess.run([sys.executable, "-m", "executor.cli", "generate", "--model", str(path), "--split", "3",
+                           "--prompt-ids", "11,12,13", "--max-new-tokens", "4", "--ignore-eos", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert len(json.loads(proc.stdout)["token_ids"]) == 4
+
+
+@pytest.fixture
+def broken(checkpoint, tmp_path):
+    """A private copy of a tiny checkpoint that a test may damage."""
+    dst = tmp_path / "model"
+    shutil.copytree(checkpoint("qwen3", "fp32"), dst)
+    return dst
+
+
+def rewrite_weights(path, change):
+    tensors = load_file(str(path / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+def expect_error(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert message in err, err
+    assert "Traceback" not in err
+
+
+IDS = ["--prompt-ids", "11,12,13", "--max-new-tokens", "2"]
+
+
+def test_missing_config(capsys, tmp_path):
+    expect_error(capsys, ["--model", str(tmp_path), *IDS], "no config.json")
+
+
+def test_corrupt_config(capsys, broken):
+    (broken / "config.json").write_text("{\"model_type\": ")
+    expect_error(capsys, ["--model", str(broken), *IDS], "not valid JSON")
+
+
+def test_unsupported_architecture(capsys, broken):
+    cfg = json.loads((broken / "config.json").read_text())
+    cfg["model_type"] = "gpt_neox"
+    (broken / "config.json").write_text(json.dumps(cfg))
+    expect_error(capsys, ["--model", str(broken), *IDS], "unsupported architecture")
+
+
+def test_missing_tensor(capsys, broken):
+    rewrite_weights(broken, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    expect_error(capsys, ["--model", str(broken), *IDS], "model.layers.1.mlp.up_proj.weight")
+
+
+def test_misshaped_tensor(capsys, broken):
+    def shrink(t):
+        name = "model.layers.0.self_attn.k_proj.weight"
+        t[name] = t[name][:-1].contiguous()
+    rewrite_weights(broken, shrink)
+    expect_error(capsys, ["--model", str(broken), *IDS], "has shape")
+
+
+def test_corrupt_weights_file(capsys, broken):
+    data = (broken / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(data[:100])
+    expect_error(capsys, ["--model", str(broken), *IDS], "cannot read")
+
+
+def test_missing_weights_file(capsys, broken):
+    (broken / "model.safetensors").unlink()
+    expect_error(capsys, ["--model", str(broken), *IDS], "no weights")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--prompt-ids", ""], "prompt is empty"),
+    (["--prompt", ""], "prompt is empty"),
+    (["--prompt-ids", "11,999999"], "outside the vocabulary"),
+    (["--prompt-ids", "11", "--temperature", "-1"], "temperature"),
+    (["--prompt-ids", "11", "--top-p", "1.5"], "top_p"),
+    (["--prompt-ids", "11", "--top-k", "-2"], "top_k"),
+    (["--prompt-ids", "11", "--max-new-tokens", "0"], "max_new_tokens"),
+    (["--prompt-ids", "11", "--split", "99"], "split must be"),
+])
+def test_bad_requests(capsys, checkpoint, argv, message):
+    expect_error(capsys, ["--model", str(checkpoint("qwen3", "fp32")), *argv], message)
+
+
+def test_prompt_longer_than_context(capsys, checkpoint):
+    path = checkpoint("qwen3", "fp32", max_position_embeddings=16)
+    ids = ",".join(["11"] * 16)
+    expect_error(capsys, ["--model", str(path), "--prompt-ids", ids], "context holds 16")
+
+
+def test_generation_stops_at_context_limit(checkpoint):
+    path = checkpoint("qwen3", "fp32", max_position_embeddings=16)
+    got, _ = helm_generate(path, [[11] * 10], max_new_tokens=50)
+    assert len(got[0]) == 6
