@@ -1,0 +1,77 @@
+"""CPU kernels of the executor's CPU stage: GEMV / small-batch GEMM over bf16, fp16 and fp32
+weights at the DRAM-bandwidth ceiling, and the fused element-wise ops of a decoder block.
+
+One build carries every variant (dtype × instruction set, see csrc/); the best one this CPU can
+run is chosen once, here, at import, and reported as KERNEL_ISA. HELM_KERNEL_ISA=avx512bf16|
+avx512|avx2|portable forces one (tests, benchmarks); forcing one the CPU cannot run is an error.
+Activations are fp32 and every kernel accumulates in fp32. Threads are always passed in
+(`num_threads`); the extension shares PyTorch's OpenMP runtime, so the two never oversubscribe
+the cores as long as they are called one after the other.
+
+Importing this package without the compiled extension raises ImportError (the executor then
+falls back to its PyTorch path, `--kernels torch`).
+
+    w = prepare_linear(weight, bias)          # once, at load time
+    y = linear(x, w, num_threads=n)           # x: [B, K] fp32 → y: [B, N] fp32
+"""
+from __future__ import annotations
+
+import os
+
+# Load torch (and with it the libgomp.so.1 its wheel bundles) before the extension: the dynamic
+# loader then binds the extension's libgomp.so.1 to that same copy, so there is one OpenMP
+# runtime and one thread pool in the process, not two competing for the cores.
+import torch  # noqa: F401
+
+try:
+    from executor.kernels import _kernels
+except ImportError as exc:  # not built, or built for another Python
+    raise ImportError(
+        "executor.kernels: the compiled extension (executor/kernels/_kernels*.so) is not built "
+        "or does not load; build it with `pip install -e .` (needs a C compiler with OpenMP), "
+        "or run the executor with `--kernels torch`. Cause: " + str(exc)
+    ) from exc
+
+KernelSet = _kernels.KernelSet
+PreparedLinear = _kernels.PreparedLinear
+prepare_linear = _kernels.prepare_linear
+
+#: Every variant compiled into the extension, best first.
+ISAS = ("avx512bf16", "avx512", "avx2", "portable")
+
+#: Rows of x up to which `linear` makes a single pass over the weights (the GEMV register tiles).
+MAX_TILE_B = _kernels.MAX_TILE_B
+
+
+def available_isas() -> list[str]:
+    """The variants this CPU (and OS) can run, best first; "portable" is always there."""
+    return [isa for isa in ISAS if _kernels.cpu_supports(isa)]
+
+
+def _choose_isa() -> str:
+    forced = os.environ.get("HELM_KERNEL_ISA", "").strip().lower()
+    available = available_isas()
+    if not forced:
+        return available[0]
+    if forced not in ISAS:
+        raise ValueError(f"HELM_KERNEL_ISA={forced!r}: expected one of {', '.join(ISAS)}")
+    if forced not in available:
+        raise RuntimeError(f"HELM_KERNEL_ISA={forced!r}: this CPU can run only {', '.join(available)}")
+    return forced
+
+
+#: The instruction set of the kernels in use; report it with every measurement.
+KERNEL_ISA: str = _choose_isa()
+
+#: The kernels of KERNEL_ISA; the module-level functions below are its bound methods.
+kernels = KernelSet(KERNEL_ISA)
+
+linear = kernels.linear  # (x [B, K] fp32, w: PreparedLinear, out=None, *, num_threads) → [B, N] fp32
+rms_norm = kernels.rms_norm  # (x [..., H] fp32, weight [H], eps, out=None, *, num_threads)
+silu_mul = kernels.silu_mul  # (gate, up, out=None, *, num_threads=1) → silu(gate) * up
+add_ = kernels.add_  # (a, b, *, num_threads=1): a += b, returns a
+
+__all__ = [
+    "ISAS", "KERNEL_ISA", "MAX_TILE_B", "KernelSet", "PreparedLinear", "add_", "available_isas",
+    "kernels", "linear", "prepare_linear", "rms_norm", "silu_mul",
+]

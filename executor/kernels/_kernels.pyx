@@ -1,0 +1,338 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Cython layer of the CPU kernels: tensor checks, threading and per-ISA dispatch.
+
+The C kernels (csrc/) are single-threaded over a range of rows; this module splits the rows over
+OpenMP threads with `prange(..., schedule='static', nogil=True, num_threads=n)`, `n` always
+passed in by the caller. A `KernelSet` binds one ISA's table of kernels; which one is the
+default is decided once, in `executor/kernels/__init__.py`.
+"""
+from cython.parallel cimport prange
+from libc.stdint cimport uint64_t, uintptr_t
+
+import torch
+
+cdef extern from "helm_kernels.h" nogil:
+    ctypedef void (*helm_gemv_fn)(float *out, long ldo, const float *x, const void *w,
+                                  const float *bias, int B, int K, int n0, int n1) noexcept nogil
+    ctypedef void (*helm_rms_norm_fn)(float *out, const float *x, const void *w, float eps, int H,
+                                      long b0, long b1) noexcept nogil
+    ctypedef void (*helm_silu_mul_fn)(float *out, long ldo, const float *gate, long ldg,
+                                      const float *up, long ldu, long n, long b0,
+                                      long b1) noexcept nogil
+    ctypedef void (*helm_add_fn)(float *a, const float *b, long i0, long i1) noexcept nogil
+    ctypedef uint64_t (*helm_read_fn)(const void *p, size_t nbytes) noexcept nogil
+
+    ctypedef struct helm_kernel_table:
+        const char *isa
+        helm_gemv_fn gemv[3]
+        helm_rms_norm_fn rms_norm[3]
+        helm_silu_mul_fn silu_mul
+        helm_add_fn add
+        helm_read_fn read
+
+    const helm_kernel_table helm_table_avx512bf16
+    const helm_kernel_table helm_table_avx512
+    const helm_kernel_table helm_table_avx2
+    const helm_kernel_table helm_table_portable
+    int helm_cpu_supports(const char *isa)
+    long helm_prefetch_bytes
+    enum: HELM_MAX_TILE_B
+
+# Weight dtype → index into a table's `gemv` / `rms_norm` arrays (HELM_F32, HELM_BF16, HELM_F16).
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+# Rows per thread are a multiple of this, so that thread boundaries fall on whole register tiles.
+cdef enum:
+    ROW_ALIGN = 16
+
+#: Largest batch served by the GEMV register tiles in one pass over the weights.
+MAX_TILE_B = HELM_MAX_TILE_B
+
+
+def cpu_supports(str isa) -> bool:
+    """Whether this CPU and OS can run the named kernel variant (and it was compiled in)."""
+    return helm_cpu_supports(isa.encode()) != 0
+
+
+def prefetch_bytes() -> int:
+    """Software-prefetch distance along each weight-row stream, in bytes (0: off)."""
+    return helm_prefetch_bytes
+
+
+def set_prefetch_bytes(long n) -> None:
+    """Tuning hook for tools/bench_kernels.py; process-wide, not for use while kernels run."""
+    global helm_prefetch_bytes
+    if n < 0:
+        raise ValueError("prefetch distance must be >= 0")
+    helm_prefetch_bytes = n
+
+
+cdef const helm_kernel_table *_table(str isa) except NULL:
+    cdef const helm_kernel_table *t
+    if isa == "avx512bf16":
+        t = &helm_table_avx512bf16
+    elif isa == "avx512":
+        t = &helm_table_avx512
+    elif isa == "avx2":
+        t = &helm_table_avx2
+    elif isa == "portable":
+        t = &helm_table_portable
+    else:
+        raise ValueError(f"unknown kernel ISA {isa!r}")
+    if t.isa == NULL:
+        raise RuntimeError(f"kernel ISA {isa!r} was not compiled into this build")
+    return t
+
+
+cdef inline void _check_cpu_tensor(object t, str name) except *:
+    if not t.is_cpu:
+        raise ValueError(f"{name} must be a CPU tensor, got device {t.device}")
+
+
+cdef class PreparedLinear:
+    """A linear layer's weight ready for the kernels: W [N, K] row-major contiguous in its own
+    dtype (bf16, fp16 or fp32), bias [N] as fp32. The layout is the checkpoint's own, so the
+    same tensor also serves PyTorch (`F.linear(x, w.weight)`); no second copy is kept."""
+
+    cdef readonly object weight  # [N, K] bf16 | fp16 | fp32, contiguous
+    cdef readonly object bias  # [N] fp32 or None
+    cdef readonly int out_features  # N
+    cdef readonly int in_features  # K
+    cdef int dtype_code
+    cdef uintptr_t w_ptr
+    cdef uintptr_t b_ptr
+
+    def __init__(self, weight, bias=None):
+        if weight.dim() != 2:
+            raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+        if weight.dtype not in _DTYPE_CODE:
+            raise TypeError(f"weight dtype {weight.dtype} is not supported (bf16, fp16, fp32)")
+        _check_cpu_tensor(weight, "weight")
+        n, k = weight.shape
+        if n < 1 or k < 1 or n >= 2 ** 31 or k >= 2 ** 31:
+            raise ValueError(f"weight shape {tuple(weight.shape)} out of range")
+        self.weight = weight.contiguous()
+        self.out_features = n
+        self.in_features = k
+        self.dtype_code = _DTYPE_CODE[weight.dtype]
+        self.w_ptr = self.weight.data_ptr()
+        if bias is not None:
+            _check_cpu_tensor(bias, "bias")
+            if tuple(bias.shape) != (n,):
+                raise ValueError(f"bias shape {tuple(bias.shape)} does not match N={n}")
+            self.bias = bias.to(torch.float32).contiguous()
+            self.b_ptr = self.bias.data_ptr()
+        else:
+            self.bias = None
+            self.b_ptr = 0
+
+    @property
+    def dtype(self):
+        return self.weight.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weight streamed per call (bias excluded)."""
+        return self.weight.numel() * self.weight.element_size()
+
+    def __repr__(self):
+        return (f"PreparedLinear(N={self.out_features}, K={self.in_features}, "
+                f"dtype={self.weight.dtype}, bias={self.bias is not None})")
+
+
+def prepare_linear(weight, bias=None) -> PreparedLinear:
+    """Called once per weight at load time. weight: [N, K] bf16|fp16|fp32, bias: [N] or None."""
+    return PreparedLinear(weight, bias)
+
+
+cdef class KernelSet:
+    """The kernels of one instruction set. `executor.kernels` binds its module-level functions to
+    the KernelSet of KERNEL_ISA; tests and benchmarks build one per ISA to compare variants."""
+
+    cdef const helm_kernel_table *t
+    cdef readonly str isa
+
+    def __cinit__(self, str isa):
+        self.t = _table(isa)
+        if not helm_cpu_supports(isa.encode()):
+            raise RuntimeError(f"this CPU cannot run the {isa!r} kernels")
+        self.isa = isa
+
+    def __repr__(self):
+        return f"KernelSet({self.isa!r})"
+
+    def linear(self, x, PreparedLinear w not None, out=None, *, int num_threads):
+        """out[B, N] = x[B, K] @ w.weight.T + w.bias, fp32 in and out, fp32 accumulation.
+
+        Any B: up to MAX_TILE_B rows of x share one pass over the weights; larger batches run in
+        chunks over L2-sized blocks of weight rows."""
+        if x.dtype is not torch.float32 or x.dim() != 2 or not x.is_contiguous():
+            raise ValueError(f"x must be a contiguous 2-D fp32 tensor, got {x.dtype} "
+                             f"shape {tuple(x.shape)}")
+        _check_cpu_tensor(x, "x")
+        cdef int B = x.shape[0]
+        cdef int K = x.shape[1]
+        cdef int N = w.out_features
+        if K != w.in_features:
+            raise ValueError(f"x has K={K} columns, weight expects {w.in_features}")
+        if out is None:
+            out = torch.empty((B, N), dtype=torch.float32)
+        elif (out.dtype is not torch.float32 or not out.is_contiguous() or out.dim() != 2
+              or out.shape[0] != B or out.shape[1] != N or not out.is_cpu):
+            raise ValueError(f"out must be a contiguous fp32 CPU tensor of shape ({B}, {N})")
+        if B == 0:
+            return out
+        cdef helm_gemv_fn fn = self.t.gemv[w.dtype_code]
+        cdef float *o = <float *> <uintptr_t> out.data_ptr()
+        cdef const float *xp = <const float *> <uintptr_t> x.data_ptr()
+        cdef const void *wp = <const void *> w.w_ptr
+        cdef const float *bp = <const float *> w.b_ptr
+        cdef int nt = _threads_for(num_threads, (N + ROW_ALIGN - 1) // ROW_ALIGN)
+        cdef int chunk = ((N + nt - 1) // nt + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
+        cdef int t, n0, n1
+        if nt == 1:
+            with nogil:
+                fn(o, N, xp, wp, bp, B, K, 0, N)
+            return out
+        for t in prange(nt, schedule='static', nogil=True, num_threads=nt):
+            n0 = t * chunk
+            n1 = min(N, n0 + chunk)
+            if n0 < n1:
+                fn(o, N, xp, wp, bp, B, K, n0, n1)
+        return out
+
+    def rms_norm(self, x, weight, double eps, out=None, *, int num_threads):
+        """out[..., H] = x * rsqrt(mean(x², -1) + eps) * weight; x fp32 contiguous [..., H],
+        weight [H] fp32|bf16|fp16. `out` may be x (in place)."""
+        if x.dtype is not torch.float32 or not x.is_contiguous() or x.dim() < 1:
+            raise ValueError("x must be a contiguous fp32 tensor [..., H]")
+        _check_cpu_tensor(x, "x")
+        _check_cpu_tensor(weight, "weight")
+        cdef int H = x.shape[x.dim() - 1]
+        if weight.dim() != 1 or weight.shape[0] != H or not weight.is_contiguous():
+            raise ValueError(f"weight must be a contiguous [H={H}] tensor")
+        if weight.dtype not in _DTYPE_CODE:
+            raise TypeError(f"weight dtype {weight.dtype} is not supported (bf16, fp16, fp32)")
+        if out is None:
+            out = torch.empty_like(x)
+        elif (out.dtype is not torch.float32 or not out.is_contiguous()
+              or out.shape != x.shape or not out.is_cpu):
+            raise ValueError("out must be a contiguous fp32 CPU tensor shaped like x")
+        cdef long rows = x.numel() // H if H > 0 else 0
+        if rows == 0:
+            return out
+        cdef helm_rms_norm_fn fn = self.t.rms_norm[_DTYPE_CODE[weight.dtype]]
+        cdef float *o = <float *> <uintptr_t> out.data_ptr()
+        cdef const float *xp = <const float *> <uintptr_t> x.data_ptr()
+        cdef const void *wp = <const void *> <uintptr_t> weight.data_ptr()
+        cdef float feps = eps
+        cdef int nt = _threads_for(num_threads, rows)
+        cdef long chunk = (rows + nt - 1) // nt
+        cdef int t
+        if nt == 1:
+            with nogil:
+                fn(o, xp, wp, feps, H, 0, rows)
+            return out
+        for t in prange(nt, schedule='static', nogil=True, num_threads=nt):
+            fn(o, xp, wp, feps, H, t * chunk, min(rows, (t + 1) * chunk))
+        return out
+
+    def silu_mul(self, gate, up, out=None, *, int num_threads=1):
+        """out = silu(gate) * up, fp32 [n] or [B, n]; rows may be strided views (e.g. the two
+        halves of a fused gate_up output), the last dimension must be contiguous."""
+        cdef long rows, n, ldg, ldu, ldo
+        rows, n, ldg = _rows_view(gate, "gate")
+        r2, n2, ldu = _rows_view(up, "up")
+        if r2 != rows or n2 != n or gate.shape != up.shape:
+            raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")
+        if out is None:
+            out = torch.empty(gate.shape, dtype=torch.float32)
+        elif out.shape != gate.shape:
+            raise ValueError("out must be shaped like gate")
+        r3, n3, ldo = _rows_view(out, "out")
+        if rows == 0 or n == 0:
+            return out
+        cdef helm_silu_mul_fn fn = self.t.silu_mul
+        cdef float *o = <float *> <uintptr_t> out.data_ptr()
+        cdef const float *g = <const float *> <uintptr_t> gate.data_ptr()
+        cdef const float *u = <const float *> <uintptr_t> up.data_ptr()
+        cdef int nt = _threads_for(num_threads, rows)
+        cdef long chunk = (rows + nt - 1) // nt
+        cdef int t
+        if nt == 1:
+            with nogil:
+                fn(o, ldo, g, ldg, u, ldu, n, 0, rows)
+            return out
+        for t in prange(nt, schedule='static', nogil=True, num_threads=nt):
+            fn(o, ldo, g, ldg, u, ldu, n, t * chunk, min(rows, (t + 1) * chunk))
+        return out
+
+    def add_(self, a, b, *, int num_threads=1):
+        """a += b in place (the residual add); both contiguous fp32 of the same shape. Returns a."""
+        if (a.dtype is not torch.float32 or b.dtype is not torch.float32
+                or not a.is_contiguous() or not b.is_contiguous() or a.shape != b.shape):
+            raise ValueError("a and b must be contiguous fp32 tensors of the same shape")
+        _check_cpu_tensor(a, "a")
+        _check_cpu_tensor(b, "b")
+        cdef long n = a.numel()
+        cdef float *ap = <float *> <uintptr_t> a.data_ptr()
+        cdef const float *bp = <const float *> <uintptr_t> b.data_ptr()
+        cdef helm_add_fn fn = self.t.add
+        # Below ~64 KiB per thread a parallel region costs more than it saves.
+        cdef int nt = _threads_for(num_threads, n // 16384)
+        cdef long chunk = ((n + nt - 1) // nt + 15) // 16 * 16
+        cdef int t
+        if nt == 1:
+            with nogil:
+                fn(ap, bp, 0, n)
+            return a
+        for t in prange(nt, schedule='static', nogil=True, num_threads=nt):
+            fn(ap, bp, min(n, t * chunk), min(n, (t + 1) * chunk))
+        return a
+
+    def read_pass(self, buf, *, int num_threads) -> int:
+        """Stream once over `buf` (contiguous CPU tensor) with num_threads threads, each reading
+        its own contiguous part: the DRAM read-bandwidth probe. Returns a checksum."""
+        if not buf.is_contiguous():
+            raise ValueError("buf must be contiguous")
+        _check_cpu_tensor(buf, "buf")
+        cdef size_t nbytes = (buf.numel() * buf.element_size()) // 64 * 64
+        cdef const char *p = <const char *> <uintptr_t> buf.data_ptr()
+        cdef helm_read_fn fn = self.t.read
+        cdef int nt = _threads_for(num_threads, nbytes // 65536)
+        cdef size_t chunk = (nbytes // nt) // 64 * 64
+        cdef uint64_t total = 0
+        cdef int t
+        cdef size_t lo, hi
+        for t in prange(nt, schedule='static', nogil=True, num_threads=nt):
+            lo = t * chunk
+            hi = nbytes if t == nt - 1 else lo + chunk
+            total += fn(p + lo, hi - lo)
+        return total
+
+
+cdef inline int _threads_for(int num_threads, long work_units) noexcept:
+    """Threads to use: as asked, but never more than there are units of work (and at least 1)."""
+    cdef long n = num_threads
+    if n > work_units:
+        n = work_units
+    return <int> n if n >= 1 else 1
+
+
+cdef tuple _rows_view(object t, str name):
+    """(rows, n, row stride) of a fp32 CPU tensor [n] or [rows, n] with a contiguous last dim."""
+    if t.dtype is not torch.float32:
+        raise ValueError(f"{name} must be fp32, got {t.dtype}")
+    _check_cpu_tensor(t, name)
+    if t.dim() == 1:
+        if t.stride(0) != 1 and t.shape[0] > 1:
+            raise ValueError(f"{name} must be contiguous")
+        return 1, t.shape[0], t.shape[0]
+    if t.dim() == 2:
+        if t.stride(1) != 1 and t.shape[1] > 1:
+            raise ValueError(f"{name}'s last dimension must be contiguous")
+        return t.shape[0], t.shape[1], t.stride(0)
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous when it has more than 2 dimensions")
+    n = t.shape[t.dim() - 1]
+    return (t.numel() // n if n else 0), n, n

@@ -1,0 +1,66 @@
+/* helm_kernels.h — the C contract between the per-ISA kernel variants and the Cython layer.
+ * Every variant (one translation unit per instruction set) exports one `helm_kernel_table` of
+ * plain, single-threaded kernels over a range of rows; the caller owns threading and dispatch. */
+#ifndef HELM_KERNELS_H
+#define HELM_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Weight element types, in the order of the `gemv` / `rms_norm` arrays of a table. */
+enum { HELM_F32 = 0, HELM_BF16 = 1, HELM_F16 = 2, HELM_NUM_DTYPES = 3 };
+
+/* Largest batch a GEMV register tile covers; bigger batches run in chunks of this many rows of x
+ * over each L2-sized block of weight rows, so the weights are read from DRAM once. */
+#define HELM_MAX_TILE_B 8
+
+/* out[b*ldo + n] = bias[n] + sum_k x[b*K + k] * w[n*K + k]   for 0 <= b < B, n0 <= n < n1.
+ *   out: [B, ldo] fp32, x: [B, K] fp32, w: [N, K] of the table slot's dtype, bias: [N] fp32 or NULL.
+ * fp32 accumulation; any B >= 1, N, K >= 1. */
+typedef void (*helm_gemv_fn)(float *out, long ldo, const float *x, const void *w, const float *bias,
+                             int B, int K, int n0, int n1);
+
+/* out[b, :] = x[b, :] * rsqrt(mean(x[b, :]^2) + eps) * w   for b0 <= b < b1;  x, out: [*, H] fp32,
+ * w: [H] of the slot's dtype. */
+typedef void (*helm_rms_norm_fn)(float *out, const float *x, const void *w, float eps, int H,
+                                 long b0, long b1);
+
+/* out[b, i] = silu(gate[b, i]) * up[b, i] for b0 <= b < b1, i < n; rows `ld*` floats apart. */
+typedef void (*helm_silu_mul_fn)(float *out, long ldo, const float *gate, long ldg, const float *up,
+                                 long ldu, long n, long b0, long b1);
+
+/* a[i] += b[i] for i0 <= i < i1. */
+typedef void (*helm_add_fn)(float *a, const float *b, long i0, long i1);
+
+/* Reads nbytes (a multiple of 64) from p and returns a checksum: the read-bandwidth probe. */
+typedef uint64_t (*helm_read_fn)(const void *p, size_t nbytes);
+
+typedef struct helm_kernel_table {
+    const char *isa;  /* "avx512bf16", "avx512", "avx2", "portable"; NULL if not compiled in */
+    helm_gemv_fn gemv[HELM_NUM_DTYPES];
+    helm_rms_norm_fn rms_norm[HELM_NUM_DTYPES];
+    helm_silu_mul_fn silu_mul;
+    helm_add_fn add;
+    helm_read_fn read;
+} helm_kernel_table;
+
+extern const helm_kernel_table helm_table_avx512bf16;
+extern const helm_kernel_table helm_table_avx512;
+extern const helm_kernel_table helm_table_avx2;
+extern const helm_kernel_table helm_table_portable;
+
+/* 1 if this CPU (and OS: XSAVE state enabled) can run the named variant, else 0. */
+int helm_cpu_supports(const char *isa);
+
+/* Distance, in bytes, that the GEMV kernels prefetch ahead along each weight-row stream
+ * (0 disables software prefetch). Tuned on the development machine; see kernels/__init__.py. */
+extern long helm_prefetch_bytes;
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,183 @@
+/* kernels_impl.h — every kernel of helm_kernels.h, written once over a small vector vocabulary
+ * and compiled once per instruction set by the isa_*.c files, which define that vocabulary:
+ *   HELM_ISA (bare name), vf (vector of VL floats), HELM_NVREGS (vector registers),
+ *   v_zero(), v_load(const float *), v_load_bf16(const uint16_t *), v_load_f16(const uint16_t *),
+ *   v_fma(a, b, c) = a*b + c, v_add(a, b), v_hsum(v) → float.
+ * Element-wise kernels are plain C loops that the compiler vectorises for the unit's target. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "helm_kernels.h"
+
+#define CAT_(a, b) a##b
+#define CAT(a, b) CAT_(a, b)
+#define STR_(a) #a
+#define STR(a) STR_(a)
+#define HELM_INLINE static inline __attribute__((always_inline))
+
+/* Weight bytes per block when a batch above HELM_MAX_TILE_B is processed chunk by chunk: the
+ * block is re-read from L2 (2 MiB per core here) for every chunk after the first. */
+#ifndef HELM_L2_BLOCK_BYTES
+#define HELM_L2_BLOCK_BYTES (512 * 1024)
+#endif
+
+/* Register tile per batch size: R weight rows (independent memory streams) × B batch rows, U
+ * unrolls of k. R·B·U accumulators must leave room for the weight vectors and x. */
+#if HELM_NVREGS >= 32
+#define TILE_R(B) ((B) <= 6 ? 4 : 3)
+#else
+#define TILE_R(B) ((B) <= 2 ? 4 : (B) <= 4 ? 3 : (B) <= 6 ? 2 : 1)
+#endif
+#define TILE_U(B) ((B) == 1 ? 2 : 1)
+
+/* ---- scalar conversions (also the portable reference for the vector loads) ---- */
+
+HELM_INLINE float helm_bits_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+HELM_INLINE uint32_t helm_f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+HELM_INLINE float helm_bf16_f32(uint16_t h) { return helm_bits_f32((uint32_t)h << 16); }
+
+/* IEEE half → float without F16C, exact for normals, subnormals, inf and NaN (the method of
+ * Maratyszcza's FP16 library: rebias the exponent with one multiply, subnormals via a magic add). */
+HELM_INLINE float helm_f16_f32(uint16_t h) {
+    const uint32_t w = (uint32_t)h << 16;
+    const uint32_t sign = w & 0x80000000u;
+    const uint32_t two_w = w + w;
+    const float normalized = helm_bits_f32((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+    const float denormalized = helm_bits_f32((two_w >> 17) | (126u << 23)) - 0.5f;
+    const uint32_t bits = two_w < (1u << 27) ? helm_f32_bits(denormalized) : helm_f32_bits(normalized);
+    return helm_bits_f32(sign | bits);
+}
+
+/* exp(x) to ~1 ulp on the float range (Cody–Waite reduction, degree-6 Taylor on |r| <= ln2/2);
+ * branch-free so that loops over it vectorise. */
+HELM_INLINE float helm_expf(float x) {
+    x = x < -87.3f ? -87.3f : x;
+    x = x > 88.7f ? 88.7f : x;
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* rint(x / ln2) */
+    float r = x - n * 0.693145751953125f;
+    r = r - n * 1.428606765330187e-06f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    /* p * 2^n in two halves so that n = 128 (x near 88.7) does not overflow the exponent. */
+    const int32_t ni = (int32_t)n;
+    const int32_t n1 = ni >> 1, n2 = ni - n1;
+    return p * helm_bits_f32((uint32_t)(n1 + 127) << 23) * helm_bits_f32((uint32_t)(n2 + 127) << 23);
+}
+
+/* ---- GEMV / small-batch GEMM, one instantiation per weight dtype ---- */
+
+#define WT float
+#define WNAME f32
+#define LOAD_W(p) v_load(p)
+#define SCALAR_W(v) (v)
+#include "gemv_tile.h"
+#undef WT
+#undef WNAME
+#undef LOAD_W
+#undef SCALAR_W
+
+#define WT uint16_t
+#define WNAME bf16
+#define LOAD_W(p) v_load_bf16(p)
+#define SCALAR_W(v) helm_bf16_f32(v)
+#include "gemv_tile.h"
+#undef WT
+#undef WNAME
+#undef LOAD_W
+#undef SCALAR_W
+
+#define WT uint16_t
+#define WNAME f16
+#define LOAD_W(p) v_load_f16(p)
+#define SCALAR_W(v) helm_f16_f32(v)
+#include "gemv_tile.h"
+#undef WT
+#undef WNAME
+#undef LOAD_W
+#undef SCALAR_W
+
+#ifdef HELM_BF16_DP
+#include "gemv_bf16dp.h"
+#define HELM_GEMV_BF16 gemv_bf16dp
+#else
+#define HELM_GEMV_BF16 gemv_bf16
+#endif
+
+/* ---- RMSNorm ---- */
+
+#define HELM_DEFINE_RMS_NORM(WNAME_, WT_, SCALAR_W_)                                          \
+    static void CAT(rms_norm_, WNAME_)(float *out, const float *x, const void *wv, float eps,   \
+                                       int H, long b0, long b1) {                              \
+        const WT_ *w = (const WT_ *)wv;                                                         \
+        for (long b = b0; b < b1; b++) {                                                        \
+            const float *xb = x + (size_t)b * H;                                                \
+            float *ob = out + (size_t)b * H;                                                    \
+            float part[16] = {0};                                                               \
+            int i = 0;                                                                          \
+            for (; i + 16 <= H; i += 16)                                                        \
+                for (int j = 0; j < 16; j++) part[j] += xb[i + j] * xb[i + j];                  \
+            float ss = 0.0f;                                                                    \
+            for (int j = 0; j < 16; j++) ss += part[j];                                         \
+            for (; i < H; i++) ss += xb[i] * xb[i];                                             \
+            const float scale = 1.0f / sqrtf(ss / (float)H + eps);                              \
+            for (i = 0; i < H; i++) ob[i] = (xb[i] * scale) * SCALAR_W_(w[i]);                  \
+        }                                                                                       \
+    }
+HELM_DEFINE_RMS_NORM(f32, float, )
+HELM_DEFINE_RMS_NORM(bf16, uint16_t, helm_bf16_f32)
+HELM_DEFINE_RMS_NORM(f16, uint16_t, helm_f16_f32)
+
+/* ---- SiLU·mul, residual add ---- */
+
+static void silu_mul(float *out, long ldo, const float *gate, long ldg, const float *up, long ldu,
+                     long n, long b0, long b1) {
+    for (long b = b0; b < b1; b++) {
+        float *o = out + b * ldo;
+        const float *g = gate + b * ldg, *u = up + b * ldu;
+        for (long i = 0; i < n; i++) o[i] = g[i] / (1.0f + helm_expf(-g[i])) * u[i];
+    }
+}
+
+static void add(float *a, const float *b, long i0, long i1) {
+    for (long i = i0; i < i1; i++) a[i] += b[i];
+}
+
+/* ---- read-bandwidth probe: the best streaming read this unit can issue ---- */
+
+static uint64_t read_probe(const void *p, size_t nbytes) {
+    const uint64_t *q = (const uint64_t *)p;
+    const size_t n = nbytes / 8;
+    const long pf = helm_prefetch_bytes / 8;
+    uint64_t s[8] = {0};
+    for (size_t i = 0; i + 8 <= n; i += 8) {
+        if (pf) __builtin_prefetch(q + i + pf, 0, 3);
+        for (int j = 0; j < 8; j++) s[j] += q[i + j];
+    }
+    uint64_t t = 0;
+    for (int j = 0; j < 8; j++) t += s[j];
+    return t;
+}
+
+const helm_kernel_table CAT(helm_table_, HELM_ISA) = {
+    STR(HELM_ISA),
+    {gemv_f32, HELM_GEMV_BF16, gemv_f16},
+    {rms_norm_f32, rms_norm_bf16, rms_norm_f16},
+    silu_mul,
+    add,
+    read_probe,
+};

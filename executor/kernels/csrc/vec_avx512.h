@@ -1,0 +1,16 @@
+/* vec_avx512.h — the vector vocabulary of kernels_impl.h on AVX-512 (16 floats per vector). */
+#define HELM_NVREGS 32
+#define VL 16
+typedef __m512 vf;
+static inline __attribute__((always_inline)) vf v_zero(void) { return _mm512_setzero_ps(); }
+static inline __attribute__((always_inline)) vf v_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline __attribute__((always_inline)) vf v_load_bf16(const uint16_t *p) {
+    const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+}
+static inline __attribute__((always_inline)) vf v_load_f16(const uint16_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+static inline __attribute__((always_inline)) vf v_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline __attribute__((always_inline)) vf v_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline __attribute__((always_inline)) float v_hsum(vf v) { return _mm512_reduce_add_ps(v); }

@@ -1,0 +1,204 @@
+"""Every CPU kernel, in every variant this machine can run, against its fp32 reference twin
+(executor/kernels/reference.py) on odd shapes, with 1 and 2 threads; plus ISA dispatch.
+
+Errors are printed next to a named tolerance per dtype (shown by pytest on failure, or with -s).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import executor.kernels as K
+from executor.kernels.reference import add_ref, linear_ref, rms_norm_ref, silu_mul_ref
+
+ISAS_HERE = K.available_isas()
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+THREADS = (1, 2)
+
+# Max |y − ref| / max(|x| @ |W|ᵀ): the error of an fp32 dot product relative to the size of its
+# terms. fp32-accumulated kernels land near 1e-7..1e-6; bf16 allows for the avx512bf16 variant,
+# which multiplies x split into two bf16 halves (≈16 mantissa bits of x, relative error ≤ 2^-17).
+LINEAR_TOL = {torch.float32: 1e-5, torch.float16: 1e-5, torch.bfloat16: 3e-5}
+# Element-wise ops: allclose tolerances (rtol, atol) against the fp32 reference.
+RMS_NORM_TOL = (1e-5, 1e-6)
+SILU_MUL_TOL = (1e-5, 1e-6)  # our exp is ~1–2 ulp, torch's ~1 ulp
+
+# (N, K): K = 1, K below one vector, odd K (vector loop + scalar tail), N below and above a tile,
+# K a multiple of the vector width, and one shape spanning several L2 blocks for B > 8.
+LINEAR_SHAPES = [(1, 1), (5, 1), (3, 7), (37, 33), (67, 129), (130, 1000), (64, 256), (301, 2051)]
+BATCHES = (1, 2, 3, 4, 5, 6, 7, 8, 17)
+
+
+def _rel_err(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor) -> float:
+    scale = (x.abs() @ w.float().abs().t()).max().clamp_min(1e-30)
+    return ((y - ref).abs().max() / scale).item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("isa", ISAS_HERE)
+def test_linear_matches_reference(isa, dtype):
+    ks = K.KernelSet(isa)
+    gen = torch.Generator().manual_seed(1)
+    worst = 0.0
+    for n, k in LINEAR_SHAPES:
+        weight = torch.randn(n, k, generator=gen).to(dtype)
+        bias = torch.randn(n, generator=gen) if n % 2 else None
+        prepared = K.prepare_linear(weight, bias)
+        for b in BATCHES:
+            x = torch.randn(b, k, generator=gen)
+            ref = linear_ref(x, weight, bias)
+            ys = [ks.linear(x, prepared, num_threads=t) for t in THREADS]
+            err = _rel_err(ys[0], x, weight, ref)
+            worst = max(worst, err)
+            assert err <= LINEAR_TOL[dtype], f"{isa} {dtype} N={n} K={k} B={b}: {err:.2e}"
+            # Each output row is computed by one thread in a fixed order: threads change nothing.
+            for y in ys[1:]:
+                assert torch.equal(y, ys[0]), f"{isa} {dtype} N={n} K={k} B={b}: threads differ"
+    print(f"linear {isa} {dtype}: max err {worst:.2e} (tolerance {LINEAR_TOL[dtype]:.0e})")
+
+
+def test_linear_out_buffer_and_errors():
+    weight = torch.randn(33, 17)
+    prepared = K.prepare_linear(weight)
+    x = torch.randn(3, 17)
+    out = torch.full((3, 33), float("nan"))
+    assert K.linear(x, prepared, out=out, num_threads=2) is out
+    assert torch.allclose(out, linear_ref(x, weight), rtol=1e-5, atol=1e-5)
+    assert K.linear(torch.empty(0, 17), prepared, num_threads=1).shape == (0, 33)
+    with pytest.raises(ValueError):
+        K.linear(torch.randn(3, 16), prepared, num_threads=1)  # wrong K
+    with pytest.raises(ValueError):
+        K.linear(x.double(), prepared, num_threads=1)
+    with pytest.raises(ValueError):
+        K.linear(torch.randn(17, 3).t(), prepared, num_threads=1)  # not contiguous
+    with pytest.raises(ValueError):
+        K.linear(x, prepared, out=torch.empty(3, 32), num_threads=1)
+    with pytest.raises(TypeError):
+        K.prepare_linear(torch.ones(4, 4, dtype=torch.int8))
+    with pytest.raises(ValueError):
+        K.prepare_linear(torch.ones(4, 4), torch.ones(5))
+    with pytest.raises(TypeError):
+        K.linear(x, prepared)  # num_threads is required
+    # A non-contiguous weight is made contiguous once, at prepare time.
+    wt = torch.randn(17, 33).t()
+    assert torch.allclose(K.linear(x, K.prepare_linear(wt), num_threads=1), linear_ref(x, wt),
+                          rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("isa", ISAS_HERE)
+def test_rms_norm_matches_reference(isa):
+    ks = K.KernelSet(isa)
+    gen = torch.Generator().manual_seed(2)
+    for dtype in DTYPES:
+        for rows, h in [(1, 1), (1, 7), (3, 128), (17, 1000), (2, 4099)]:
+            x = torch.randn(rows, h, generator=gen) * 3
+            w = (torch.randn(h, generator=gen)).to(dtype)
+            ref = rms_norm_ref(x, w, 1e-6)
+            for t in THREADS:
+                y = ks.rms_norm(x, w, 1e-6, num_threads=t)
+                torch.testing.assert_close(y, ref, rtol=RMS_NORM_TOL[0], atol=RMS_NORM_TOL[1])
+    # [T, heads, D] (Qwen3's per-head q/k norm) and in place.
+    x = torch.randn(5, 16, 128, generator=gen)
+    w = torch.randn(128, generator=gen)
+    ref = rms_norm_ref(x, w, 1e-6)
+    y = ks.rms_norm(x, w, 1e-6, out=x, num_threads=2)
+    assert y is x
+    torch.testing.assert_close(y, ref, rtol=RMS_NORM_TOL[0], atol=RMS_NORM_TOL[1])
+
+
+@pytest.mark.parametrize("isa", ISAS_HERE)
+def test_silu_mul_matches_reference(isa):
+    ks = K.KernelSet(isa)
+    gen = torch.Generator().manual_seed(3)
+    for rows, n in [(1, 1), (1, 13), (3, 3072), (17, 100)]:
+        gate = torch.randn(rows, n, generator=gen) * 4
+        up = torch.randn(rows, n, generator=gen)
+        ref = silu_mul_ref(gate, up)
+        for t in THREADS:
+            torch.testing.assert_close(ks.silu_mul(gate, up, num_threads=t), ref,
+                                       rtol=SILU_MUL_TOL[0], atol=SILU_MUL_TOL[1])
+    # Extremes: exp overflow/underflow must give silu's limits, not inf/NaN.
+    gate = torch.tensor([[-1e4, -200.0, -88.5, -87.0, -20.0, -1e-30, 0.0, 1e-30, 20.0, 88.0, 89.0, 200.0, 1e4]])
+    up = torch.full_like(gate, 1.5)
+    torch.testing.assert_close(ks.silu_mul(gate, up), silu_mul_ref(gate, up),
+                               rtol=SILU_MUL_TOL[0], atol=SILU_MUL_TOL[1])
+    # The two halves of a fused gate_up output: strided row views, no copy needed.
+    gate_up = torch.randn(4, 2 * 96, generator=gen)
+    gate, up = gate_up.split(96, dim=-1)
+    torch.testing.assert_close(ks.silu_mul(gate, up, num_threads=2), silu_mul_ref(gate, up),
+                               rtol=SILU_MUL_TOL[0], atol=SILU_MUL_TOL[1])
+    x1 = torch.randn(50, generator=gen)  # 1-D
+    torch.testing.assert_close(ks.silu_mul(x1, x1), silu_mul_ref(x1, x1),
+                               rtol=SILU_MUL_TOL[0], atol=SILU_MUL_TOL[1])
+
+
+@pytest.mark.parametrize("isa", ISAS_HERE)
+def test_add_matches_reference(isa):
+    ks = K.KernelSet(isa)
+    for shape in [(1,), (1, 7), (3, 1000), (2, 40000)]:
+        a, b = torch.randn(shape), torch.randn(shape)
+        ref = add_ref(a, b)
+        for t in THREADS:
+            a2 = a.clone()
+            assert ks.add_(a2, b, num_threads=t) is a2
+            assert torch.equal(a2, ref)
+    with pytest.raises(ValueError):
+        ks.add_(torch.zeros(3), torch.zeros(4))
+
+
+@pytest.mark.parametrize("isa", ISAS_HERE)
+def test_read_pass_checksum(isa):
+    buf = torch.arange(1 << 16, dtype=torch.int64)
+    expected = int(buf.sum())  # the probe sums 64-bit words
+    assert K.KernelSet(isa).read_pass(buf, num_threads=2) == expected
+
+
+def test_one_openmp_runtime():
+    """The extension shares torch's libgomp instead of loading a second OpenMP runtime."""
+    if not os.path.exists("/proc/self/maps"):
+        pytest.skip("needs /proc (Linux)")
+    with open("/proc/self/maps") as maps:
+        runtimes = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line}
+    assert len(runtimes) <= 1, runtimes
+
+
+def test_isa_env_dispatch_and_missing_extension():
+    """HELM_KERNEL_ISA forces each variant; a bad or unrunnable value is an error; without the
+    compiled extension the import fails with a clear ImportError. One subprocess for all."""
+    script = textwrap.dedent("""
+        import importlib, os, sys
+        import executor.kernels as K
+        results = {"default": K.KERNEL_ISA}
+        for isa in K.ISAS + ("bogus",):
+            os.environ["HELM_KERNEL_ISA"] = isa
+            try:
+                results[isa] = importlib.reload(K).KERNEL_ISA
+            except (ValueError, RuntimeError) as exc:
+                results[isa] = type(exc).__name__
+        sys.modules["executor.kernels._kernels"] = None  # as if never built
+        del K._kernels
+        del os.environ["HELM_KERNEL_ISA"]
+        try:
+            importlib.reload(K)
+            results["missing"] = "imported"
+        except ImportError as exc:
+            results["missing"] = "ImportError: " + str(exc)
+        print(repr(results))
+    """)
+    env = dict(os.environ)
+    env.pop("HELM_KERNEL_ISA", None)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                          cwd=root, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    results = eval(proc.stdout.strip().splitlines()[-1])
+    assert results["default"] == ISAS_HERE[0]
+    for isa in K.ISAS:
+        assert results[isa] == (isa if isa in ISAS_HERE else "RuntimeError"), results
+    assert results["bogus"] == "ValueError"
+    assert results["missing"].startswith("ImportError") and "pip install -e ." in results["missing"]
