@@ -136,3 +136,36 @@ def test_generation_stops_at_context_limit(checkpoint):
     path = checkpoint("qwen3", "fp32", max_position_embeddings=16)
     got, _ = helm_generate(path, [[11] * 10], max_new_tokens=50)
     assert len(got[0]) == 6
+
+
+def test_plan_gives_the_same_tokens_as_its_split(checkpoint, capsys, tmp_path):
+    from planner.plan import plan_for_split, save_plan
+
+    path = checkpoint("qwen3", "bf16")
+    plan_file = tmp_path / "plan.yaml"
+    save_plan(plan_for_split(str(path), split_k=3, page_size_tokens=16), plan_file)
+    common = ["--model", str(path), "--prompt-ids", "11,12,13,14", "--max-new-tokens", "6", "--ignore-eos", "--json"]
+    code, out, err = run(capsys, *common, "--plan", str(plan_file))
+    assert code == 0, err
+    planned = json.loads(out)
+    code, out, err = run(capsys, *common, "--split", "3")
+    assert planned["split_k"] == 3 and planned["token_ids"] == json.loads(out)["token_ids"]
+
+
+def test_plan_for_another_model_is_refused(checkpoint, capsys, tmp_path):
+    from planner.plan import plan_for_split, save_plan
+
+    plan_file = tmp_path / "plan.yaml"
+    save_plan(plan_for_split(str(checkpoint("llama", "bf16")), split_k=2), plan_file)
+    expect_error(capsys, ["--model", str(checkpoint("qwen3", "bf16")), "--plan", str(plan_file), *IDS],
+                 "plan was made for another model")
+
+
+def test_invalid_plan_names_the_field(checkpoint, capsys, tmp_path):
+    from planner.plan import plan_for_split
+
+    path = checkpoint("qwen3", "bf16")
+    text = plan_for_split(str(path), split_k=2).to_yaml().replace("page_size_tokens: 512", "page_size_tokens: -4")
+    (tmp_path / "bad.yaml").write_text(text)
+    expect_error(capsys, ["--model", str(path), "--plan", str(tmp_path / "bad.yaml"), *IDS], "page_size_tokens")
+    expect_error(capsys, ["--model", str(path), "--plan", str(tmp_path / "missing.yaml"), *IDS], "plan")

@@ -1,0 +1,55 @@
+"""Load a helm-plan plan for execution: validate it, check it belongs to these weights, and turn
+its partition and KV settings into a `Placement`.
+
+The plan type itself lives in `planner.plan` (one type, two users); this module only reads it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from executor.errors import PlacementError
+from executor.model_config import ModelConfig
+from executor.placement import Placement, StageSpec
+
+_DTYPE_NAMES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16", "torch.float32": "float32"}
+
+
+def load_checked_plan(plan_path_or_text, model_dir: str | Path, config: ModelConfig):
+    """The plan, schema-validated and checked against the checkpoint's config.json and dtype."""
+    from planner.plan import PlanError, config_digest, load_plan
+
+    try:
+        plan = load_plan(plan_path_or_text)
+    except PlanError as e:
+        raise PlacementError(f"invalid plan: {e}") from None
+    except OSError as e:
+        raise PlacementError(f"cannot read plan {plan_path_or_text}: {e}") from None
+    digest = config_digest(Path(model_dir) / "config.json")
+    if plan.model.config_digest != digest:
+        raise PlacementError(
+            f"the plan was made for another model ({plan.model.architecture}, config {plan.model.config_digest[:19]}…, "
+            f"from {plan.model.source}); the checkpoint in {model_dir} has config {digest[:19]}…: "
+            f"make a plan for it with `helm-plan plan {model_dir}`"
+        )
+    weights_dtype = _DTYPE_NAMES[str(config.dtype)]
+    if plan.model.dtype != weights_dtype:
+        raise PlacementError(f"the plan assumes {plan.model.dtype} weights; the checkpoint holds {weights_dtype}")
+    return plan
+
+
+def placement_from_plan(plan_path_or_text, model_dir: str | Path, config: ModelConfig,
+                        page_size_tokens: int | None = None, device_kv_pages: int | None = None) -> Placement:
+    plan = load_checked_plan(plan_path_or_text, model_dir, config)
+    kv = plan.kv
+    if device_kv_pages is None and kv.offload:
+        # Offload on: the GPU stage holds this many pages in VRAM and evicts the rest to the host.
+        device_kv_pages = kv.device_pages or None
+    placement = Placement(
+        stages=tuple(StageSpec(s.device, s.unit_start, s.unit_end) for s in plan.partition.stages),
+        num_units=plan.partition.num_units,
+        page_size_tokens=page_size_tokens or kv.page_size_tokens,
+        watermark=kv.watermark,
+        device_kv_pages=device_kv_pages,
+    )
+    placement.validate()
+    return placement
