@@ -1,0 +1,99 @@
+"""Engine lifecycle: stopping rules, abort, and requests joining a running batch."""
+import pytest
+
+from executor.engine import Engine
+from executor.errors import RequestError
+from executor.loader import load_model
+from executor.model_config import ModelConfig
+from executor.placement import Placement
+from executor.sampling import SamplingParams, StopCriteria
+from tests.executor.helpers import helm_generate, prompt_ids
+
+
+def engine_for(path, split=2, device_kv_pages=None, page_size=4, **kw):
+    cfg = ModelConfig.from_dir(path)
+    placement = Placement.from_split(cfg.num_units, split, page_size_tokens=page_size, device_kv_pages=device_kv_pages)
+    return Engine(load_model(path, placement, cfg), **kw)
+
+
+def pages_in_use(engine):
+    return sum(s.kv.stats().device_pages_used + s.kv.stats().host_pages_used for s in engine.model.stages if s.kv)
+
+
+@pytest.fixture
+def path(checkpoint):
+    return checkpoint("qwen3", "fp32")
+
+
+def test_stops_at_eos_and_at_caller_stop_ids(path):
+    prompt = prompt_ids(9, 256, seed=20)
+    free_run, _ = helm_generate(path, [prompt], max_new_tokens=12)
+    target = free_run[0][5]
+    first = free_run[0].index(target)  # the token may also occur earlier
+    eng = engine_for(path, eos_token_ids=(target,))
+    seq = eng.generate([prompt], stop=StopCriteria(max_new_tokens=12))[0]
+    assert seq.output_ids == free_run[0][:first + 1] and seq.finish_reason == "stop"
+    eng = engine_for(path, eos_token_ids=(target,))
+    seq = eng.generate([prompt], stop=StopCriteria(max_new_tokens=12, ignore_eos=True))[0]
+    assert seq.output_ids == free_run[0] and seq.finish_reason == "length"
+    eng = engine_for(path, eos_token_ids=())
+    seq = eng.generate([prompt], stop=StopCriteria(max_new_tokens=12, stop_token_ids=(target,)))[0]
+    assert seq.output_ids == free_run[0][:first + 1] and seq.finish_reason == "stop"
+
+
+def test_abort_frees_pages_at_once_and_others_continue(path):
+    eng = engine_for(path, split=1, device_kv_pages=4, eos_token_ids=())
+    stop = StopCriteria(max_new_tokens=20, ignore_eos=True)
+    a = eng.add_request(prompt_ids(15, 256, seed=21), stop=stop)
+    b = eng.add_request(prompt_ids(6, 256, seed=22), stop=stop)
+    for _ in range(5):
+        eng.step()
+    before = pages_in_use(eng)
+    assert eng.abort(a.request_id)
+    assert a.finish_reason == "aborted"
+    assert pages_in_use(eng) < before and a.request_id not in eng.model.stages[1].kv.sequences()
+    while eng.has_work():
+        eng.step()
+    assert pages_in_use(eng) == 0
+    alone, _ = helm_generate(path, [b.prompt_ids], split=1, max_new_tokens=20, page_size=4, device_kv_pages=4)
+    assert b.output_ids == alone[0]
+    assert not eng.abort(a.request_id)  # already gone
+
+
+def test_requests_joining_mid_run_get_their_own_tokens(path):
+    prompts = [prompt_ids(n, 256, seed=30 + n) for n in (5, 17, 9)]
+    sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
+    alone = [helm_generate(path, [p], split=2, sampling=sampling, max_new_tokens=10, page_size=4)[0][0] for p in prompts]
+    eng = engine_for(path, eos_token_ids=())
+    stop = StopCriteria(max_new_tokens=10, ignore_eos=True)
+    seqs = [eng.add_request(prompts[0], sampling, stop)]
+    for _ in range(3):
+        eng.step()
+    seqs.append(eng.add_request(prompts[1], sampling, stop))  # joins a running batch
+    eng.step()
+    seqs.append(eng.add_request(prompts[2], sampling, stop))
+    while eng.has_work():
+        eng.step()
+    assert [s.output_ids for s in seqs] == alone
+
+
+def test_request_validation(path):
+    eng = engine_for(path)
+    eng.add_request([11, 12], request_id="x")
+    with pytest.raises(RequestError, match="already in use"):
+        eng.add_request([11], request_id="x")
+    with pytest.raises(RequestError, match="empty"):
+        eng.add_request([])
+    with pytest.raises(RequestError, match="vocabulary"):
+        eng.add_request([11, -1])
+    with pytest.raises(RequestError, match="temperature"):
+        eng.add_request([11], SamplingParams(temperature=-1))
+    assert len(eng.waiting) == 1  # rejected requests leave no trace
+
+
+def test_timings_are_recorded_per_stage(path):
+    eng = engine_for(path, split=3)
+    eng.generate([[11, 12, 13]], stop=StopCriteria(max_new_tokens=3))
+    rec = eng.last_step
+    assert [t.stage for t in rec.stages] == [0, 1] and all(t.ms > 0 for t in rec.stages)
+    assert rec.num_seqs == 1 and rec.max_context == 5
