@@ -9,16 +9,18 @@ byte-identical files, and weights are streamed to disk one chunk at a time, neve
     python tools/make_model.py --arch qwen3 --size tiny --dtype fp32 --seed 0 --out /tmp/tiny-qwen3
     python tools/make_model.py --size qwen3-1.7b --out /tmp/qwen3-1.7b        # --arch defaults to family
 
-Weight initialisation. Hugging Face's own init (every matrix N(0, 0.02²), norms 1) makes random
-models degenerate: tiny tied-embedding Qwen3/Llama emit one token forever. Measured with greedy
-decoding in transformers (32 new tokens after 20 random prompt tokens, 12 runs per family), the
-scheme below gives 27-29 distinct tokens out of 32 for the four tiny models, and 29-32 at real
-widths (qwen3-0.6b at full depth, qwen3-1.7b, llama-3.2-1b, qwen2.5-7b and mistral-7b cut to a few
-layers); HF's init gives 1.2 (tied) and 12 (untied). Per tensor, x ~ N(mean, std²):
+Weight initialisation. Hugging Face's own init scale (every matrix std 0.02, norms 1) makes random
+models degenerate. Measured with greedy decoding in transformers (32 new tokens after 20 random
+prompt tokens; 12 runs per tiny family, 4 per real-width model): the scheme below gives 28.5-29.2
+distinct tokens out of 32 (worst run 24) for the four tiny models, and 29.5-32 (worst 26) at real
+widths (qwen3-0.6b at full depth; qwen3-1.7b, llama-3.2-1b, qwen2.5-7b, mistral-7b cut to 2-6
+layers); HF's scale gives 1.0-1.2 for tied tiny Qwen3/Llama (one token forever), 13-18 for untied
+tiny Qwen2/Mistral and 2.3 at qwen3-0.6b widths. Each tensor is drawn uniformly with a mean and std
+(uniform for bit-exact portability, see `_chunks`):
   * q_proj, k_proj: std QK_GAIN/sqrt(fan_in); Qwen3 q_norm/k_norm: mean QK_GAIN. With q and k
     entries of rms 2, attention scores have std ≈ 4: attention picks out particular tokens instead
-    of averaging the context into a slowly changing vector (at gain 1: 10-19 distinct, some runs
-    stuck on one token);
+    of averaging the context into a slowly changing vector (at gain 1: 10-20 distinct on tiny
+    models, 4.7 at qwen3-0.6b widths, some runs stuck on one token);
   * v_proj, o_proj, gate/up/down_proj: std 1/sqrt(fan_in), so each block adds rms ≈ 1 to the
     residual at any width and the blocks, not the input embedding, dominate it;
   * embed_tokens and lm_head: std EMBED_STD_SCALE/sqrt(hidden) (rms 1/sqrt(hidden) per entry). A
@@ -27,8 +29,10 @@ layers); HF's init gives 1.2 (tied) and 12 (untied). Per tensor, x ~ N(mean, std
   * final norm: mean LOGIT_STD/EMBED_STD_SCALE = 3, so logits have std ≈ 3, a trained LM's spread;
   * other RMSNorm scales: mean 1 (× the gain above) with NORM_NOISE_STD = 10 % relative noise, so
     mixing up two norms changes the output;
-  * biases (Qwen2 q/k/v, or any bias an override enables): std 0.1 — dropping any one of them
-    changes the greedy tokens of tiny qwen2 at the first or second step.
+  * biases (Qwen2 q/k/v, or any bias an override enables): std 0.1 — dropping the q, k or v bias
+    of tiny qwen2 moves its logits by 0.15-1.0 on average and changes its greedy tokens within 6
+    steps (k's bias matters because RoPE rotates it); std 0.5 gave qwen2 only 6-8 distinct tokens
+    (v's bias adds the same vector at every position).
 Each tensor has its own torch.Generator seeded from sha256(seed, tensor name), so its values do not
 depend on which other tensors exist, their order, the dtype (values are drawn in fp32, then cast) or
 the shard size.
@@ -80,7 +84,7 @@ DEFAULT_SHARD_SIZE_BYTES = 2 * 10**9  # "2GB", the Hugging Face default (GB = 10
 EMBED_STD_SCALE = 1.0  # embed_tokens / lm_head std = EMBED_STD_SCALE / sqrt(hidden)
 LOGIT_STD = 3.0  # logits std ≈ final-norm scale × EMBED_STD_SCALE, so model.norm ≈ 3
 QK_GAIN = 2.0  # q and k entries have rms QK_GAIN, so attention scores have std ≈ QK_GAIN²
-NORM_NOISE_STD = 0.1  # RMSNorm scales are gain × (1 + N(0, NORM_NOISE_STD²))
+NORM_NOISE_STD = 0.1  # RMSNorm scales: gain × (1 + noise of std NORM_NOISE_STD)
 BIAS_STD = 0.1
 GEN_CHUNK_ELEMS = 1 << 22  # values are drawn in chunks of 4 Mi elements (16 MiB of fp32)
 PROGRESS_MIN_BYTES = 256 * 2**20  # show progress on stderr for checkpoints at least this big
@@ -272,6 +276,8 @@ def _validate_config(c: dict) -> None:
                              f"num_attention_heads {heads} and no head_dim is given")
     if c.get("head_dim") is not None:
         positive_int("head_dim")
+    if _head_dim(c) % 2:
+        raise MakeModelError(f"head_dim {_head_dim(c)} is odd: RoPE rotates pairs of dimensions")
     vocab = c["vocab_size"]
     for key, ids in (("bos_token_id", [c.get("bos_token_id")]), ("eos_token_id", _eos_ids(c))):
         for i in ids:
@@ -293,11 +299,12 @@ def _head_dim(c: dict) -> int:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One checkpoint tensor: its Hugging Face name, shape and the normal it is drawn from."""
+    """One checkpoint tensor: its Hugging Face name, shape and the distribution of its values
+    (uniform with this mean and standard deviation, see `_chunks`)."""
 
     name: str
     shape: tuple[int, ...]
-    mean: float  # 0 for matrices and biases, 1 for RMSNorm scales
+    mean: float  # 0 for matrices and biases, the gain (≈ 1) for RMSNorm scales
     std: float
 
     @property
@@ -357,11 +364,19 @@ def _tensor_seed(seed: int, name: str) -> int:
 
 
 def _chunks(spec: TensorSpec, seed: int, dtype: torch.dtype) -> Iterator[torch.Tensor]:
-    """The tensor's values, flattened, in chunks of at most GEN_CHUNK_ELEMS (fp32 draw, then cast)."""
+    """The tensor's values, flattened, in chunks of at most GEN_CHUNK_ELEMS.
+
+    Values are uniform on mean ± sqrt(3)·std (PyTorch's own nn.Linear init is uniform too), drawn
+    in fp32 and then cast to `dtype`. Uniform rather than normal for portability: torch.rand
+    yields k / 2^24 from the Mersenne Twister on every CPU, and the affine map below is three
+    separately rounded IEEE operations, so the bits are the same on any machine; torch.randn runs
+    different code (and gives different bits) on AVX2 and on other CPUs.
+    """
     gen = torch.Generator().manual_seed(_tensor_seed(seed, spec.name))
+    width = 2.0 * math.sqrt(3.0) * spec.std
     for start in range(0, spec.numel, GEN_CHUNK_ELEMS):
-        x = torch.randn(min(GEN_CHUNK_ELEMS, spec.numel - start), generator=gen)  # [n] fp32
-        x.mul_(spec.std).add_(spec.mean)
+        x = torch.rand(min(GEN_CHUNK_ELEMS, spec.numel - start), generator=gen)  # [n] in [0, 1)
+        x.sub_(0.5).mul_(width).add_(spec.mean)
         yield x.to(dtype)
 
 
@@ -655,6 +670,9 @@ def build_tokenizer(config: dict) -> tuple[str, dict]:
         bpe_ids = range(0, min(specials))
     else:  # BPE after the special tokens (Mistral)
         bpe_ids = range(max(specials) + 1, vocab_size)
+    if len(bpe_ids) < 256:
+        raise MakeModelError(f"vocab_size {vocab_size} leaves {len(bpe_ids)} ids for the byte-level "
+                             f"BPE, which needs at least 256 (one per byte)")
     tokens, merges = _trained_bpe(len(bpe_ids), family.qwen_pretokenizer)
     vocab = {tok: i for tok, i in zip(tokens, bpe_ids)}
     for i in range(vocab_size):
@@ -713,7 +731,7 @@ def _generation_config(config: dict) -> dict:
 _OUTPUT_FILES = ("config.json", "generation_config.json", "model.safetensors",
                  "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json")
-_SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors(\.tmp)?|model\.safetensors\.tmp")
+_SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors(\.tmp)?")
 
 
 def _write_json(path: Path, obj) -> None:
@@ -731,8 +749,9 @@ def _prepare_out(out: Path, force: bool) -> None:
         raise MakeModelError(f"--out {out} is not empty ({', '.join(existing[:5])}"
                              f"{', ...' if len(existing) > 5 else ''}); pass --force to overwrite")
     # With force, remove only what an earlier build wrote; other files are left alone.
-    for name in ("config.json",) + _OUTPUT_FILES:  # config.json first: it marks a complete build
+    for name in _OUTPUT_FILES:  # config.json first: it marks a complete build
         (out / name).unlink(missing_ok=True)
+        (out / f"{name}.tmp").unlink(missing_ok=True)
     for p in out.iterdir():
         if _SHARD_RE.fullmatch(p.name):
             p.unlink()

@@ -164,6 +164,7 @@ def test_tokenizer_every_id_decodes_and_specials_sit_at_config_ids(checkpoint, a
     ids = auto(TEXT)["input_ids"]
     assert ids == raw.encode(TEXT).ids
     assert (ids[0] == cfg["bos_token_id"]) == (arch in ("llama", "mistral"))
+    assert cfg["bos_token_id"] not in ids[1:]
     assert auto.decode(ids, skip_special_tokens=True) == TEXT
     english = "The old teacher carefully answered the question near the quiet river."
     assert len(raw.encode(english).ids) < len(english) // 3  # the trained merges compress text
@@ -330,6 +331,8 @@ def test_progress_goes_to_stderr(tmp_path, capsys):
     (dict(arch="qwen3", size="qwen3-0.6b", overrides={"vocab_size": 1000}),
      "bos_token_id 151643 does not fit vocab_size 1000"),
     (dict(arch="qwen3", size="tiny", overrides={"eos_token_id": 5}), "not where the qwen3 layout"),
+    (dict(arch="mistral", size="tiny", overrides={"vocab_size": 200}), "needs at least 256"),
+    (dict(arch="llama", size="tiny", overrides={"head_dim": 15}), "head_dim 15 is odd"),
     (dict(arch="qwen3", size="tiny", shard_size_bytes="2 parsecs"), "bad size"),
     (dict(arch="qwen3", size="tiny", out=None), "out .* is required"),
 ])
