@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     gen.add_argument("--page-size", type=int, help="KV page size in tokens (default: plan's, else 512)")
     gen.add_argument("--device-kv-pages", type=int, help="KV pages the GPU-side stage may hold (default: plan's, else unbounded)")
+    gen.add_argument("--kernels", choices=("auto", "helm", "torch"), default="auto",
+                     help="CPU-stage kernels: helm (Cython SIMD), torch (reference), auto (helm when built)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("-v", "--verbose", action="store_true")
     return parser
@@ -99,7 +101,7 @@ def _generate(args) -> int:
 
     placement = _placement(args, config)
     t0 = time.perf_counter()
-    model = load_model(args.model, placement, config)
+    model = load_model(args.model, placement, config, backend=args.kernels)
     load_s = time.perf_counter() - t0
     engine = Engine(model)
     seq = engine.add_request(prompt_ids, sampling, stop)
@@ -122,6 +124,7 @@ def _generate(args) -> int:
         "decode_tokens_per_s": seq.decode_tokens_per_s,
         "load_s": load_s,
         "split_k": placement.split_k,
+        "kernels": _kernel_label(model),
         "stages": [repr(s) for s in model.stages],
     }
     if args.json:
@@ -130,10 +133,20 @@ def _generate(args) -> int:
         tps = seq.decode_tokens_per_s
         print(file=sys.stdout)
         print(f"[{len(seq.output_ids)} tokens, finish={seq.finish_reason}, TTFT {seq.ttft_ms:.1f} ms, "
-              f"decode {tps:.2f} tok/s, split k={placement.split_k}, load {load_s:.2f} s]"
+              f"decode {tps:.2f} tok/s, split k={placement.split_k}, kernels {summary['kernels']}, load {load_s:.2f} s]"
               if tps else f"[{len(seq.output_ids)} tokens, finish={seq.finish_reason}, TTFT {seq.ttft_ms:.1f} ms]",
               file=sys.stderr)
     return 0
+
+
+def _kernel_label(model) -> str:
+    """The CPU kernels in use, with the instruction set (it belongs with every measurement)."""
+    backends = {s.backend for s in model.stages if s.device.type == "cpu"}
+    if "helm" in backends:
+        from executor.kernels import KERNEL_ISA
+
+        return f"helm-{KERNEL_ISA}"
+    return "torch" if backends else "none"
 
 
 def _maybe_tokenizer(model_dir):

@@ -23,10 +23,28 @@ log = logging.getLogger(__name__)
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, backend: str):
-    """The linear operator of a stage's backend ("torch": reference PyTorch ops)."""
+    """The linear operator of a stage's backend ("torch": reference PyTorch ops; "helm": our
+    Cython SIMD kernels, CPU only)."""
     if backend == "torch" or weight.device.type != "cpu":
         return TorchLinear(weight, bias)
+    if backend == "helm":
+        return KernelLinear(weight, bias)
     raise ValueError(f"unknown CPU kernel backend {backend!r}")
+
+
+class KernelLinear:
+    """y = x @ W.T + b through executor.kernels (fp32 activations, fp32 accumulation)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        from executor import kernels
+
+        self._kernels = kernels
+        self.weight = weight
+        self.prepared = kernels.prepare_linear(weight, bias)
+        self.num_threads = torch.get_num_threads()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._kernels.linear(x.contiguous(), self.prepared, num_threads=self.num_threads)
 
 
 @dataclass
@@ -42,8 +60,24 @@ class LoadedModel:
                 stage.kv.free(seq_id)
 
 
+def resolve_backend(backend: str = "auto") -> str:
+    """"auto": our kernels when the compiled extension loads, else the PyTorch reference path."""
+    if backend not in ("auto", "helm", "torch"):
+        raise ValueError(f"kernel backend must be auto, helm or torch, got {backend!r}")
+    if backend != "auto":
+        return backend
+    try:
+        from executor import kernels  # noqa: F401
+    except ImportError as e:
+        log.warning("CPU kernels unavailable, using PyTorch ops: %s", e)
+        return "torch"
+    return "helm"
+
+
 def load_model(model_dir: str | Path, placement: Placement, config: ModelConfig | None = None,
-               backend: str = "torch") -> LoadedModel:
+               backend: str = "auto") -> LoadedModel:
+    """Stages of `placement` with weights from `model_dir`. backend: CPU-stage kernels (auto|helm|torch)."""
+    backend = resolve_backend(backend)
     model_dir = Path(model_dir)
     config = config or ModelConfig.from_dir(model_dir)
     if placement.num_units != config.num_units:

@@ -6,11 +6,14 @@ with tools/make_model.py; transformers loads the very same directory.
 import pytest
 import torch
 
+from executor.loader import resolve_backend
 from executor.sampling import SamplingParams
 from tests.executor.helpers import (helm_generate, helm_teacher_forced_logits, hf_greedy, hf_model,
                                     prompt_ids)
 
 FAMILIES = ["qwen3", "llama", "qwen2", "mistral"]
+# CPU-stage backends: our kernels (when built) and the PyTorch reference path.
+BACKENDS = ["helm", "torch"] if resolve_backend("auto") == "helm" else ["torch"]
 
 # Max |logit difference| against transformers in fp32 on the same (upcast) weights, per dtype.
 # HELM keeps activations and accumulation in fp32, so the weights enter exactly; the one extra
@@ -27,8 +30,10 @@ def test_greedy_fp32_matches_transformers_generate(checkpoint, arch):
     prompt = prompt_ids(20, 256, seed=1)
     want = hf_greedy(path, prompt, 32)
     assert len(want) == 32
-    got, _ = helm_generate(path, [prompt], max_new_tokens=32)
-    assert got[0] == want
+    for backend in BACKENDS:
+        got, model = helm_generate(path, [prompt], max_new_tokens=32, backend=backend)
+        assert model.stages[0].backend == backend
+        assert got[0] == want, backend
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
@@ -40,18 +45,19 @@ def test_half_precision_logits_match_fp32_reference(checkpoint, arch, dtype):
         want = hf_model(path, torch.float32)(torch.tensor([ids])).logits[0].float()
         half = hf_model(path, {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
         own_err = (half(torch.tensor([ids])).logits[0].float() - want).abs().max().item()
-    got = helm_teacher_forced_logits(path, ids, prefill=20)
     tol = LOGIT_TOL[dtype]
-    err = (got - want).abs().max().item()
-    print(f"{arch} {dtype}: max |logit diff| = {err:.3f} (tolerance {tol}; transformers in {dtype}: "
-          f"{own_err:.3f}), logit std {want.std():.2f}")
-    assert err < tol
-    assert err < own_err  # never further from fp32 than transformers' own half-precision run
-    # Argmax agrees wherever the reference's top-2 margin exceeds the tolerance.
     top2 = want.topk(2, dim=-1).values
     decided = (top2[:, 0] - top2[:, 1]) > tol
-    assert decided.sum() >= 5  # the check is not vacuous
-    assert torch.equal(got.argmax(-1)[decided], want.argmax(-1)[decided])
+    assert decided.sum() >= 5  # the argmax check below is not vacuous
+    for backend in BACKENDS:
+        got = helm_teacher_forced_logits(path, ids, prefill=20, backend=backend)
+        err = (got - want).abs().max().item()
+        print(f"{arch} {dtype} {backend}: max |logit diff| = {err:.3f} (tolerance {tol}; transformers in "
+              f"{dtype}: {own_err:.3f}), logit std {want.std():.2f}")
+        assert err < tol
+        assert err < own_err  # never further from fp32 than transformers' own half-precision run
+        # Argmax agrees wherever the reference's top-2 margin exceeds the tolerance.
+        assert torch.equal(got.argmax(-1)[decided], want.argmax(-1)[decided])
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
