@@ -1,0 +1,173 @@
+"""Machine profile: what the cost model needs to know about a machine (DESIGN §4).
+
+Measured by `helm-plan profile` (planner/profile.py) or entered by hand, saved as YAML validated
+by schemas/machine.schema.json, embedded in every plan so a plan is self-contained and two plans
+made on different machines can be diffed. Bandwidths are GiB/s (2^30 bytes per second, suffix
+`_gibps`), FLOP rates GFLOP/s (10^9, suffix `_gflops`), sizes bytes (`_bytes`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from planner.errors import PlanError
+
+MACHINE_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class CpuProfile:
+    model_name: str                      # /proc/cpuinfo "model name"
+    cores: int                           # physical cores this process may use (threads for CPU stage)
+    threads: int                         # logical CPUs this process may use
+    isa: tuple[str, ...]                 # SIMD features our kernels dispatch on (avx2, f16c, avx512f, ...)
+    l3_bytes: int                        # C_L3: last-level cache size (0 when unknown)
+    dram_read_gibps: float               # M: sustained multi-threaded read bandwidth, median of runs
+    dram_read_gibps_runs: tuple[float, ...]  # every run, for the spread (empty when entered by hand)
+    dram_buffer_bytes: int               # buffer the bandwidth was measured over (far larger than L3)
+    l3_read_gibps: float                 # B_L3: read bandwidth of a buffer that fits in L3
+    l3_read_source: str                  # "measured" | "estimated: 3 x dram" | "manual"
+    compute_gflops: float                # P_dec on the CPU: fp32 GEMM throughput, all cores
+    ram_total_bytes: int                 # MemTotal
+    ram_available_bytes: int             # MemAvailable when profiled: the host memory budget
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    name: str                            # torch.cuda.get_device_name
+    vram_total_bytes: int
+    vram_usable_bytes: int               # free VRAM once the CUDA context exists
+    cuda_context_reserve_bytes: int      # total - usable (context, driver, other processes)
+    hbm_gibps: float                     # device-to-device copy: (read + written bytes) / time
+    hbm_gibps_runs: tuple[float, ...]
+    prefill_gflops: float                # (128, H) x (H, H) half-precision matmul
+    prefill_matmul: str                  # the shape and dtype it was measured with
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    h2d_gibps: float                     # host -> device, pinned host memory
+    d2h_gibps: float                     # device -> host, pinned host memory
+    h2d_latency_us: float                # one small pinned copy, host -> device
+    d2h_latency_us: float                # one small pinned copy, device -> host
+    pinned: bool                         # measured with page-locked host memory
+
+
+@dataclass(frozen=True)
+class DeviceCalibration:
+    eta_compute: float = 1.0             # η_c: achieved / measured FLOP rate
+    eta_memory: float = 1.0              # η_m: achieved / measured bandwidth
+    delta_ms_per_block: float = 0.0      # δ: fixed overhead per transformer block per step
+
+
+@dataclass(frozen=True)
+class Calibration:
+    cpu: DeviceCalibration = field(default_factory=DeviceCalibration)
+    cuda: DeviceCalibration = field(default_factory=DeviceCalibration)
+    provenance: str = "default"          # "default" | "manual" | "recalibrated"
+    samples: int = 0                     # executor measurements the values were fitted to
+
+    def for_device(self, device: str) -> DeviceCalibration:
+        return self.cpu if device == "cpu" else self.cuda
+
+
+@dataclass(frozen=True)
+class MachineProfile:
+    kind: str                            # always "machine_profile"
+    schema_version: int
+    name: str                            # short identifier, e.g. "laptop-rtx4060-i7-13700h"
+    source: str                          # "measured" | "manual" | "placeholder"
+    notes: str
+    tool_version: str
+    measured_at: str | None              # ISO time of measurement (informational)
+    profile_seconds: float | None        # how long the measurement took
+    quick: bool                          # measured with --quick (fewer, smaller runs)
+    cpu: CpuProfile
+    gpu: GpuProfile | None               # None: no CUDA device
+    link: LinkProfile | None             # None: no CUDA device
+    calibration: Calibration             # defaults for plans made for this machine
+
+    @property
+    def has_gpu(self) -> bool:
+        return self.gpu is not None and self.link is not None
+
+
+def machine_from_dict(data: dict, what: str = "machine profile") -> MachineProfile:
+    from planner.schema import validate
+    from planner.serial import from_dict
+
+    validate(data, "machine", what)
+    return from_dict(MachineProfile, data)
+
+
+def load_machine(path_or_text: str | Path) -> MachineProfile:
+    """Read and validate a machine profile (a path or YAML text); PlanError when bad."""
+    import yaml
+
+    text, what = _read_text(path_or_text, "machine profile")
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise PlanError(f"{what}: malformed YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise PlanError(f"{what}: expected a YAML mapping")
+    return machine_from_dict(data, what)
+
+
+def machine_to_yaml(machine: MachineProfile) -> str:
+    from planner.serial import to_dict
+    from planner.yamlio import dump_yaml
+
+    header = [f"HELM machine profile: {machine.name} ({machine.source})"]
+    if machine.notes:
+        header.append(machine.notes)
+    return dump_yaml(to_dict(machine), header)
+
+
+def save_machine(machine: MachineProfile, path: str | Path) -> None:
+    from planner.schema import validate
+    from planner.serial import to_dict
+
+    validate(to_dict(machine), "machine", "machine profile")
+    Path(path).write_text(machine_to_yaml(machine))
+
+
+def _read_text(path_or_text: str | Path, kind: str) -> tuple[str, str]:
+    """(text, label) for a path or inline YAML text."""
+    if isinstance(path_or_text, Path) or "\n" not in str(path_or_text):
+        path = Path(path_or_text)
+        try:
+            return path.read_text(), f"{kind} {path}"
+        except FileNotFoundError:
+            raise PlanError(f"{kind} not found: {path}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise PlanError(f"cannot read {kind} {path}: {e}") from None
+    return str(path_or_text), kind
+
+
+def placeholder_machine(cores: int | None = None) -> MachineProfile:
+    """A machine that was not measured: this host's CPU facts (no benchmarks) plus nominal
+    bandwidths and a nominal 24 GiB GPU. Lets a plan be made for a forced split (tests, the
+    executor's --split) without profiling; its predictions mean nothing."""
+    from planner import __version__
+    from planner.profile import detect_cpu_facts
+
+    facts = detect_cpu_facts()
+    cpu = CpuProfile(
+        model_name=facts["model_name"], cores=cores or facts["cores"], threads=facts["threads"],
+        isa=facts["isa"], l3_bytes=facts["l3_bytes"], dram_read_gibps=20.0, dram_read_gibps_runs=(),
+        dram_buffer_bytes=0, l3_read_gibps=60.0, l3_read_source="manual", compute_gflops=100.0,
+        ram_total_bytes=facts["ram_total_bytes"], ram_available_bytes=facts["ram_available_bytes"])
+    gpu = GpuProfile(name="unprofiled GPU (nominal)", vram_total_bytes=24 << 30, vram_usable_bytes=23 << 30,
+                     cuda_context_reserve_bytes=1 << 30, hbm_gibps=800.0, hbm_gibps_runs=(),
+                     prefill_gflops=50000.0, prefill_matmul="nominal")
+    link = LinkProfile(h2d_gibps=12.0, d2h_gibps=12.0, h2d_latency_us=10.0, d2h_latency_us=10.0, pinned=True)
+    return MachineProfile(
+        kind="machine_profile", schema_version=MACHINE_SCHEMA_VERSION, name="placeholder",
+        source="placeholder", notes="not measured: nominal numbers, predictions are not meaningful",
+        tool_version=__version__, measured_at=None, profile_seconds=None, quick=False,
+        cpu=cpu, gpu=gpu, link=link, calibration=Calibration())
+
+
+def with_calibration(machine: MachineProfile, calibration: Calibration) -> MachineProfile:
+    return replace(machine, calibration=calibration)

@@ -1,0 +1,317 @@
+"""`helm-plan profile`: measure this machine into a MachineProfile (DESIGN §4).
+
+CPU: sustained DRAM read bandwidth measured the way decode reads weights — a GEMV over a
+sequence of 64 MiB fp32 matrices laid end to end in a buffer far larger than L3, with all cores —
+repeated, and every run kept so the spread is visible; L3 size from sysfs and its bandwidth
+from the same GEMV over a buffer that fits in it; fp32 GEMM throughput; ISA flags; RAM.
+GPU (when CUDA is present): usable VRAM once the context exists, device-to-device copy
+bandwidth, (128, H)×(H, H) matmul throughput, pinned host↔device bandwidth and latency.
+
+Every measuring function takes its device and synchronisation as arguments, so the GPU code runs
+on CPU tensors in tests (same code path, device `cpu`).
+"""
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from planner.machine import (MACHINE_SCHEMA_VERSION, Calibration, CpuProfile, GpuProfile,
+                             LinkProfile, MachineProfile)
+from planner.units import GIB, MIB, fmt_bytes, round_sig
+
+# SIMD features our kernels (and torch) dispatch on; others in /proc/cpuinfo are not recorded.
+ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+             "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
+
+Progress = Callable[[str], None]
+
+
+def stderr_progress() -> Progress:
+    start = time.perf_counter()
+
+    def report(msg: str) -> None:
+        print(f"[profile {time.perf_counter() - start:5.1f}s] {msg}", file=sys.stderr, flush=True)
+    return report
+
+
+def _quiet(msg: str) -> None:
+    pass
+
+
+# ---- facts (no measurement) ------------------------------------------------------------------
+
+def _cpuinfo() -> list[dict[str, str]]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    procs, cur = [], {}
+    for line in text.splitlines():
+        if not line.strip():
+            if cur:
+                procs.append(cur)
+            cur = {}
+            continue
+        k, _, v = line.partition(":")
+        cur[k.strip()] = v.strip()
+    if cur:
+        procs.append(cur)
+    return procs
+
+
+def _l3_bytes() -> int:
+    best = 0
+    for idx in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            if (idx / "level").read_text().strip() != "3":
+                continue
+            size = (idx / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+        digits = size.rstrip("KMG")
+        if digits.isdigit():
+            best = max(best, int(digits) * mult)
+    return best
+
+
+def _meminfo() -> tuple[int, int]:
+    total = avail = 0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                total = int(line.split()[1]) * 1024
+            elif line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return total, avail or total
+
+
+def detect_cpu_facts() -> dict:
+    """CPU model, usable cores/threads, ISA flags, L3 size, RAM — read, not measured."""
+    try:
+        allowed = sorted(os.sched_getaffinity(0))
+    except AttributeError:
+        allowed = list(range(os.cpu_count() or 1))
+    procs = _cpuinfo()
+    by_id = {int(p["processor"]): p for p in procs if p.get("processor", "").isdigit()}
+    cores = {(by_id[i].get("physical id", "0"), by_id[i].get("core id", str(i))) for i in allowed if i in by_id}
+    flags = set()
+    for p in procs[:1]:
+        flags = set((p.get("flags") or p.get("Features") or "").split())
+    total, avail = _meminfo()
+    return {
+        "model_name": (procs[0].get("model name") if procs else None) or platform.processor() or "unknown",
+        "cores": len(cores) or len(allowed),
+        "threads": len(allowed),
+        "isa": tuple(f for f in ISA_FLAGS if f in flags),
+        "l3_bytes": _l3_bytes(),
+        "ram_total_bytes": total,
+        "ram_available_bytes": avail,
+    }
+
+
+# ---- CPU measurements ------------------------------------------------------------------------
+
+def _gemv_pass_seconds(mats, x, y, min_seconds: float) -> tuple[float, int]:
+    """Time full GEMV passes over `mats` until min_seconds elapsed: (seconds per pass, passes)."""
+    import torch
+    passes, start = 0, time.perf_counter()
+    while True:
+        for m in mats:
+            torch.mv(m, x, out=y)
+        passes += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_seconds:
+            return elapsed / passes, passes
+
+
+def _matrices(buffer_bytes: int, cols: int = 4096, rows: int = 4096):
+    """fp32 weight matrices of rows×cols laid end to end in one written buffer."""
+    import torch
+    per = rows * cols
+    count = max(1, buffer_bytes // (per * 4))
+    buf = torch.empty(count * per, dtype=torch.float32)
+    buf.fill_(1.0)  # write every page: untouched pages all map to the zero page and read from cache
+    mats = [buf[i * per:(i + 1) * per].view(rows, cols) for i in range(count)]
+    return buf, mats, torch.ones(cols), torch.empty(rows)
+
+
+def measure_read_bandwidth(buffer_bytes: int, runs: int, min_seconds: float = 0.15,
+                           progress: Progress = _quiet, label: str = "DRAM") -> tuple[float, list[float]]:
+    """GiB/s of a GEMV over `buffer_bytes` of fp32 matrices: (median, every run)."""
+    buf, mats, x, y = _matrices(buffer_bytes)
+    nbytes = len(mats) * mats[0].numel() * 4
+    _gemv_pass_seconds(mats, x, y, 0.0)  # warm-up pass
+    results = []
+    for r in range(runs):
+        sec, _ = _gemv_pass_seconds(mats, x, y, min_seconds)
+        results.append(round_sig(nbytes / sec / GIB, 4))
+        progress(f"{label} read {fmt_bytes(nbytes)} run {r + 1}/{runs}: {results[-1]:.2f} GiB/s")
+    del buf, mats
+    return round_sig(statistics.median(results), 4), results
+
+
+def measure_cpu_gflops(n: int = 1024, min_seconds: float = 0.3) -> float:
+    """fp32 GEMM throughput (GFLOP/s) with the current torch thread count."""
+    import torch
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = 0.0
+    for _ in range(3):
+        reps, start = 0, time.perf_counter()
+        while time.perf_counter() - start < min_seconds / 3:
+            torch.mm(a, b)
+            reps += 1
+        best = max(best, 2 * n ** 3 * reps / (time.perf_counter() - start) / 1e9)
+    return round_sig(best, 4)
+
+
+# ---- GPU measurements ------------------------------------------------------------------------
+
+def _timed(fn, sync, reps: int) -> float:
+    """Seconds per call of fn(), synchronised before and after."""
+    sync()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / reps
+
+
+def measure_gpu(device, *, name: str, mem_get_info: Callable[[], tuple[int, int]],
+                sync: Callable[[], None], pin_memory: bool, quick: bool,
+                copy_bytes: int | None = None, link_bytes: int | None = None, hidden: int = 4096,
+                progress: Progress = _quiet) -> tuple[GpuProfile, LinkProfile]:
+    """Measure a torch device as the GPU stage's device, and the host link to it."""
+    import torch
+
+    free, total = mem_get_info()
+    progress(f"GPU {name}: {fmt_bytes(total)} total, {fmt_bytes(free)} free with the context")
+    runs = 3 if quick else 7
+    copy_bytes = copy_bytes or min((256 * MIB) if quick else GIB, max(free // 8, MIB))
+    a = torch.ones(copy_bytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    hbm = []
+    for r in range(runs):
+        sec = _timed(lambda: b.copy_(a), sync, 5)
+        hbm.append(round_sig(2 * copy_bytes / sec / GIB, 4))
+        progress(f"HBM device copy {fmt_bytes(copy_bytes)} run {r + 1}/{runs}: {hbm[-1]:.1f} GiB/s")
+    del a, b
+
+    dtype = torch.float16
+    x = torch.randn(128, hidden, device=device).to(dtype)
+    w = torch.randn(hidden, hidden, device=device).to(dtype)
+    torch.mm(x, w)
+    flops = max(2 * 128 * hidden * hidden / _timed(lambda: torch.mm(x, w), sync, 10 if quick else 50)
+                for _ in range(3)) / 1e9
+    progress(f"prefill matmul (128,{hidden})x({hidden},{hidden}) fp16: {flops:.0f} GFLOP/s")
+    del x, w
+
+    link_bytes = link_bytes or ((64 * MIB) if quick else (256 * MIB))
+    host = torch.ones(link_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+    dev = torch.empty(link_bytes, dtype=torch.uint8, device=device)
+    reps = 3 if quick else 10
+    h2d = link_bytes / _timed(lambda: dev.copy_(host, non_blocking=True), sync, reps) / GIB
+    d2h = link_bytes / _timed(lambda: host.copy_(dev, non_blocking=True), sync, reps) / GIB
+    small_h = torch.ones(4, dtype=torch.uint8, pin_memory=pin_memory)
+    small_d = torch.empty(4, dtype=torch.uint8, device=device)
+
+    def one_copy(dst, src):
+        def fn():
+            dst.copy_(src, non_blocking=True)
+            sync()
+        return fn
+    lat_h2d = _timed(one_copy(small_d, small_h), sync, 50) * 1e6
+    lat_d2h = _timed(one_copy(small_h, small_d), sync, 50) * 1e6
+    progress(f"link {fmt_bytes(link_bytes)} pinned={pin_memory}: h2d {h2d:.1f} GiB/s, d2h {d2h:.1f} GiB/s, "
+             f"latency {lat_h2d:.1f}/{lat_d2h:.1f} us")
+    gpu = GpuProfile(
+        name=name, vram_total_bytes=int(total), vram_usable_bytes=int(free),
+        cuda_context_reserve_bytes=int(total - free), hbm_gibps=round_sig(statistics.median(hbm), 4),
+        hbm_gibps_runs=tuple(hbm), prefill_gflops=round_sig(flops, 4),
+        prefill_matmul=f"(128,{hidden})x({hidden},{hidden}) float16")
+    link = LinkProfile(h2d_gibps=round_sig(h2d, 4), d2h_gibps=round_sig(d2h, 4),
+                       h2d_latency_us=round_sig(lat_h2d, 4), d2h_latency_us=round_sig(lat_d2h, 4),
+                       pinned=pin_memory)
+    return gpu, link
+
+
+def probe_cuda(quick: bool, progress: Progress) -> tuple[GpuProfile, LinkProfile] | None:
+    """Measure CUDA device 0 when torch sees one; None otherwise."""
+    import torch
+    if not torch.cuda.is_available():
+        progress("no CUDA device: CPU-only profile")
+        return None
+    torch.cuda.init()
+    torch.empty(1, device="cuda")  # create the context so mem_get_info sees its reserve
+    return measure_gpu(torch.device("cuda"), name=torch.cuda.get_device_name(0),
+                       mem_get_info=torch.cuda.mem_get_info, sync=torch.cuda.synchronize,
+                       pin_memory=True, quick=quick, progress=progress)
+
+
+# ---- the whole profile -----------------------------------------------------------------------
+
+def profile_machine(quick: bool = False, name: str | None = None, progress: Progress | None = None,
+                    threads: int | None = None,
+                    gpu_probe: Callable[[bool, Progress], tuple[GpuProfile, LinkProfile] | None] | None = None,
+                    ) -> MachineProfile:
+    """Measure this machine. Full: ~10–40 s; quick: a few seconds (smaller buffer, fewer runs)."""
+    progress = progress or _quiet
+    progress("starting: loading torch")
+    import torch
+    from planner import __version__
+
+    gpu_probe = gpu_probe or probe_cuda
+    started = time.perf_counter()
+    facts = detect_cpu_facts()
+    threads = threads or facts["cores"]
+    torch.set_num_threads(threads)
+    l3 = facts["l3_bytes"]
+    progress(f"CPU {facts['model_name']}: {facts['cores']} cores, {facts['threads']} threads, "
+             f"L3 {fmt_bytes(l3)}, RAM {fmt_bytes(facts['ram_total_bytes'])} "
+             f"({fmt_bytes(facts['ram_available_bytes'])} available), ISA {' '.join(facts['isa']) or '-'}")
+    # the DRAM buffer must dwarf the L3 (else we measure the cache) but leave RAM to others
+    floor = GIB if quick else 2 * GIB
+    buffer_bytes = min(max(floor, (3 if quick else 6) * l3), max(facts["ram_available_bytes"] // 4, 256 * MIB))
+    progress(f"DRAM read bandwidth: GEMV over {fmt_bytes(buffer_bytes)} of 64 MiB fp32 matrices, "
+             f"{threads} threads")
+    dram, dram_runs = measure_read_bandwidth(buffer_bytes, 3 if quick else 7,
+                                             0.1 if quick else 0.25, progress, "DRAM")
+    if quick or l3 == 0:
+        l3_gibps, l3_source = round_sig(3 * dram, 4), "estimated: 3 x dram"
+    else:
+        l3_buf = max(MIB, min(l3 // 2, 256 * MIB))
+        l3_gibps, _ = measure_read_bandwidth(l3_buf, 5, 0.1, progress, "L3")
+        l3_source = "measured"
+    gflops = measure_cpu_gflops(min_seconds=0.15 if quick else 0.6)
+    progress(f"CPU fp32 GEMM: {gflops:.0f} GFLOP/s")
+    measured = gpu_probe(quick, progress)
+    gpu, link = measured if measured else (None, None)
+    seconds = time.perf_counter() - started
+    load = ""
+    try:
+        load = " Load average while measuring: %.2f (other work lowers the figures)." % os.getloadavg()[0]
+    except OSError:
+        pass
+    cpu = CpuProfile(
+        model_name=facts["model_name"], cores=facts["cores"], threads=facts["threads"], isa=facts["isa"],
+        l3_bytes=l3, dram_read_gibps=dram, dram_read_gibps_runs=tuple(dram_runs),
+        dram_buffer_bytes=buffer_bytes, l3_read_gibps=l3_gibps, l3_read_source=l3_source,
+        compute_gflops=gflops, ram_total_bytes=facts["ram_total_bytes"],
+        ram_available_bytes=facts["ram_available_bytes"])
+    progress(f"done in {seconds:.1f}s: DRAM {dram:.2f} GiB/s (runs {min(dram_runs):.2f}–{max(dram_runs):.2f})")
+    return MachineProfile(
+        kind="machine_profile", schema_version=MACHINE_SCHEMA_VERSION,
+        name=name or platform.node() or "this-machine", source="measured",
+        notes=f"measured by helm-plan profile{' --quick' if quick else ''} with {threads} threads.{load}",
+        tool_version=__version__, measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        profile_seconds=round_sig(seconds, 3), quick=quick, cpu=cpu, gpu=gpu, link=link,
+        calibration=Calibration())
