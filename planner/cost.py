@@ -1,0 +1,254 @@
+"""Roofline cost model for one decode step, and the memory each split needs (DESIGN §5).
+
+For k units on the CPU (units 0..k-1) and the rest on the GPU:
+
+    T_plan(k) = T_cpu(units < k) + T_gpu(units >= k) + T_comm
+    T_stage   = Σ_units (T_proj + T_attn) + n_blocks · δ_device
+    T_proj    = max(F_proj / (P·η_c), W_param / (M·η_m))
+    T_attn    = max(F_attn / (P·η_c), W_kv / (M̂·η_m))
+    M̂         = α·B_L3 + (1−α)·M,  α = min(1, C_L3 / W_kv)   (CPU; the GPU reads KV at HBM speed)
+    T_comm    = ℓ_h2d + W_act / B_h2d                        (0 for a single-device plan)
+
+F and W come from the traced IR (planner/trace.py), M, P, C_L3, B_L3, ℓ and B from the machine
+profile, η and δ from the calibration. Two additions DESIGN §5 leaves open, both documented in
+the plan: with KV offload, pages parked on the host are streamed back over the link every step
+(added to the GPU's KV read time); TTFT is the same roofline for a prefill of the prompt.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from planner.machine import DeviceCalibration, MachineProfile
+from planner.trace import SharedWeight, UnitIR
+from planner.units import GIB, fmt_bytes
+
+MIN_DEVICE_PAGES_WITH_OFFLOAD = 2  # the page being written + one page streamed back
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    """What a stage's cost needs to know about its device."""
+    device: str                 # "cpu" | "cuda"
+    mem_gibps: float            # M: DRAM (CPU) or HBM (GPU) read bandwidth
+    decode_gflops: float        # P_dec
+    prefill_gflops: float       # P for prefill (GEMM-shaped work)
+    cache_bytes: int            # C_L3 (0 on the GPU)
+    cache_gibps: float          # B_L3
+    calibration: DeviceCalibration
+
+
+def device_rates(machine: MachineProfile, device: str, calibration=None) -> DeviceRates:
+    calibration = calibration or machine.calibration
+    if device == "cpu":
+        c = machine.cpu
+        return DeviceRates("cpu", c.dram_read_gibps, c.compute_gflops, c.compute_gflops, c.l3_bytes,
+                           c.l3_read_gibps, calibration.cpu)
+    if machine.gpu is None:
+        raise ValueError("machine profile has no GPU")
+    g = machine.gpu
+    return DeviceRates("cuda", g.hbm_gibps, g.prefill_gflops, g.prefill_gflops, 0, g.hbm_gibps, calibration.cuda)
+
+
+def _ms(flops: float, gflops: float, nbytes: float, gibps: float, cal: DeviceCalibration) -> float:
+    """Roofline: the slower of compute and memory, in milliseconds."""
+    compute = flops / (gflops * 1e9 * cal.eta_compute) if flops else 0.0
+    memory = nbytes / (gibps * GIB * cal.eta_memory) if nbytes else 0.0
+    return 1e3 * max(compute, memory)
+
+
+def kv_read_gibps(rates: DeviceRates, kv_bytes: float) -> float:
+    """M̂: L3-blended bandwidth for reading `kv_bytes` of one block's KV (CPU only)."""
+    if rates.cache_bytes <= 0 or kv_bytes <= 0:
+        return rates.mem_gibps
+    alpha = min(1.0, rates.cache_bytes / kv_bytes)
+    return alpha * rates.cache_gibps + (1 - alpha) * rates.mem_gibps
+
+
+def weight_read_bytes(unit: UnitIR, tokens: int) -> int:
+    """Weight bytes a unit reads for `tokens` tokens in one step (gather units read rows)."""
+    if unit.read_bytes_per_token >= unit.weight_bytes:
+        return unit.weight_bytes
+    return min(unit.weight_bytes, unit.read_bytes_per_token * tokens)
+
+
+def unit_decode_ms(unit: UnitIR, rates: DeviceRates, batch: int, context: int,
+                   streamed_kv_fraction: float = 0.0, link_gibps: float = 0.0) -> tuple[float, float]:
+    """(T_proj, T_attn) in ms for one decode step of `batch` sequences at context `context`."""
+    cal = rates.calibration
+    t_proj = _ms(batch * unit.proj_flops_per_token, rates.decode_gflops,
+                 weight_read_bytes(unit, batch), rates.mem_gibps, cal)
+    kv = batch * unit.kv_bytes_per_token * context
+    flops = batch * unit.attn_flops_per_context_token * context
+    local = kv * (1 - streamed_kv_fraction)
+    t_attn = _ms(flops, rates.decode_gflops, local, kv_read_gibps(rates, local), cal)
+    if streamed_kv_fraction and kv:
+        t_attn = max(t_attn, _ms(0, 1, local, rates.mem_gibps, cal)
+                     + 1e3 * kv * streamed_kv_fraction / (link_gibps * GIB))
+    return t_proj, t_attn
+
+
+def unit_prefill_ms(unit: UnitIR, rates: DeviceRates, batch: int, prompt: int) -> float:
+    return _ms(batch * unit.prefill_flops(prompt), rates.prefill_gflops,
+               weight_read_bytes(unit, batch * prompt), rates.mem_gibps, rates.calibration)
+
+
+def stage_weight_bytes(units: tuple[UnitIR, ...], start: int, end: int,
+                       shared: tuple[SharedWeight, ...]) -> int:
+    """Resident weight bytes of units [start, end): a tied weight is held once per device."""
+    total = sum(u.weight_bytes for u in units[start:end])
+    for s in shared:
+        inside = sum(1 for i in s.units if start <= i < end)
+        if inside > 1:
+            total -= (inside - 1) * s.weight_bytes
+    return total
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Where the KV cache lives for one split (pages of `page_size_tokens`, all layers of a stage)."""
+    pages_per_sequence: int     # ceil(context / page size)
+    device_page_bytes: int      # one page over every GPU-stage block
+    cpu_page_bytes: int         # one page over every CPU-stage block
+    device_pages: int           # pages kept in VRAM
+    host_pages: int             # GPU-stage pages parked in pinned host memory (offload)
+    cpu_pages: int              # CPU-stage pages (host RAM)
+
+
+@dataclass(frozen=True)
+class StageCost:
+    device: str
+    unit_start: int
+    unit_end: int
+    num_blocks: int
+    weight_bytes: int
+    read_bytes_per_step: int
+    kv_bytes: int               # KV the stage reads per step at the context
+    proj_ms: float
+    attn_ms: float
+    overhead_ms: float          # n_blocks · δ
+    prefill_ms: float
+
+    @property
+    def roofline_ms(self) -> float:
+        return self.proj_ms + self.attn_ms
+
+    @property
+    def ms(self) -> float:
+        return self.roofline_ms + self.overhead_ms
+
+
+@dataclass(frozen=True)
+class SplitCost:
+    """Everything the search knows about one candidate split."""
+    split_k: int
+    feasible: bool
+    reason: str                 # why not feasible ("" when feasible)
+    stages: tuple[StageCost, ...]
+    comm_ms: float
+    comm_prefill_ms: float
+    kv: KVLayout
+    gpu_bytes: int              # weights + device KV
+    host_bytes: int             # CPU weights + CPU KV + offloaded pages
+    gpu_budget_bytes: int
+    host_budget_bytes: int
+
+    def stage_ms(self, device: str) -> float:
+        return sum(s.ms for s in self.stages if s.device == device)
+
+    @property
+    def ms(self) -> float:
+        return sum(s.ms for s in self.stages) + self.comm_ms
+
+    @property
+    def roofline_ms(self) -> float:
+        return sum(s.roofline_ms for s in self.stages) + self.comm_ms
+
+    @property
+    def ttft_ms(self) -> float:
+        return sum(s.prefill_ms for s in self.stages) + self.comm_prefill_ms
+
+
+def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight, ...],
+                   machine: MachineProfile, *, batch: int, context: int, prompt: int,
+                   page_size_tokens: int, watermark: float, offload: bool,
+                   gpu_budget_bytes: int, host_budget_bytes: int, calibration=None) -> SplitCost:
+    """Cost and feasibility of putting units [0, k) on the CPU and [k, N) on the GPU."""
+    n = len(units)
+    if not 0 <= k <= n:
+        raise ValueError(f"split {k} out of range 0..{n}")
+    calibration = calibration or machine.calibration
+    has_gpu = machine.has_gpu
+    pages = math.ceil(context / page_size_tokens) if context > 0 else 0
+    cpu_kv_tok = sum(u.kv_bytes_per_token for u in units[:k])
+    gpu_kv_tok = sum(u.kv_bytes_per_token for u in units[k:])
+    dev_page = page_size_tokens * gpu_kv_tok
+    cpu_page = page_size_tokens * cpu_kv_tok
+    needed = batch * pages if gpu_kv_tok else 0
+    gpu_weights = stage_weight_bytes(units, k, n, shared)
+    cpu_weights = stage_weight_bytes(units, 0, k, shared)
+    reasons = []
+
+    # -- where the GPU stage's KV pages live
+    device_pages, host_pages = needed, 0
+    if k < n and offload and dev_page:
+        room = max(0, gpu_budget_bytes - gpu_weights)
+        device_pages = min(needed, int(watermark * room // dev_page))
+        host_pages = needed - device_pages
+    gpu_bytes = gpu_weights + device_pages * dev_page if k < n else 0
+    cpu_pages = batch * pages if cpu_kv_tok else 0
+    host_bytes = cpu_weights + cpu_pages * cpu_page + host_pages * dev_page
+
+    if k < n and not has_gpu:
+        reasons.append("machine profile has no GPU")
+    elif k < n:
+        if gpu_weights > gpu_budget_bytes:
+            reasons.append(f"cuda weights need {fmt_bytes(gpu_weights)} > {fmt_bytes(gpu_budget_bytes)} usable VRAM")
+        elif gpu_bytes > gpu_budget_bytes:
+            reasons.append(f"cuda needs {fmt_bytes(gpu_bytes)} (weights {fmt_bytes(gpu_weights)} + KV "
+                           f"{fmt_bytes(gpu_bytes - gpu_weights)}) > {fmt_bytes(gpu_budget_bytes)} usable VRAM")
+        elif host_pages and device_pages < MIN_DEVICE_PAGES_WITH_OFFLOAD:
+            reasons.append(f"cuda weights leave room for {device_pages} KV page(s) of {fmt_bytes(dev_page)}; "
+                           f"offload needs >= {MIN_DEVICE_PAGES_WITH_OFFLOAD}")
+    if host_bytes > host_budget_bytes:
+        reasons.append(f"host needs {fmt_bytes(host_bytes)} (weights {fmt_bytes(cpu_weights)} + KV "
+                       f"{fmt_bytes(host_bytes - cpu_weights)}) > {fmt_bytes(host_budget_bytes)} available")
+
+    stages = []
+    link = machine.link
+    streamed = host_pages / needed if needed else 0.0
+    for device, start, end in (("cpu", 0, k), ("cuda", k, n)):
+        if start == end:
+            continue
+        if device == "cuda" and not has_gpu:
+            stages.append(StageCost(device, start, end, sum(u.kind == "block" for u in units[start:end]),
+                                    gpu_weights, 0, 0, math.inf, 0.0, 0.0, math.inf))
+            continue
+        rates = device_rates(machine, device, calibration)
+        proj = attn = prefill = 0.0
+        for u in units[start:end]:
+            p, a = unit_decode_ms(u, rates, batch, context,
+                                  streamed if device == "cuda" else 0.0, link.h2d_gibps if link else 0.0)
+            proj += p
+            attn += a
+            prefill += unit_prefill_ms(u, rates, batch, prompt)
+        blocks = sum(u.kind == "block" for u in units[start:end])
+        overhead = blocks * rates.calibration.delta_ms_per_block
+        stages.append(StageCost(
+            device=device, unit_start=start, unit_end=end, num_blocks=blocks,
+            weight_bytes=gpu_weights if device == "cuda" else cpu_weights,
+            read_bytes_per_step=sum(weight_read_bytes(u, batch) for u in units[start:end]),
+            kv_bytes=batch * context * (gpu_kv_tok if device == "cuda" else cpu_kv_tok),
+            proj_ms=proj, attn_ms=attn, overhead_ms=overhead, prefill_ms=prefill + overhead))
+    comm = comm_prefill = 0.0
+    if 0 < k < n and link is not None:
+        act = units[k - 1].act_bytes_per_token
+        comm = link.h2d_latency_us / 1e3 + 1e3 * batch * act / (link.h2d_gibps * GIB)
+        comm_prefill = link.h2d_latency_us / 1e3 + 1e3 * batch * prompt * act / (link.h2d_gibps * GIB)
+    kv = KVLayout(pages_per_sequence=pages, device_page_bytes=dev_page, cpu_page_bytes=cpu_page,
+                  device_pages=device_pages if k < n else 0, host_pages=host_pages if k < n else 0,
+                  cpu_pages=cpu_pages)
+    return SplitCost(split_k=k, feasible=not reasons, reason="; ".join(reasons), stages=tuple(stages),
+                     comm_ms=comm, comm_prefill_ms=comm_prefill, kv=kv, gpu_bytes=gpu_bytes,
+                     host_bytes=host_bytes, gpu_budget_bytes=gpu_budget_bytes,
+                     host_budget_bytes=host_budget_bytes)

@@ -1,0 +1,46 @@
+"""The split search: enumerate every k in 0..N, score it, keep the fastest feasible one.
+
+Boring on purpose (FlexGen): no pruning, every candidate recorded so a reviewer sees why k won.
+Ties go to the larger k (same speed, more VRAM left free), which also keeps the choice monotone:
+a tighter VRAM budget never moves units from the CPU to the GPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.cost import SplitCost, evaluate_split
+from planner.machine import Calibration, MachineProfile
+from planner.trace import SharedWeight, UnitIR
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Inputs of the search other than the model and the machine."""
+    batch: int
+    context: int
+    prompt: int
+    page_size_tokens: int
+    watermark: float
+    offload: bool
+    gpu_budget_bytes: int
+    host_budget_bytes: int
+
+
+def evaluate_all(units: tuple[UnitIR, ...], shared: tuple[SharedWeight, ...], machine: MachineProfile,
+                 space: SearchSpace, calibration: Calibration | None = None) -> tuple[SplitCost, ...]:
+    """Score every split k = 0 (all GPU) .. N (all CPU)."""
+    return tuple(
+        evaluate_split(k, units, shared, machine, batch=space.batch, context=space.context,
+                       prompt=space.prompt, page_size_tokens=space.page_size_tokens,
+                       watermark=space.watermark, offload=space.offload,
+                       gpu_budget_bytes=space.gpu_budget_bytes, host_budget_bytes=space.host_budget_bytes,
+                       calibration=calibration)
+        for k in range(len(units) + 1))
+
+
+def best_split(candidates: tuple[SplitCost, ...]) -> SplitCost | None:
+    """The fastest feasible candidate (ties: larger k); None when nothing is feasible."""
+    feasible = [c for c in candidates if c.feasible]
+    if not feasible:
+        return None
+    return min(feasible, key=lambda c: (c.ms, -c.split_k))
