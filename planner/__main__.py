@@ -1,0 +1,6 @@
+"""python -m planner == helm-plan."""
+import sys
+
+from planner.cli import main
+
+sys.exit(main())
