@@ -1,0 +1,143 @@
+"""Cost terms against hand computations (DESIGN §5), and the worked example of DESIGN §5."""
+from __future__ import annotations
+
+import pytest
+
+from planner.cost import (device_rates, evaluate_split, kv_read_gibps, stage_weight_bytes,
+                          unit_decode_ms)
+from planner.units import GIB, MIB
+from tests.planner.helpers import machine, model_units, unit
+
+
+def split(k, units, shared, m, **kw):
+    args = dict(batch=1, context=1024, prompt=16, page_size_tokens=512, watermark=0.8, offload=False,
+                gpu_budget_bytes=m.gpu.vram_usable_bytes if m.gpu else 0,
+                host_budget_bytes=m.cpu.ram_available_bytes)
+    args.update(kw)
+    return evaluate_split(k, units, shared, m, **args)
+
+
+def test_projection_is_the_slower_of_compute_and_memory():
+    m = machine(cpu_gibps=10.0, cpu_gflops=100.0)
+    cpu = device_rates(m, "cpu")
+    u = unit(1, "block", GIB, proj=2 * GIB)      # 2 FLOP per 2-byte weight: 1 FLOP/byte
+    proj, attn = unit_decode_ms(u, cpu, batch=1, context=0)
+    assert proj == pytest.approx(1e3 * GIB / (10 * GIB))          # memory: 100 ms
+    assert attn == 0
+    slow = device_rates(machine(cpu_gflops=1.0), "cpu")
+    proj, _ = unit_decode_ms(u, slow, batch=1, context=0)
+    assert proj == pytest.approx(1e3 * 2 * GIB / 1e9)             # compute: 2147 ms
+    # batch multiplies FLOPs, not weight bytes
+    proj, _ = unit_decode_ms(u, cpu, batch=8, context=0)
+    assert proj == pytest.approx(1e3 * 8 * 2 * GIB / 100e9)
+
+
+def test_embedding_reads_rows_not_the_table():
+    cpu = device_rates(machine(cpu_gibps=10.0), "cpu")
+    emb = unit(0, "embedding", GIB, read=8192, proj=0)
+    assert unit_decode_ms(emb, cpu, batch=1, context=0)[0] == pytest.approx(1e3 * 8192 / (10 * GIB))
+    assert unit_decode_ms(emb, cpu, batch=4, context=0)[0] == pytest.approx(1e3 * 4 * 8192 / (10 * GIB))
+
+
+def test_cpu_kv_bandwidth_blends_l3_and_dram():
+    cpu = device_rates(machine(cpu_gibps=10.0, l3_bytes=32 * MIB, l3_gibps=30.0), "cpu")
+    assert kv_read_gibps(cpu, 4 * MIB) == 30.0                    # α = 1: fits in L3
+    assert kv_read_gibps(cpu, 64 * MIB) == pytest.approx(20.0)    # α = 1/2
+    assert kv_read_gibps(cpu, 320 * MIB) == pytest.approx(0.1 * 30 + 0.9 * 10)
+    b = unit(1, "block", 0, kv=4096, attn=0, proj=0)
+    _, attn = unit_decode_ms(b, cpu, batch=1, context=1024)       # W_kv = 4 MiB, in L3
+    assert attn == pytest.approx(1e3 * 4 * MIB / (30 * GIB))
+    _, attn = unit_decode_ms(b, cpu, batch=1, context=16384)      # W_kv = 64 MiB, α = 0.5
+    assert attn == pytest.approx(1e3 * 64 * MIB / (20 * GIB))
+    gpu = device_rates(machine(hbm_gibps=100.0), "cuda")          # the GPU reads KV at HBM speed
+    _, attn = unit_decode_ms(b, gpu, batch=1, context=1024)
+    assert attn == pytest.approx(1e3 * 4 * MIB / (100 * GIB))
+    # F_attn = 4·h_a·d_h·c can make attention compute-bound: 16.8 MFLOP at 100 GFLOP/s
+    _, attn = unit_decode_ms(unit(1, "block", 0, kv=4096, attn=16384, proj=0), cpu, batch=1, context=1024)
+    assert attn == pytest.approx(1e3 * 16384 * 1024 / 100e9)
+
+
+def test_split_totals_link_term_and_delta():
+    units, shared = model_units(4, block_bytes=100 * MIB, emb_bytes=50 * MIB, head_bytes=60 * MIB, kv=0, attn=0)
+    m = machine(cpu_gibps=10.0, hbm_gibps=100.0, link_gibps=10.0, latency_us=10.0, delta_cpu=0.5, delta_gpu=0.1)
+    c = split(3, units, shared, m)                                  # cpu: emb + 2 blocks; gpu: 2 blocks + head
+    cpu_ms = 1e3 * (8192 + 2 * 100 * MIB) / (10 * GIB) + 2 * 0.5
+    gpu_ms = 1e3 * (2 * 100 * MIB + 60 * MIB) / (100 * GIB) + 2 * 0.1
+    comm_ms = 10e-3 + 1e3 * 8192 / (10 * GIB)
+    assert c.stage_ms("cpu") == pytest.approx(cpu_ms)
+    assert c.stage_ms("cuda") == pytest.approx(gpu_ms)
+    assert c.comm_ms == pytest.approx(comm_ms)
+    assert c.ms == pytest.approx(cpu_ms + gpu_ms + comm_ms)
+    assert c.roofline_ms == pytest.approx(c.ms - 2 * 0.5 - 2 * 0.1)
+    for k in (0, len(units)):                                       # single device: no link term
+        assert split(k, units, shared, m).comm_ms == 0
+
+
+def test_vram_feasibility_counts_weights_and_kv_pages_exactly():
+    units, shared = model_units(2, block_bytes=100 * MIB, emb_bytes=10 * MIB, head_bytes=10 * MIB, kv=4096)
+    # GPU holds blocks 1..2 + head; KV page = 512 tokens × 2 blocks × 4096 B = 4 MiB; context 1024 → 2 pages
+    need = 2 * 100 * MIB + 10 * MIB + 2 * 4 * MIB
+    m = machine()
+    ok = split(1, units, shared, m, gpu_budget_bytes=need)
+    assert ok.feasible and ok.gpu_bytes == need and ok.kv.device_pages == 2 and ok.kv.device_page_bytes == 4 * MIB
+    bad = split(1, units, shared, m, gpu_budget_bytes=need - 1)
+    assert not bad.feasible and "KV" in bad.reason and "usable VRAM" in bad.reason
+    host = split(3, units, shared, m, host_budget_bytes=10 * MIB + 2 * 100 * MIB + 2 * 4 * MIB - 1)
+    assert not host.feasible and "host needs" in host.reason
+    nogpu = split(1, units, shared, machine(gpu=False))
+    assert not nogpu.feasible and nogpu.reason == "machine profile has no GPU"
+    assert split(4, units, shared, machine(gpu=False)).feasible
+
+
+def test_kv_offload_parks_pages_on_the_host_and_streams_them_back():
+    units, shared = model_units(2, block_bytes=100 * MIB, emb_bytes=10 * MIB, head_bytes=10 * MIB, kv=4096)
+    m = machine(hbm_gibps=100.0, link_gibps=10.0)
+    weights = 2 * 100 * MIB + 10 * MIB
+    # room after weights: 10 MiB; watermark 0.8 → 8 MiB → 2 pages of 4 MiB; context 4096 → 8 pages needed
+    c = split(1, units, shared, m, context=4096, offload=True, gpu_budget_bytes=weights + 10 * MIB)
+    assert c.feasible, c.reason
+    assert (c.kv.device_pages, c.kv.host_pages) == (2, 6)
+    assert c.host_bytes == 10 * MIB + 6 * 4 * MIB
+    full = split(1, units, shared, m, context=4096, gpu_budget_bytes=GIB)
+    streamed = 6 / 8 * 2 * 4096 * 4096
+    extra = c.stage_ms("cuda") - full.stage_ms("cuda")
+    assert extra == pytest.approx(1e3 * streamed / (10 * GIB) - 1e3 * streamed / (100 * GIB))
+    # without offload the same budget is infeasible; with too little room even offload is
+    assert not split(1, units, shared, m, context=4096, gpu_budget_bytes=weights + 10 * MIB).feasible
+    tight = split(1, units, shared, m, context=4096, offload=True, gpu_budget_bytes=weights + 5 * MIB)
+    assert not tight.feasible and "offload needs" in tight.reason
+
+
+def test_tied_weights_are_held_once_per_device():
+    units, shared = model_units(2, block_bytes=100, emb_bytes=1000, head_bytes=1000 + 8, tied=True)
+    assert stage_weight_bytes(units, 0, 4, shared) == 1000 + 200 + 8      # all on one device: once
+    assert stage_weight_bytes(units, 0, 2, shared) == 1000 + 100
+    assert stage_weight_bytes(units, 2, 4, shared) == 100 + 1008          # split: a copy on each side
+
+
+# ---- DESIGN §5 worked example: Qwen3-8B on the RTX 4060 laptop ------------------------------------
+
+def test_worked_example_qwen3_8b_on_the_4060_laptop(laptop_plan_8b):
+    """DESIGN §5: k=21 (embedding + 20 blocks on the CPU, ≈155 ms; 16 blocks + head on the GPU,
+    ≈31 ms), T_comm ≈ 5 µs, T_plan ≈ 186 ms before δ; all-CPU ≈ 310 ms. Bandwidths in GiB/s."""
+    p = laptop_plan_8b
+    assert p.partition.split_k == 21
+    cpu, gpu = p.partition.stages
+    assert (cpu.device, cpu.unit_start, cpu.unit_end, cpu.num_blocks) == ("cpu", 0, 21, 20)
+    assert (gpu.device, gpu.unit_start, gpu.unit_end, gpu.num_blocks) == ("cuda", 21, 38, 16)
+    stage = {s.device: s for s in p.prediction.stages}
+    assert stage["cpu"].ms_per_token == pytest.approx(155, rel=0.05)
+    assert stage["cuda"].ms_per_token == pytest.approx(31, rel=0.05)
+    assert p.prediction.comm_ms_per_token == pytest.approx(0.005, rel=0.05)
+    assert p.prediction.roofline_ms_per_token == pytest.approx(186, rel=0.05)
+    assert p.prediction.ms_per_token == p.prediction.roofline_ms_per_token      # δ = 0: "before δ"
+    allcpu = p.search.candidates[-1]
+    assert allcpu.split_k == 38 and allcpu.total_ms == pytest.approx(310, rel=0.05)
+    # all-GPU is infeasible (36 × 386 MB ≈ 13.9 GB of blocks > 7 GiB usable), and so is k = 20
+    assert not p.search.candidates[0].feasible and not p.search.candidates[20].feasible
+    # one block on the CPU by hand: 385.9 MB / 45 GiB/s, plus attention at c = 1024, which is
+    # compute-bound at the profile's 500 GFLOP/s (16.8 MFLOP) rather than L3-bound (4 MiB / 135 GiB/s)
+    per_block = p.search.candidates[3].cpu_ms - p.search.candidates[2].cpu_ms
+    proj = 1e3 * 385_892_864 / (45 * GIB)
+    attn = max(1e3 * 4 * 32 * 128 * 1024 / 500e9, 1e3 * 4096 * 1024 / (135 * GIB))
+    assert per_block == pytest.approx(proj + attn, rel=1e-4)

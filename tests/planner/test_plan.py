@@ -1,0 +1,201 @@
+"""The plan file: contract with the executor, determinism, validation, digest, checked-in plans."""
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import replace
+
+import pytest
+import yaml
+
+from planner import cli
+from planner.config import config_digest
+from planner.errors import PlanError
+from planner.plan import (Plan, load_plan, make_plan, plan_digest, plan_for_split, plan_from_dict,
+                          predict, save_plan, workload_for)
+from planner.units import GIB
+from tests.planner.conftest import LAPTOP, REPO, config_path, rel_source
+
+# Every checked-in plan and the command that makes it (also listed in plans/README.md).
+CHECKED_IN = {
+    "plans/qwen3-8b.laptop-rtx4060.yaml":
+        ["tools/model_configs/qwen3-8b.json", "--machine", "plans/machines/laptop-rtx4060-i7-13700h.yaml"],
+    "plans/llama-3.2-1b.laptop-rtx4060.yaml":
+        ["tools/model_configs/llama-3.2-1b.json", "--machine", "plans/machines/laptop-rtx4060-i7-13700h.yaml"],
+    "plans/qwen3-8b.helm-dev-2core.yaml":
+        ["tools/model_configs/qwen3-8b.json", "--machine", "plans/machines/helm-dev-2core.yaml"],
+    "plans/qwen3-0.6b.helm-dev-2core.yaml":
+        ["tools/model_configs/qwen3-0.6b.json", "--machine", "plans/machines/helm-dev-2core.yaml"],
+    "plans/qwen3-32b.workstation-rtx4090.yaml":
+        ["tools/model_configs/qwen3-32b.json", "--machine", "plans/machines/workstation-rtx4090-r9-7950x.yaml"],
+}
+
+
+def test_executor_contract_fields(laptop_plan_8b):
+    p = laptop_plan_8b
+    assert isinstance(p, Plan) and p.plan_version == 1 and p.digest.startswith("sha256:")
+    assert p.model.architecture == "Qwen3ForCausalLM" and p.model.dtype == "bfloat16"
+    assert p.model.config_digest == config_digest(config_path("qwen3-8b"))
+    assert p.partition.num_units == 38 and p.partition.split_k == 21
+    assert [(s.device, s.unit_start, s.unit_end) for s in p.partition.stages] == [("cpu", 0, 21), ("cuda", 21, 38)]
+    assert all(s.weight_bytes > 0 for s in p.partition.stages)
+    assert (p.kv.page_size_tokens, p.kv.watermark, p.kv.offload) == (512, 0.8, False)
+    assert (p.kv.device_pages, p.kv.host_pages) == (2, 0)
+    assert p.workload.context_tokens == 1024 and p.machine.cpu.cores == 14
+    with pytest.raises(Exception):
+        p.partition.split_k = 3          # frozen
+
+
+def test_write_read_write_gives_identical_bytes(laptop_plan_8b, tmp_path):
+    text = laptop_plan_8b.to_yaml()
+    again = load_plan(text)
+    assert again == laptop_plan_8b and again.to_yaml() == text
+    path = tmp_path / "p.yaml"
+    save_plan(again, path)
+    assert path.read_text() == text and load_plan(path) == laptop_plan_8b
+    lines = text.splitlines()
+    assert lines[0].startswith("# HELM plan v1: Qwen3ForCausalLM") and "k=21 of 38" in lines[0]
+    assert lines[1].startswith("# Predicted") and lines[2].startswith("# Why: k=20")
+    assert not lines[3].startswith("#")
+
+
+def test_same_inputs_give_the_same_bytes(laptop):
+    from planner.trace import _trace_cached
+    first = make_plan(config_path("qwen3-0.6b"), laptop, source=rel_source("qwen3-0.6b")).to_yaml()
+    _trace_cached.cache_clear()                                  # trace again from scratch
+    assert make_plan(config_path("qwen3-0.6b"), laptop, source=rel_source("qwen3-0.6b")).to_yaml() == first
+
+
+@pytest.mark.parametrize("target", sorted(CHECKED_IN))
+def test_checked_in_plans_are_reproduced_byte_for_byte(target, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "plan.yaml"
+    assert cli.main(["plan", *CHECKED_IN[target], "-o", str(out)]) == 0
+    assert out.read_text() == (REPO / target).read_text(), f"{target} is stale: regenerate it (plans/README.md)"
+    assert cli.main(["validate", target]) == 0
+
+
+def test_schema_failures_name_the_field_path(laptop_plan_8b):
+    data = laptop_plan_8b.to_dict()
+    bad = copy.deepcopy(data)
+    bad["partition"]["stages"][0]["device"] = "gpu"
+    with pytest.raises(PlanError, match=r"field 'partition\.stages\[0\]\.device': 'gpu' is not one of"):
+        plan_from_dict(bad)
+    bad = copy.deepcopy(data)
+    del bad["kv"]["watermark"]
+    with pytest.raises(PlanError, match=r"field 'kv': 'watermark' is a required property"):
+        plan_from_dict(bad)
+    bad = copy.deepcopy(data)
+    bad["machine"]["cpu"]["dram_read_gibps"] = "fast"
+    with pytest.raises(PlanError, match=r"field 'machine\.cpu\.dram_read_gibps'"):
+        plan_from_dict(bad)
+    with pytest.raises(PlanError, match="malformed YAML"):
+        load_plan("a: [1,\nb: 2")
+    with pytest.raises(PlanError, match="not found"):
+        load_plan("no/such/plan.yaml")
+
+
+def test_a_tampered_plan_is_rejected_by_its_digest(laptop_plan_8b):
+    text = laptop_plan_8b.to_yaml()
+    tampered = text.replace("  watermark: 0.8\n", "  watermark: 0.7\n", 1)
+    assert tampered != text
+    with pytest.raises(PlanError, match="digest mismatch at field 'digest'"):
+        load_plan(tampered)
+    assert load_plan(tampered, verify_digest=False).kv.watermark == 0.7
+    # a matching digest over inconsistent content is still caught
+    data = yaml.safe_load(text.replace("  split_k: 21\n", "  split_k: 20\n", 1))
+    data["digest"] = plan_digest(data)
+    with pytest.raises(PlanError, match=r"inconsistent plan at field 'partition.stages'"):
+        plan_from_dict(data)
+
+
+def test_key_order_and_number_formatting_do_not_change_the_plan(laptop_plan_8b):
+    data = laptop_plan_8b.to_dict()
+    text = yaml.safe_dump(json.loads(json.dumps(data)), sort_keys=True, default_flow_style=True)
+    assert load_plan(text) == laptop_plan_8b
+
+
+def test_plan_for_split_on_a_checkpoint_without_profiling(checkpoint):
+    ckpt = checkpoint("qwen3", "bf16")
+    n = json.loads((ckpt / "config.json").read_text())["num_hidden_layers"] + 2
+    p = plan_for_split(ckpt, split_k=2)
+    assert p.partition.forced and p.partition.split_k == 2 and p.machine.source == "placeholder"
+    assert [(s.device, s.unit_start, s.unit_end) for s in p.partition.stages] == [("cpu", 0, 2), ("cuda", 2, n)]
+    assert p.model.config_digest == config_digest(ckpt) == config_digest(ckpt / "config.json")
+    assert load_plan(p.to_yaml()) == p
+    all_cpu = plan_for_split(ckpt, split_k=n, page_size_tokens=16)
+    assert [s.device for s in all_cpu.partition.stages] == ["cpu"] and all_cpu.kv.page_size_tokens == 16
+
+
+def test_forced_and_impossible_requests_are_clear_errors(laptop):
+    path = config_path("qwen3-8b")
+    with pytest.raises(PlanError, match=r"--split 0 is infeasible on laptop-rtx4060-i7-13700h: cuda weights need"):
+        make_plan(path, laptop, split_k=0)
+    assert make_plan(path, laptop, split_k=0, allow_infeasible=True).search.best_feasible_k == 21
+    with pytest.raises(PlanError, match="out of range.*0..38"):
+        make_plan(path, laptop, split_k=39)
+    with pytest.raises(PlanError, match="--gpu-memory 64.00 GiB is more than the GPU has"):
+        make_plan(path, laptop, gpu_memory_bytes=64 * GIB)
+    with pytest.raises(PlanError, match="--host-memory .* more than the machine has"):
+        make_plan(path, laptop, host_memory_bytes=1024 * GIB)
+    with pytest.raises(PlanError, match=r"(?s)no feasible split.*all-CPU \(k=38\) needs 15.40 GiB host memory, "
+                                        r"1.00 GiB available.*all-GPU \(k=0\) needs"):
+        make_plan(path, laptop, host_memory_bytes=GIB)
+    with pytest.raises(PlanError, match="shorter than prompt"):
+        make_plan(path, laptop, workload=workload_for(512, 512, 1, 100))
+
+
+def test_tighter_gpu_cap_moves_units_to_the_cpu(laptop):
+    k = [make_plan(config_path("qwen3-8b"), laptop, gpu_memory_bytes=g * GIB).partition.split_k for g in (7, 5, 3)]
+    assert k[0] == 21 and k[0] < k[1] < k[2]
+
+
+def test_kv_offload_parks_pages_on_the_host_when_vram_runs_out(laptop):
+    wl = workload_for(32768, 512)                # 65 pages of 512 tokens per sequence
+    path = config_path("qwen3-8b")
+    with pytest.raises(PlanError, match="--split 21 is infeasible.*KV"):
+        make_plan(path, laptop, workload=wl, split_k=21)
+    off = make_plan(path, laptop, workload=wl, split_k=21, kv_offload=True)
+    assert off.kv.offload and off.kv.device_pages + off.kv.host_pages == off.kv.pages_per_sequence == 65
+    assert off.kv.host_pages > 0 and off.kv.device_pages >= 2
+    # the device keeps pages up to the watermark of the VRAM left after weights
+    room = off.limits.gpu_budget_bytes - off.partition.stages[1].weight_bytes
+    assert off.kv.device_pages == int(0.8 * room // off.kv.device_page_bytes)
+    # streaming those pages back each step costs time: the search weighs it against moving blocks
+    best = make_plan(path, laptop, workload=wl, kv_offload=True)
+    assert best.prediction.ms_per_token <= off.prediction.ms_per_token
+
+
+def test_predict_reevaluates_the_cost_model_at_another_context(laptop_plan_8b):
+    p = laptop_plan_8b
+    assert predict(p, p.workload.context_tokens) == p.prediction
+    longer = predict(p, 8192)
+    assert longer.context_tokens == 8192 and longer.ms_per_token > p.prediction.ms_per_token
+    assert predict(p, 1024, batch_size=4).tokens_per_s > p.prediction.tokens_per_s
+
+
+def test_parent_plan_versioning(laptop, laptop_plan_8b):
+    from planner.machine import Calibration, DeviceCalibration
+    cal = Calibration(cpu=DeviceCalibration(delta_ms_per_block=0.8), cuda=DeviceCalibration(delta_ms_per_block=0.14),
+                      provenance="recalibrated", samples=12)
+    child = make_plan(config_path("qwen3-8b"), laptop, parent=laptop_plan_8b, calibration=cal,
+                      source=rel_source("qwen3-8b"))
+    assert child.plan_version == 2 and child.parent_digest == laptop_plan_8b.digest
+    cpu = {s.device: s for s in child.prediction.stages}
+    assert cpu["cpu"].overhead_ms_per_token == pytest.approx(child.partition.stages[0].num_blocks * 0.8)
+    assert child.prediction.ms_per_token == pytest.approx(
+        child.prediction.roofline_ms_per_token + 20 * 0.8 + 16 * 0.14, rel=1e-5)
+
+
+def test_config_digest_fingerprints_architecture_only(tmp_path):
+    from transformers import AutoConfig
+    data = json.loads(config_path("qwen3-8b").read_text())
+    d = config_digest(data)
+    assert d == config_digest(config_path("qwen3-8b")) and d.startswith("sha256:") and len(d) == 71
+    assert config_digest({**data, "eos_token_id": 7, "torch_dtype": "float16"}) == d
+    assert config_digest({**data, "intermediate_size": 12289}) != d
+    # re-saved by transformers (rope_theta → rope_parameters, dtype, defaults spelled out): same model
+    cfg = AutoConfig.for_model(data["model_type"], **{k: v for k, v in data.items() if k != "model_type"})
+    cfg.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text()) != data
+    assert config_digest(tmp_path) == d

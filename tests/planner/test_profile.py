@@ -1,0 +1,81 @@
+"""Machine profiling. The CPU path runs for real; the GPU path runs the same code on CPU tensors
+with a mocked memory query (no GPU here), so CUDA specifics are not exercised."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from planner.machine import load_machine, machine_to_yaml
+from planner.plan import make_plan
+from planner.profile import (ISA_FLAGS, detect_cpu_facts, measure_gpu, measure_read_bandwidth,
+                             probe_cuda, profile_machine)
+from planner.units import GIB, MIB
+from tests.planner.conftest import DEV, config_path
+
+
+def test_cpu_facts_are_read_from_the_system():
+    f = detect_cpu_facts()
+    assert f["cores"] >= 1 and f["threads"] >= f["cores"]
+    assert set(f["isa"]) <= set(ISA_FLAGS)
+    assert f["ram_total_bytes"] >= f["ram_available_bytes"] > 0
+    assert f["l3_bytes"] >= 0
+
+
+def test_read_bandwidth_reports_every_run():
+    median, runs = measure_read_bandwidth(64 * MIB, runs=3, min_seconds=0.01)
+    assert len(runs) == 3 and min(runs) <= median <= max(runs) and median > 0
+
+
+def test_quick_profile_is_fast_valid_and_reports_progress():
+    messages = []
+    start = time.perf_counter()
+    m = profile_machine(quick=True, name="test-box", progress=messages.append, gpu_probe=lambda q, p: None)
+    assert time.perf_counter() - start < 10
+    assert m.source == "measured" and m.quick and m.name == "test-box" and m.gpu is None
+    # the bandwidth buffer dwarfs the L3 (else it measures the cache)
+    assert m.cpu.dram_buffer_bytes >= max(GIB, 3 * m.cpu.l3_bytes) or m.cpu.dram_buffer_bytes >= 256 * MIB
+    assert len(m.cpu.dram_read_gibps_runs) == 3 and m.cpu.dram_read_gibps > 0 and m.cpu.compute_gflops > 0
+    assert m.cpu.l3_read_source.startswith("estimated")
+    assert any("DRAM read" in msg and "run 3/3" in msg for msg in messages)
+    assert load_machine(machine_to_yaml(m)) == m
+
+
+def test_gpu_measurements_on_a_mocked_device():
+    syncs = []
+    gpu, link = measure_gpu(torch.device("cpu"), name="Mock GPU", mem_get_info=lambda: (6 * GIB, 8 * GIB),
+                            sync=lambda: syncs.append(1), pin_memory=False, quick=True,
+                            copy_bytes=8 * MIB, link_bytes=4 * MIB, hidden=128)
+    assert (gpu.name, gpu.vram_total_bytes, gpu.vram_usable_bytes, gpu.cuda_context_reserve_bytes) == \
+        ("Mock GPU", 8 * GIB, 6 * GIB, 2 * GIB)
+    assert gpu.hbm_gibps > 0 and len(gpu.hbm_gibps_runs) == 3 and gpu.prefill_gflops > 0
+    assert "(128,128)x(128,128)" in gpu.prefill_matmul
+    assert link.h2d_gibps > 0 and link.d2h_gibps > 0 and link.h2d_latency_us > 0 and not link.pinned
+    assert len(syncs) > 100                     # every timed region is synchronised
+
+
+def test_a_profile_with_a_gpu_plans_a_split(dev_machine):
+    def fake_probe(quick, progress):
+        return measure_gpu(torch.device("cpu"), name="Mock GPU", mem_get_info=lambda: (GIB, 2 * GIB),
+                           sync=lambda: None, pin_memory=False, quick=True, copy_bytes=4 * MIB,
+                           link_bytes=MIB, hidden=64)
+    from dataclasses import replace
+    gpu, link = fake_probe(True, None)
+    m = replace(dev_machine, gpu=replace(gpu, hbm_gibps=100.0, prefill_gflops=1e4), link=link)  # faster than the CPU
+    p = make_plan(config_path("qwen3-1.7b"), m)
+    assert 0 < p.partition.split_k < p.partition.num_units     # 3.2 GiB of weights, 1 GiB of VRAM
+    assert p.limits.gpu_budget_bytes == GIB
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
+def test_probe_without_cuda_returns_none():
+    said = []
+    assert probe_cuda(True, said.append) is None and "no CUDA" in said[0]
+
+
+def test_checked_in_dev_profile_was_measured_here():
+    m = load_machine(DEV)
+    assert m.source == "measured" and not m.quick and m.gpu is None
+    assert len(m.cpu.dram_read_gibps_runs) == 7 and m.cpu.dram_buffer_bytes >= 2 * GIB
+    assert m.cpu.l3_read_source == "measured"

@@ -1,0 +1,76 @@
+"""Search properties (hypothesis): the chosen split is feasible and fastest; tighter VRAM never
+moves units from the CPU to the GPU."""
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from planner.search import SearchSpace, best_split, evaluate_all
+from planner.units import GIB, MIB
+from tests.planner.helpers import machine, model_units, with_vram
+
+# derandomized: CI runs the same examples every time (run with more examples locally to explore)
+SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def problems(draw, offload=None):
+    L = draw(st.integers(1, 12))
+    units, shared = model_units(
+        L, block_bytes=draw(st.integers(1 * MIB, 2 * GIB)), emb_bytes=draw(st.integers(MIB, GIB)),
+        head_bytes=draw(st.integers(MIB, GIB)), kv=draw(st.sampled_from([0, 1024, 4096, 65536])),
+        act=draw(st.sampled_from([2048, 8192])), attn=draw(st.sampled_from([0, 4096, 16384])),
+        tied=draw(st.booleans()))
+    m = machine(cpu_gibps=draw(st.floats(1, 200)), cpu_gflops=draw(st.floats(10, 5000)),
+                l3_bytes=draw(st.sampled_from([0, 8 * MIB, 300 * MIB])), l3_gibps=draw(st.floats(1, 600)),
+                hbm_gibps=draw(st.floats(50, 4000)), gpu_gflops=draw(st.floats(1e3, 1e6)),
+                link_gibps=draw(st.floats(1, 64)), latency_us=draw(st.floats(0, 50)),
+                delta_cpu=draw(st.sampled_from([0.0, 0.8])), delta_gpu=draw(st.sampled_from([0.0, 0.14])))
+    space = SearchSpace(batch=draw(st.integers(1, 8)), context=draw(st.integers(1, 32768)),
+                        prompt=draw(st.integers(1, 2048)), page_size_tokens=draw(st.sampled_from([16, 512])),
+                        watermark=draw(st.sampled_from([0.5, 0.8, 1.0])),
+                        offload=draw(st.booleans()) if offload is None else offload,
+                        gpu_budget_bytes=draw(st.integers(0, 40 * GIB)),
+                        host_budget_bytes=draw(st.integers(0, 64 * GIB)))
+    return units, shared, m, space
+
+
+@SETTINGS
+@given(problems())
+def test_chosen_split_is_feasible_and_fastest(problem):
+    units, shared, m, space = problem
+    cands = evaluate_all(units, shared, m, space)
+    assert [c.split_k for c in cands] == list(range(len(units) + 1))
+    best = best_split(cands)
+    feasible = [c for c in cands if c.feasible]
+    if best is None:
+        assert not feasible
+        return
+    assert best.feasible
+    assert best.ms == min(c.ms for c in feasible)
+    assert best.split_k == max(c.split_k for c in feasible if c.ms == best.ms)   # ties: larger k
+
+
+@SETTINGS
+@given(problems(), st.floats(0.0, 1.0))
+def test_tighter_vram_never_moves_units_to_the_gpu(problem, shrink):
+    """Also with KV offload, where a tighter budget slows GPU attention (more pages streamed)."""
+    units, shared, m, space = problem
+    tight_budget = int(space.gpu_budget_bytes * shrink)
+    loose = best_split(evaluate_all(units, shared, m, space))
+    tight = best_split(evaluate_all(units, shared, with_vram(m, tight_budget),
+                                    SearchSpace(**{**space.__dict__, "gpu_budget_bytes": tight_budget})))
+    if tight is not None:
+        assert loose is not None, "a looser budget lost a feasible split"
+        assert tight.split_k >= loose.split_k
+
+
+def test_no_gpu_means_all_cpu_or_nothing():
+    units, shared = model_units(4, 100 * MIB, 10 * MIB, 10 * MIB)
+    space = SearchSpace(batch=1, context=1024, prompt=16, page_size_tokens=512, watermark=0.8, offload=False,
+                        gpu_budget_bytes=0, host_budget_bytes=GIB)
+    best = best_split(evaluate_all(units, shared, machine(gpu=False), space))
+    assert best.split_k == len(units)
+    space = SearchSpace(**{**space.__dict__, "host_budget_bytes": MIB})
+    assert best_split(evaluate_all(units, shared, machine(gpu=False), space)) is None
