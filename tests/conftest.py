@@ -33,3 +33,16 @@ def checkpoint(tmp_path_factory):
         return cache[key]
 
     return build
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """Run the suite's tiny models on one thread: their ops are far too small to gain from a
+    second one, and OpenMP spin-waiting on a busy 2-core machine made them ~10x slower. Kernel
+    tests that exercise several threads pass num_threads explicitly."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
