@@ -278,9 +278,11 @@ def header_lines(plan: Plan) -> list[str]:
     line1 = (f"HELM plan v{plan.plan_version}: {plan.model.architecture} ({name}, {plan.model.dtype}) on "
              f"{plan.machine.name}: split k={p.split_k} of {p.num_units} units"
              f"{' (forced)' if p.forced else ''}: " + "; ".join(describe(s) for s in p.stages))
-    stage_ms = " + ".join(f"{s.device} {s.ms_per_token:g}" for s in pr.stages)
+    terms = [f"{s.device} {s.ms_per_token:g}" for s in pr.stages]
+    if len(pr.stages) > 1:
+        terms.append(f"link {pr.comm_ms_per_token:g}")
     line2 = (f"Predicted {pr.ms_per_token:g} ms/token ({pr.tokens_per_s:g} tok/s) at context "
-             f"{pr.context_tokens}, batch {pr.batch_size}: {stage_ms} + link {pr.comm_ms_per_token:g} ms"
+             f"{pr.context_tokens}, batch {pr.batch_size}: {' + '.join(terms)} ms"
              f" (roofline {pr.roofline_ms_per_token:g} ms before δ); TTFT {pr.ttft_ms:g} ms")
     return [line1, line2, "Why: " + _why(plan)]
 
