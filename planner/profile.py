@@ -185,42 +185,35 @@ def _timed(fn, sync, reps: int) -> float:
     return (time.perf_counter() - start) / reps
 
 
-def measure_gpu(device, *, name: str, mem_get_info: Callable[[], tuple[int, int]],
-                sync: Callable[[], None], pin_memory: bool, quick: bool,
-                copy_bytes: int | None = None, link_bytes: int | None = None, hidden: int = 4096,
-                progress: Progress = _quiet) -> tuple[GpuProfile, LinkProfile]:
-    """Measure a torch device as the GPU stage's device, and the host link to it."""
+def _copy_gibps(device, nbytes: int, sync, runs: int, progress: Progress) -> list[float]:
+    """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
     import torch
-
-    free, total = mem_get_info()
-    progress(f"GPU {name}: {fmt_bytes(total)} total, {fmt_bytes(free)} free with the context")
-    runs = 3 if quick else 7
-    copy_bytes = copy_bytes or min((256 * MIB) if quick else GIB, max(free // 8, MIB))
-    a = torch.ones(copy_bytes, dtype=torch.uint8, device=device)
+    a = torch.ones(nbytes, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     b.copy_(a)
-    hbm = []
+    out = []
     for r in range(runs):
-        sec = _timed(lambda: b.copy_(a), sync, 5)
-        hbm.append(round_sig(2 * copy_bytes / sec / GIB, 4))
-        progress(f"HBM device copy {fmt_bytes(copy_bytes)} run {r + 1}/{runs}: {hbm[-1]:.1f} GiB/s")
-    del a, b
+        out.append(round_sig(2 * nbytes / _timed(lambda: b.copy_(a), sync, 5) / GIB, 4))
+        progress(f"HBM device copy {fmt_bytes(nbytes)} run {r + 1}/{runs}: {out[-1]:.1f} GiB/s")
+    return out
 
-    dtype = torch.float16
-    x = torch.randn(128, hidden, device=device).to(dtype)
-    w = torch.randn(hidden, hidden, device=device).to(dtype)
+
+def _matmul_gflops(device, hidden: int, sync, reps: int) -> float:
+    """(128, H) x (H, H) fp16 matmul: the shape of a prefill chunk through a projection."""
+    import torch
+    x = torch.randn(128, hidden, device=device).to(torch.float16)
+    w = torch.randn(hidden, hidden, device=device).to(torch.float16)
     torch.mm(x, w)
-    flops = max(2 * 128 * hidden * hidden / _timed(lambda: torch.mm(x, w), sync, 10 if quick else 50)
-                for _ in range(3)) / 1e9
-    progress(f"prefill matmul (128,{hidden})x({hidden},{hidden}) fp16: {flops:.0f} GFLOP/s")
-    del x, w
+    return max(2 * 128 * hidden * hidden / _timed(lambda: torch.mm(x, w), sync, reps) for _ in range(3)) / 1e9
 
-    link_bytes = link_bytes or ((64 * MIB) if quick else (256 * MIB))
-    host = torch.ones(link_bytes, dtype=torch.uint8, pin_memory=pin_memory)
-    dev = torch.empty(link_bytes, dtype=torch.uint8, device=device)
-    reps = 3 if quick else 10
-    h2d = link_bytes / _timed(lambda: dev.copy_(host, non_blocking=True), sync, reps) / GIB
-    d2h = link_bytes / _timed(lambda: host.copy_(dev, non_blocking=True), sync, reps) / GIB
+
+def _link(device, nbytes: int, sync, pin_memory: bool, reps: int) -> tuple[float, float, float, float]:
+    """(h2d GiB/s, d2h GiB/s, h2d latency us, d2h latency us) for host<->device copies."""
+    import torch
+    host = torch.ones(nbytes, dtype=torch.uint8, pin_memory=pin_memory)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    h2d = nbytes / _timed(lambda: dev.copy_(host, non_blocking=True), sync, reps) / GIB
+    d2h = nbytes / _timed(lambda: host.copy_(dev, non_blocking=True), sync, reps) / GIB
     small_h = torch.ones(4, dtype=torch.uint8, pin_memory=pin_memory)
     small_d = torch.empty(4, dtype=torch.uint8, device=device)
 
@@ -229,8 +222,23 @@ def measure_gpu(device, *, name: str, mem_get_info: Callable[[], tuple[int, int]
             dst.copy_(src, non_blocking=True)
             sync()
         return fn
-    lat_h2d = _timed(one_copy(small_d, small_h), sync, 50) * 1e6
-    lat_d2h = _timed(one_copy(small_h, small_d), sync, 50) * 1e6
+    return (h2d, d2h, _timed(one_copy(small_d, small_h), sync, 50) * 1e6,
+            _timed(one_copy(small_h, small_d), sync, 50) * 1e6)
+
+
+def measure_gpu(device, *, name: str, mem_get_info: Callable[[], tuple[int, int]],
+                sync: Callable[[], None], pin_memory: bool, quick: bool,
+                copy_bytes: int | None = None, link_bytes: int | None = None, hidden: int = 4096,
+                progress: Progress = _quiet) -> tuple[GpuProfile, LinkProfile]:
+    """Measure a torch device as the GPU stage's device, and the host link to it."""
+    free, total = mem_get_info()
+    progress(f"GPU {name}: {fmt_bytes(total)} total, {fmt_bytes(free)} free with the context")
+    copy_bytes = copy_bytes or min((256 * MIB) if quick else GIB, max(free // 8, MIB))
+    hbm = _copy_gibps(device, copy_bytes, sync, 3 if quick else 7, progress)
+    flops = _matmul_gflops(device, hidden, sync, 10 if quick else 50)
+    progress(f"prefill matmul (128,{hidden})x({hidden},{hidden}) fp16: {flops:.0f} GFLOP/s")
+    link_bytes = link_bytes or ((64 * MIB) if quick else (256 * MIB))
+    h2d, d2h, lat_h2d, lat_d2h = _link(device, link_bytes, sync, pin_memory, 3 if quick else 10)
     progress(f"link {fmt_bytes(link_bytes)} pinned={pin_memory}: h2d {h2d:.1f} GiB/s, d2h {d2h:.1f} GiB/s, "
              f"latency {lat_h2d:.1f}/{lat_d2h:.1f} us")
     gpu = GpuProfile(

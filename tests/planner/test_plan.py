@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import replace
 
 import pytest
 import yaml
@@ -14,7 +13,7 @@ from planner.errors import PlanError
 from planner.plan import (Plan, load_plan, make_plan, plan_digest, plan_for_split, plan_from_dict,
                           predict, save_plan, workload_for)
 from planner.units import GIB
-from tests.planner.conftest import LAPTOP, REPO, config_path, rel_source
+from tests.planner.conftest import REPO, config_path, rel_source
 
 # Every checked-in plan and the command that makes it (also listed in plans/README.md).
 CHECKED_IN = {
