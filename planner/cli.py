@@ -180,21 +180,16 @@ def cmd_show(args) -> int:
 
 
 def cmd_validate(args) -> int:
-    import yaml
     from planner.machine import machine_from_dict
     from planner.plan import plan_from_dict
+    from planner.yamlio import read_yaml
 
     bad = 0
     for name in args.files:
         try:
-            try:
-                data = yaml.safe_load(Path(name).read_text())
-            except FileNotFoundError:
-                raise PlanError("no such file") from None
-            except (OSError, UnicodeDecodeError) as e:
-                raise PlanError(f"cannot read: {e}") from None
-            except yaml.YAMLError as e:
-                raise PlanError(f"malformed YAML: {e}") from None
+            if not Path(name).is_file():
+                raise PlanError("no such file")
+            data, _ = read_yaml(Path(name), "file")
             kind = data.get("kind") if isinstance(data, dict) else None
             if kind == "machine_profile":
                 m = machine_from_dict(data, "machine profile")

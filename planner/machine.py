@@ -102,13 +102,9 @@ def machine_from_dict(data: dict, what: str = "machine profile") -> MachineProfi
 
 def load_machine(path_or_text: str | Path) -> MachineProfile:
     """Read and validate a machine profile (a path or YAML text); PlanError when bad."""
-    import yaml
+    from planner.yamlio import read_yaml
 
-    text, what = _read_text(path_or_text, "machine profile")
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise PlanError(f"{what}: malformed YAML: {e}") from None
+    data, what = read_yaml(path_or_text, "machine profile")
     if not isinstance(data, dict):
         raise PlanError(f"{what}: expected a YAML mapping")
     return machine_from_dict(data, what)
@@ -130,19 +126,6 @@ def save_machine(machine: MachineProfile, path: str | Path) -> None:
 
     validate(to_dict(machine), "machine", "machine profile")
     Path(path).write_text(machine_to_yaml(machine))
-
-
-def _read_text(path_or_text: str | Path, kind: str) -> tuple[str, str]:
-    """(text, label) for a path or inline YAML text."""
-    if isinstance(path_or_text, Path) or "\n" not in str(path_or_text):
-        path = Path(path_or_text)
-        try:
-            return path.read_text(), f"{kind} {path}"
-        except FileNotFoundError:
-            raise PlanError(f"{kind} not found: {path}") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise PlanError(f"cannot read {kind} {path}: {e}") from None
-    return str(path_or_text), kind
 
 
 def placeholder_machine(cores: int | None = None) -> MachineProfile:

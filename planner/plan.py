@@ -215,14 +215,9 @@ def plan_from_dict(data: dict, what: str = "plan", verify_digest: bool = True) -
 
 def load_plan(path_or_text: str | Path, verify_digest: bool = True) -> Plan:
     """Read, schema-validate and digest-check a plan (a path or YAML text). PlanError when bad."""
-    import yaml
-    from planner.machine import _read_text
+    from planner.yamlio import read_yaml
 
-    text, what = _read_text(path_or_text, "plan")
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise PlanError(f"{what}: malformed YAML: {e}") from None
+    data, what = read_yaml(path_or_text, "plan")
     return plan_from_dict(data, what, verify_digest)
 
 

@@ -6,9 +6,12 @@ rounded by the producer (units.round_sig) and written as Python's shortest repr.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import yaml
+
+from planner.errors import PlanError
 
 
 class _FlowMap(dict):
@@ -64,3 +67,22 @@ def dump_yaml(data: dict, header: list[str] | None = None) -> str:
                      width=4096, allow_unicode=True)
     lines = [f"# {line}".rstrip() for h in (header or []) for line in h.splitlines()]
     return "\n".join(lines) + ("\n" if lines else "") + body
+
+
+def read_yaml(path_or_text: str | Path, kind: str) -> tuple[Any, str]:
+    """(parsed data, label for messages) from a path, or from YAML text (a str with a newline)."""
+    if isinstance(path_or_text, Path) or "\n" not in str(path_or_text):
+        path = Path(path_or_text)
+        label = f"{kind} {path}"
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            raise PlanError(f"{kind} not found: {path}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise PlanError(f"cannot read {kind} {path}: {e}") from None
+    else:
+        text, label = str(path_or_text), kind
+    try:
+        return yaml.safe_load(text), label
+    except yaml.YAMLError as e:
+        raise PlanError(f"{label}: malformed YAML: {' '.join(str(e).split())}") from None

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -115,3 +116,9 @@ def test_show_plot_draws_a_png_when_matplotlib_is_installed(tmp_path, capsys):
     out = tmp_path / "t_plan.png"
     code, _, _ = run(capsys, "show", PLAN_8B, "--plot", out)
     assert code == 0 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.skipif(shutil.which("helm-plan") is None, reason="helm-plan console script not installed (pip install -e .)")
+def test_console_script_is_installed():
+    r = subprocess.run(["helm-plan", "validate", str(PLAN_8B)], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("ok")
