@@ -275,13 +275,22 @@ def profile_machine(quick: bool = False, name: str | None = None, progress: Prog
     progress = progress or _quiet
     progress("starting: loading torch")
     import torch
-    from planner import __version__
 
     gpu_probe = gpu_probe or probe_cuda
     started = time.perf_counter()
     facts = detect_cpu_facts()
     threads = threads or facts["cores"]
+    previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
+    try:
+        return _profile(quick, name, progress, threads, facts, gpu_probe, started)
+    finally:
+        torch.set_num_threads(previous_threads)  # measuring must not change the caller's torch
+
+
+def _profile(quick, name, progress, threads, facts, gpu_probe, started) -> MachineProfile:
+    from planner import __version__
+
     l3 = facts["l3_bytes"]
     progress(f"CPU {facts['model_name']}: {facts['cores']} cores, {facts['threads']} threads, "
              f"L3 {fmt_bytes(l3)}, RAM {fmt_bytes(facts['ram_total_bytes'])} "
