@@ -267,7 +267,11 @@ def header_lines(plan: Plan) -> list[str]:
             parts.append("head")
         return f"{s.device} units {s.unit_start}-{s.unit_end - 1} ({' + '.join(parts)}, {fmt_bytes(s.weight_bytes)})"
 
-    name = Path(plan.model.source).stem if plan.model.source not in ("", "<dict>") else plan.model.model_type
+    source = Path(plan.model.source)
+    # A config file is named by its stem (qwen3-8b.json); a checkpoint directory by its whole name
+    # (models/qwen3-0.6b: its "suffix" is not an extension).
+    name = (source.stem if source.suffix == ".json" else source.name) \
+        if plan.model.source not in ("", "<dict>") else plan.model.model_type
     if name == "config":
         name = Path(plan.model.source).parent.name or name
     line1 = (f"HELM plan v{plan.plan_version}: {plan.model.architecture} ({name}, {plan.model.dtype}) on "
