@@ -36,15 +36,22 @@ KernelSet = _kernels.KernelSet
 PreparedLinear = _kernels.PreparedLinear
 prepare_linear = _kernels.prepare_linear
 
-#: Every variant compiled into the extension, best first.
-ISAS = ("avx512bf16", "avx512", "avx2", "portable")
+#: Every variant compiled into the extension, in order of preference: the first one this CPU can
+#: run is the default. avx512 ranks above avx512bf16 because it measured at least as fast for bf16
+#: everywhere here: at B=1 both stream at the DRAM ceiling, while at B>=2 (or from cache)
+#: VDPBF16PS, which needs two instructions per weight vector for fp32-level accuracy (x split into
+#: bf16 hi + lo) and issues at half the FMA rate on this core, is 1.3-3x slower.
+ISAS = ("avx512", "avx512bf16", "avx2", "portable")
 
 #: Rows of x up to which `linear` makes a single pass over the weights (the GEMV register tiles).
 MAX_TILE_B = _kernels.MAX_TILE_B
 
+#: Per weight dtype, the batch from which `linear` uses PyTorch's GEMM instead (see _kernels.pyx).
+TORCH_PREFILL_MIN_B = _kernels.TORCH_PREFILL_MIN_B
+
 
 def available_isas() -> list[str]:
-    """The variants this CPU (and OS) can run, best first; "portable" is always there."""
+    """The variants this CPU (and OS) can run, preferred first; "portable" is always there."""
     return [isa for isa in ISAS if _kernels.cpu_supports(isa)]
 
 
@@ -72,6 +79,6 @@ silu_mul = kernels.silu_mul  # (gate, up, out=None, *, num_threads=1) → silu(g
 add_ = kernels.add_  # (a, b, *, num_threads=1): a += b, returns a
 
 __all__ = [
-    "ISAS", "KERNEL_ISA", "MAX_TILE_B", "KernelSet", "PreparedLinear", "add_", "available_isas",
+    "ISAS", "KERNEL_ISA", "MAX_TILE_B", "TORCH_PREFILL_MIN_B", "KernelSet", "PreparedLinear", "add_", "available_isas",
     "kernels", "linear", "prepare_linear", "rms_norm", "silu_mul",
 ]

@@ -48,6 +48,17 @@ cdef enum:
 #: Largest batch served by the GEMV register tiles in one pass over the weights.
 MAX_TILE_B = HELM_MAX_TILE_B
 
+#: Smallest batch (rows of x) from which `linear` hands a weight dtype to PyTorch instead of our
+#: kernels: prefill is compute-bound, and there the best GEMM wins. Measured on the development
+#: machine (Xeon with AMX, 2 cores; tools/bench_kernels.py --batches 1,8,17,64,128):
+#:   bf16: oneDNN's AMX GEMM is 2.3× ours at B=17 and 5× at B=128. It rounds x and the result to
+#:         bf16 (as PyTorch/transformers do in a bf16 model); KernelSet(..., torch_prefill=False)
+#:         keeps our fp32-exact kernels instead.
+#:   fp32: MKL's sgemm, exact fp32, overtakes ours between B=17 and B=64.
+#:   fp16: never: ours is as fast up to B=64 and within 20% at B=128, and PyTorch's fp16 result
+#:         would be rounded to fp16 (and can overflow).
+TORCH_PREFILL_MIN_B = {torch.bfloat16: HELM_MAX_TILE_B + 1, torch.float32: 32}
+
 
 def cpu_supports(str isa) -> bool:
     """Whether this CPU and OS can run the named kernel variant (and it was compiled in)."""
@@ -151,21 +162,33 @@ cdef class KernelSet:
 
     cdef const helm_kernel_table *t
     cdef readonly str isa
+    cdef readonly bint torch_prefill  # large batches go to PyTorch where it measured faster
+    cdef int torch_min_b[3]  # per dtype code: smallest B for PyTorch, 0 = never
 
-    def __cinit__(self, str isa):
+    def __cinit__(self, str isa, bint torch_prefill=True):
         self.t = _table(isa)
         if not helm_cpu_supports(isa.encode()):
             raise RuntimeError(f"this CPU cannot run the {isa!r} kernels")
         self.isa = isa
+        self.torch_prefill = torch_prefill
+        for dtype, code in _DTYPE_CODE.items():
+            self.torch_min_b[code] = TORCH_PREFILL_MIN_B.get(dtype, 0) if torch_prefill else 0
 
     def __repr__(self):
-        return f"KernelSet({self.isa!r})"
+        return f"KernelSet({self.isa!r}, torch_prefill={self.torch_prefill})"
+
+    def uses_torch(self, dtype, int batch) -> bool:
+        """Whether `linear` runs a weight of this dtype with this many rows of x in PyTorch."""
+        cdef int m = self.torch_min_b[_DTYPE_CODE[dtype]]
+        return m != 0 and batch >= m
 
     def linear(self, x, PreparedLinear w not None, out=None, *, int num_threads):
         """out[B, N] = x[B, K] @ w.weight.T + w.bias, fp32 in and out, fp32 accumulation.
 
-        Any B: up to MAX_TILE_B rows of x share one pass over the weights; larger batches run in
-        chunks over L2-sized blocks of weight rows."""
+        Up to MAX_TILE_B rows of x share one pass over the weights (decode: DRAM-bound GEMV).
+        Larger batches go to PyTorch where TORCH_PREFILL_MIN_B says it is faster (its threads are
+        torch.get_num_threads(); keep that equal to num_threads), else run here in chunks over
+        L2-sized blocks of weight rows."""
         if x.dtype is not torch.float32 or x.dim() != 2 or not x.is_contiguous():
             raise ValueError(f"x must be a contiguous 2-D fp32 tensor, got {x.dtype} "
                              f"shape {tuple(x.shape)}")
@@ -182,6 +205,8 @@ cdef class KernelSet:
             raise ValueError(f"out must be a contiguous fp32 CPU tensor of shape ({B}, {N})")
         if B == 0:
             return out
+        if B > HELM_MAX_TILE_B and self.torch_min_b[w.dtype_code] and B >= self.torch_min_b[w.dtype_code]:
+            return _torch_linear(x, w, out)
         cdef helm_gemv_fn fn = self.t.gemv[w.dtype_code]
         cdef float *o = <float *> <uintptr_t> out.data_ptr()
         cdef const float *xp = <const float *> <uintptr_t> x.data_ptr()
@@ -309,6 +334,21 @@ cdef class KernelSet:
             hi = nbytes if t == nt - 1 else lo + chunk
             total += fn(p + lo, hi - lo)
         return total
+
+
+cdef object _torch_linear(object x, PreparedLinear w, object out):
+    """The PyTorch side of `linear` for large batches: MKL/oneDNN on the weight as stored."""
+    weight = w.weight
+    if weight.dtype is torch.float32:
+        if w.bias is not None:
+            torch.addmm(w.bias, x, weight.t(), out=out)
+        else:
+            torch.mm(x, weight.t(), out=out)
+        return out
+    out.copy_(torch.mm(x.to(weight.dtype), weight.t()))
+    if w.bias is not None:
+        out.add_(w.bias)
+    return out
 
 
 cdef inline int _threads_for(int num_threads, long work_units) noexcept:

@@ -31,10 +31,12 @@ static uint16_t *xs_prepare(const float *x, int B, int K, int K32) {
     return xs_buf;
 }
 
+/* As tile_* in gemv_tile.h: R rows `seg` rows apart, one from each of the thread's streams. */
 HELM_INLINE void tile_bf16dp(float *restrict out, long ldo, const uint16_t *restrict xs, int K32,
                              const float *restrict x, const uint16_t *restrict w,
-                             const float *restrict bias, int K, int n, const int R, const int B,
-                             long pf) {
+                             const float *restrict bias, int K, int n, long seg, const int R,
+                             const int B, long pf) {
+    const size_t rs = (size_t)seg * (size_t)K;
     const int S = B <= 3 ? 2 : 1; /* separate hi/lo accumulators while R·B is small */
     __m512 acc[4][HELM_MAX_TILE_B][2];
     for (int r = 0; r < R; r++)
@@ -42,12 +44,10 @@ HELM_INLINE void tile_bf16dp(float *restrict out, long ldo, const uint16_t *rest
             for (int s = 0; s < S; s++) acc[r][b][s] = _mm512_setzero_ps();
     int k = 0;
     for (; k < K32; k += 32) {
-        if (pf) {
-            const uint16_t *p = (k + pf < K) ? w + k + pf : w + (size_t)(R - 1) * K + k + pf;
-            for (int r = 0; r < R; r++) __builtin_prefetch(p + (size_t)r * K, 0, 3);
-        }
+        if (pf)
+            for (int r = 0; r < R; r++) __builtin_prefetch(w + r * rs + k + pf, 0, 3);
         for (int r = 0; r < R; r++) {
-            const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (size_t)r * K + k);
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + r * rs + k);
             for (int b = 0; b < B; b++) {
                 const uint16_t *xb = xs + (size_t)b * 2 * K32 + k;
                 acc[r][b][0] = _mm512_dpbf16_ps(acc[r][b][0], wv, (__m512bh)_mm512_loadu_si512(xb));
@@ -62,24 +62,27 @@ HELM_INLINE void tile_bf16dp(float *restrict out, long ldo, const uint16_t *rest
             s[r][b] = _mm512_reduce_add_ps(S == 2 ? _mm512_add_ps(acc[r][b][0], acc[r][b][1]) : acc[r][b][0]);
     for (; k < K; k++) /* tail in exact fp32 */
         for (int r = 0; r < R; r++) {
-            const float wk = helm_bf16_f32(w[(size_t)r * K + k]);
-            for (int b = 0; b < B; b++) s[r][b] += wk * x[(size_t)b * K + k];
+            const float wk = helm_bf16_f32(w[r * rs + k]);
+            for (int b = 0; b < B; b++) s[r][b] = s_fma(wk, x[(size_t)b * K + k], s[r][b]);
         }
     for (int r = 0; r < R; r++)
         for (int b = 0; b < B; b++)
-            out[(size_t)b * ldo + n + r] = s[r][b] + (bias ? bias[n + r] : 0.0f);
+            out[(size_t)b * ldo + n + r * seg] = s[r][b] + (bias ? bias[n + r * seg] : 0.0f);
 }
 
 static void rows_bf16dp(float *out, long ldo, const uint16_t *xs, int K32, const float *x,
                         const uint16_t *w, const float *bias, int B, int K, int n0, int n1) {
     const long pf = helm_prefetch_bytes / (long)sizeof(uint16_t);
-#define HELM_DP_CASE(BB)                                                                          \
-    case BB: {                                                                                    \
-        int n = n0;                                                                               \
-        for (; n + TILE_R(BB) <= n1; n += TILE_R(BB))                                             \
-            tile_bf16dp(out, ldo, xs, K32, x, w + (size_t)n * K, bias, K, n, TILE_R(BB), BB, pf); \
-        for (; n < n1; n++) tile_bf16dp(out, ldo, xs, K32, x, w + (size_t)n * K, bias, K, n, 1, BB, pf); \
-        break;                                                                                    \
+#define HELM_DP_CASE(BB)                                                                    \
+    case BB: {                                                                              \
+        const int R = TILE_R(BB);                                                           \
+        const int seg = (n1 - n0) / R;                                                      \
+        for (int j = 0; j < seg; j++)                                                       \
+            tile_bf16dp(out, ldo, xs, K32, x, w + (size_t)(n0 + j) * K, bias, K, n0 + j, seg, \
+                        R, BB, pf);                                                         \
+        for (int n = n0 + R * seg; n < n1; n++)                                             \
+            tile_bf16dp(out, ldo, xs, K32, x, w + (size_t)n * K, bias, K, n, 0, 1, BB, pf);  \
+        break;                                                                              \
     }
     switch (B) {
         HELM_DP_CASE(1)

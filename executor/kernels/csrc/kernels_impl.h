@@ -2,7 +2,8 @@
  * and compiled once per instruction set by the isa_*.c files, which define that vocabulary:
  *   HELM_ISA (bare name), vf (vector of VL floats), HELM_NVREGS (vector registers),
  *   v_zero(), v_load(const float *), v_load_bf16(const uint16_t *), v_load_f16(const uint16_t *),
- *   v_fma(a, b, c) = a*b + c, v_add(a, b), v_hsum(v) → float.
+ *   v_fma(a, b, c) = a*b + c, v_add(a, b), v_hsum(v) → float, and s_fma(a, b, c), the scalar
+ *   a*b + c rounded the way v_fma rounds (so a row's result does not depend on its tile).
  * Element-wise kernels are plain C loops that the compiler vectorises for the unit's target. */
 #include <math.h>
 #include <stdint.h>
@@ -159,17 +160,34 @@ static void add(float *a, const float *b, long i0, long i1) {
 
 /* ---- read-bandwidth probe: the best streaming read this unit can issue ---- */
 
+/* Sums nbytes as 64-bit words, reading 4 distant sequential streams (the four quarters of the
+ * range) in lock-step with software prefetch, the access pattern the GEMV uses: one plain stream
+ * per thread reaches well below the machine's bandwidth here. */
+typedef uint64_t helm_line_t __attribute__((vector_size(64))); /* one cache line */
+
 static uint64_t read_probe(const void *p, size_t nbytes) {
-    const uint64_t *q = (const uint64_t *)p;
-    const size_t n = nbytes / 8;
-    const long pf = helm_prefetch_bytes / 8;
-    uint64_t s[8] = {0};
-    for (size_t i = 0; i + 8 <= n; i += 8) {
-        if (pf) __builtin_prefetch(q + i + pf, 0, 3);
-        for (int j = 0; j < 8; j++) s[j] += q[i + j];
+    enum { S = 4 };
+    const char *base = (const char *)p;
+    const size_t lines = nbytes / 64, per = lines / S; /* lines per stream */
+    const long pf = helm_prefetch_bytes;
+    helm_line_t acc[S];
+    memset(acc, 0, sizeof acc);
+    for (size_t i = 0; i < per; i++)
+        for (int s = 0; s < S; s++) {
+            const char *line = base + ((size_t)s * per + i) * 64;
+            if (pf) __builtin_prefetch(line + pf, 0, 3);
+            helm_line_t v;
+            memcpy(&v, line, 64);
+            acc[s] += v;
+        }
+    for (size_t i = (size_t)S * per; i < lines; i++) {
+        helm_line_t v;
+        memcpy(&v, base + i * 64, 64);
+        acc[0] += v;
     }
     uint64_t t = 0;
-    for (int j = 0; j < 8; j++) t += s[j];
+    for (int s = 0; s < S; s++)
+        for (int j = 0; j < 8; j++) t += acc[s][j];
     return t;
 }
 
