@@ -12,6 +12,7 @@ token budget lasts. A sequence's KV pages are freed the moment it finishes or is
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -21,6 +22,8 @@ from executor.batch import StepBatch
 from executor.errors import RequestError
 from executor.loader import LoadedModel
 from executor.sampling import SamplingParams, StopCriteria, make_generator, sample
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -35,7 +38,8 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     first_token_s: float | None = None
     finish_s: float | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "context" | "aborted"
+    finish_reason: str | None = None  # "stop" | "length" | "context" | "aborted" | "error"
+    error: str | None = None  # what went wrong, when finish_reason is "error"
 
     @property
     def num_tokens(self) -> int:
@@ -143,27 +147,55 @@ class Engine:
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
+        """Run one step for every scheduled sequence; return what each produced.
+
+        If the batched step fails, each sequence is retried alone (writing K/V at the same
+        positions again is harmless), so a failure caused by one request ends only that request
+        (finish_reason "error") and the others carry on.
+        """
         scheduled = self._schedule()
         if not scheduled:
             return []
-        emitting = [seq for seq, start, count in scheduled if start + count == seq.num_tokens]
-        parts = [(seq.request_id, start, count) for seq, start, count in scheduled]
-        rows, offset = [], 0
+        try:
+            events = self._execute(scheduled)
+        except Exception as batch_error:  # noqa: BLE001 — isolate, then report per request
+            if len(scheduled) == 1:
+                events = [self._fail(scheduled[0][0], batch_error)]
+            else:
+                log.warning("batched step failed (%s); retrying its %d sequences one by one",
+                            batch_error, len(scheduled))
+                events = []
+                for item in scheduled:
+                    try:
+                        events += self._execute([item])
+                    except Exception as e:  # noqa: BLE001
+                        events.append(self._fail(item[0], e))
+        for stage in self.model.stages:
+            if stage.kv is not None:
+                stage.kv.enforce_watermark()
+        return events
+
+    def _execute(self, scheduled: list[tuple[Sequence, int, int]]) -> list[TokenEvent]:
+        parts, rows, emitting, offset = [], [], [], 0
         for seq, start, count in scheduled:
+            parts.append((seq.request_id, start, count))
             offset += count
-            if start + count == seq.num_tokens:
+            if start + count == seq.num_tokens:  # the step reaches the sequence's newest token
                 rows.append(offset - 1)
+                emitting.append(seq)
         batch = StepBatch.build(parts, rows)
         ids = torch.tensor([seq.token(i) for seq, start, count in scheduled for i in range(start, start + count)],
                            dtype=torch.int64)
         logits = self._run_stages(ids, batch)
         for seq, start, count in scheduled:
             seq.num_computed = start + count
-        events = [self._append(seq, logits[i]) for i, seq in enumerate(emitting)]
-        for stage in self.model.stages:
-            if stage.kv is not None:
-                stage.kv.enforce_watermark()
-        return events
+        return [self._append(seq, logits[i]) for i, seq in enumerate(emitting)]
+
+    def _fail(self, seq: Sequence, error: Exception) -> TokenEvent:
+        log.error("request %s failed: %s: %s", seq.request_id, type(error).__name__, error)
+        seq.error = f"{type(error).__name__}: {error}"
+        self._finish(seq, "error")
+        return TokenEvent(seq.request_id, None, True, "error")
 
     def _schedule(self) -> list[tuple[Sequence, int, int]]:
         """(sequence, first position, token count) for this step: decodes first, then prefill chunks."""

@@ -97,3 +97,27 @@ def test_timings_are_recorded_per_stage(path):
     rec = eng.last_step
     assert [t.stage for t in rec.stages] == [0, 1] and all(t.ms > 0 for t in rec.stages)
     assert rec.num_seqs == 1 and rec.max_context == 5
+
+
+def test_a_failing_request_ends_alone(path, monkeypatch):
+    """A step that fails because of one sequence is retried per sequence: only that one errors."""
+    eng = engine_for(path, eos_token_ids=())
+    stop = StopCriteria(max_new_tokens=6, ignore_eos=True)
+    good = eng.add_request(prompt_ids(8, 256, seed=40), stop=stop)
+    bad = eng.add_request(prompt_ids(5, 256, seed=41), stop=stop)
+    stage = eng.model.stages[0]
+    real_forward = stage.forward
+
+    def forward(x, batch):
+        if any(s.seq_id == bad.request_id and s.start + s.count > 7 for s in batch.slices):
+            raise RuntimeError("simulated kernel failure")
+        return real_forward(x, batch)
+
+    monkeypatch.setattr(stage, "forward", forward)
+    while eng.has_work():
+        eng.step()
+    assert bad.finish_reason == "error" and "simulated kernel failure" in bad.error
+    assert good.finish_reason == "length"
+    alone, _ = helm_generate(path, [good.prompt_ids], split=2, max_new_tokens=6, page_size=4)
+    assert good.output_ids == alone[0]
+    assert pages_in_use(eng) == 0
