@@ -9,6 +9,7 @@ float rounding), and only one page at a time needs to be on the device.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Iterable
 
 import torch
@@ -31,19 +32,21 @@ def streaming_attention(
     is visible to a query at position >= p); None means every key is visible.
     Returns [T, H_q, D] fp32.
     """
-    T, h_q, d = q.shape
+    T, h_q, _ = q.shape
+    chunks = iter(chunks)
+    first = next(chunks, None)
+    if first is None:
+        raise ValueError("attention over an empty KV sequence")
+    second = next(chunks, None)
+    if second is None:  # the whole sequence is one page: plain softmax, fewer ops
+        return _one_chunk(q, first, scale, q_positions)
+    h_kv = first[0].shape[0]
+    group = h_q // h_kv
+    qg = _grouped(q, h_kv)  # [H_kv, group*T, D]
     m = s = o = None
-    for k, v, start in chunks:
-        h_kv, n, _ = k.shape
-        group = h_q // h_kv
-        # q: [T, H_q, D] -> [H_kv, group*T, D]; row r of group g is query (r % T) of head g*group + r//T
-        qg = q.float().permute(1, 0, 2).reshape(h_kv, group * T, d)
+    for k, v, start in itertools.chain((first, second), chunks):
         scores = torch.matmul(qg, k.float().transpose(1, 2)) * scale  # [H_kv, group*T, n]
-        if q_positions is not None:
-            key_pos = torch.arange(start, start + n, device=q_positions.device)
-            hidden = key_pos[None, :] > q_positions[:, None]  # [T, n]
-            if bool(hidden.any()):
-                scores = scores.masked_fill(hidden.repeat(group, 1)[None], float("-inf"))
+        scores = _mask_future(scores, q_positions, start, group)
         chunk_max = scores.amax(dim=-1, keepdim=True)  # [H_kv, group*T, 1]
         if m is None:
             m_new = chunk_max
@@ -60,8 +63,36 @@ def streaming_attention(
             s = s * correction + p.sum(dim=-1, keepdim=True)
             o = o * correction + pv
         m = m_new
-    if o is None:
-        raise ValueError("attention over an empty KV sequence")
-    out = o / s
-    # [H_kv, group*T, D] -> [T, H_q, D]
-    return out.reshape(h_q, T, d).permute(1, 0, 2)
+    return _ungrouped(o / s, T, h_q)
+
+
+def _grouped(q: torch.Tensor, h_kv: int) -> torch.Tensor:
+    """[T, H_q, D] → [H_kv, group*T, D]: row g*T + t is query t of head kv*group + g."""
+    T, h_q, d = q.shape
+    return q.float().permute(1, 0, 2).reshape(h_kv, (h_q // h_kv) * T, d)
+
+
+def _ungrouped(out: torch.Tensor, T: int, h_q: int) -> torch.Tensor:
+    """[H_kv, group*T, D] → [T, H_q, D]."""
+    return out.reshape(h_q, T, out.shape[-1]).permute(1, 0, 2)
+
+
+def _mask_future(scores: torch.Tensor, q_positions: torch.Tensor | None, start: int, group: int) -> torch.Tensor:
+    """-inf where a key (at start + column) lies after the query's position."""
+    if q_positions is None:
+        return scores
+    n = scores.shape[-1]
+    key_pos = torch.arange(start, start + n, device=q_positions.device)
+    hidden = key_pos[None, :] > q_positions[:, None]  # [T, n]
+    if not bool(hidden.any()):
+        return scores
+    return scores.masked_fill(hidden.repeat(group, 1)[None], float("-inf"))
+
+
+def _one_chunk(q: torch.Tensor, chunk: KVChunk, scale: float, q_positions: torch.Tensor | None) -> torch.Tensor:
+    k, v, start = chunk
+    T, h_q, _ = q.shape
+    group = h_q // k.shape[0]
+    scores = torch.matmul(_grouped(q, k.shape[0]), k.float().transpose(1, 2)) * scale  # [H_kv, group*T, n]
+    probs = torch.softmax(_mask_future(scores, q_positions, start, group), dim=-1)
+    return _ungrouped(torch.matmul(probs, v.float()), T, h_q)
