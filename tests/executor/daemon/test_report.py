@@ -1,0 +1,67 @@
+"""Measured vs predicted: predictions are the plan's cost model, rows aggregate per stage, phase
+and context bucket, and the JSON matches schemas/report.schema.json."""
+import json
+
+import pytest
+
+from executor.pb import executor_pb2 as pb
+from executor.report import Recorder, Report, context_bucket, validate_report
+from planner.plan import plan_for_split, predict
+
+
+@pytest.fixture(scope="module")
+def plan(checkpoint):
+    return plan_for_split(checkpoint("qwen3", "fp32"), 2, page_size_tokens=16)
+
+
+def test_context_buckets_are_powers_of_two():
+    assert [context_bucket(c) for c in (1, 2, 3, 4, 7, 8, 1000)] == \
+        [(1, 2), (2, 4), (2, 4), (4, 8), (4, 8), (8, 16), (512, 1024)]
+
+
+def test_decode_prediction_is_the_plans_cost_model(plan):
+    rec = Recorder(plan, "test", "Qwen3ForCausalLM", "torch")
+    predicted = rec.record("decode", 100, 3, 3, (1.0, 2.0))
+    want = predict(plan, 100, 3)
+    assert predicted[0].ms == pytest.approx(want.stages[0].ms_per_token)
+    # The second stage receives the hidden state over the link: its prediction carries T_comm.
+    assert predicted[1].ms == pytest.approx(want.stages[1].ms_per_token + want.comm_ms_per_token)
+    assert predicted[0].roofline_ms == pytest.approx(want.stages[0].roofline_ms_per_token)
+    prefill = rec.record("prefill", 64, 1, 64, (5.0, 6.0))
+    assert prefill[0].ms > predicted[0].ms  # 64 prompt tokens cost more than one decode
+
+
+def test_rows_aggregate_per_stage_phase_and_bucket(plan):
+    rec = Recorder(plan, "test", "Qwen3ForCausalLM", "helm-avx2")
+    for i in range(100):
+        rec.record("decode", 20 + i % 10, 1, 1, (1.0 + i, 2.0))
+    rec.record("decode", 40, 2, 2, (7.0, 7.0))
+    rec.record("prefill", 12, 1, 12, (9.0, 9.0))
+    report = rec.report()
+    keys = [(r.stage, r.phase, r.context_min) for r in report.rows]
+    assert keys == [(0, "decode", 16), (0, "decode", 32), (0, "prefill", 8),
+                    (1, "decode", 16), (1, "decode", 32), (1, "prefill", 8)]
+    row = report.rows[0]
+    assert row.samples == 100 and row.measured_mean_ms == pytest.approx(50.5)
+    assert row.measured_p50_ms == pytest.approx(51.0) and row.measured_p99_ms == pytest.approx(100.0)
+    assert row.context_mean == pytest.approx(24.5) and row.batch_mean == 1
+    assert row.error_pct == pytest.approx((50.5 - row.predicted_ms) / row.predicted_ms * 100)
+    assert report.steps == 102 and report.plan.digest == plan.digest
+
+
+def test_report_json_round_trips_and_validates(plan, tmp_path):
+    rec = Recorder(plan, "plans/x.yaml", "Qwen3ForCausalLM", "helm-avx512")
+    rec.record("decode", 5, 1, 1, (0.5, 0.25))
+    report = rec.report()
+    back = Report.from_pb(report.to_pb(pb), pb)
+    assert back.rows[0].measured_mean_ms == pytest.approx(0.5) and back.plan.digest == report.plan.digest
+    # protobuf carries integer nanoseconds
+    assert back.plan.predicted_ms_per_token == pytest.approx(report.plan.predicted_ms_per_token, abs=1e-6)
+    path = tmp_path / "report.json"
+    back.write(path)
+    data = json.loads(path.read_text())
+    validate_report(data)
+    assert data["kind"] == "report" and data["plan"]["source"] == "plans/x.yaml"
+    data["rows"][0]["phase"] = "warmup"
+    with pytest.raises(ValueError, match="rows.0.phase"):
+        validate_report(data)
