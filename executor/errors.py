@@ -24,3 +24,23 @@ class RequestError(HelmError, ValueError):
 
 class PlacementError(HelmError):
     """A split or stage layout is inconsistent with the model."""
+
+
+class PlanNotFoundError(PlacementError):
+    """A plan path that does not exist."""
+
+
+class NotReadyError(HelmError):
+    """The daemon has no plan loaded yet."""
+
+
+class OverloadedError(HelmError):
+    """The daemon's request queue is full."""
+
+
+class ShuttingDownError(HelmError):
+    """The daemon is draining before it exits."""
+
+
+class RequestFailedError(HelmError):
+    """A request failed while it ran; the other requests carry on."""

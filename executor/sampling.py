@@ -24,6 +24,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @classmethod
+    def from_pb(cls, msg) -> "SamplingParams":
+        """From a helm.executor.v1.SamplingParameters (unset top_p: 1, unset seed: random)."""
+        return cls(temperature=msg.temperature, top_k=msg.top_k,
+                   top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+                   seed=msg.seed if msg.HasField("seed") else None)
+
     def validate(self) -> None:
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
@@ -41,6 +48,13 @@ class StopCriteria:
     max_new_tokens: int = 128
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+
+    @classmethod
+    def from_pb(cls, msg) -> "StopCriteria":
+        """From a helm.executor.v1.StoppingCriteria (unset max_new_tokens: the default; stop
+        strings are the daemon's, not the engine's)."""
+        return cls(max_new_tokens=msg.max_new_tokens if msg.HasField("max_new_tokens") else cls.max_new_tokens,
+                   stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos)
 
     def validate(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:

@@ -1,0 +1,345 @@
+"""The daemon's core, free of gRPC: one model, the plan serving it, admission and shutdown.
+
+    daemon = Daemon("models/qwen3-0.6b", max_batch=64, max_queue=64)
+    daemon.load_plan(PlanSource(path="plan.yaml"))      # validate, load, warm up, then swap
+    for event in daemon.submit(spec): ...               # TokenChunk..., then GenerationResult
+    daemon.info(); daemon.report(); daemon.drain(30.0)
+
+A plan swap is atomic: the new plan's stages are loaded and warmed up while the old plan serves;
+then new requests go to the new plan's worker and the old worker finishes what it holds. Both
+models are in memory during the swap. Admission counts every request from `submit` to its end:
+at most `max_batch + max_queue` at once, beyond that OverloadedError.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from executor.engine import Engine
+from executor.errors import (NotReadyError, OverloadedError, PlanNotFoundError, RequestError,
+                             RequestFailedError, ShuttingDownError)
+from executor.model_config import ModelConfig
+from executor.report import PlanSummary, Recorder, Report, kernel_isa
+from executor.sampling import SamplingParams, StopCriteria
+from executor.server.messages import (GenerateSpec, GenerationResult, LoadResult, PlanSource, ServerInfo,
+                                      StageInfo, StageTiming, TokenChunk)
+from executor.server.text import TextStream
+from executor.server.worker import EngineWorker, Ended, Produced, Rejected, Submission
+
+log = logging.getLogger("helm.daemon")
+
+KEEP_REPORTS = 8  # plans whose measurements stay available after they were replaced
+WARMUP_PROMPT_TOKENS = 4
+WARMUP_NEW_TOKENS = 2
+
+
+@dataclass(frozen=True)
+class _Serving:
+    """A loaded plan and the worker running it."""
+    plan: object  # planner.plan.Plan
+    summary: PlanSummary
+    worker: EngineWorker
+    stages: tuple[StageInfo, ...]  # static part (kv filled in from the worker's snapshot)
+    kernel_isa: str
+
+
+class Daemon:
+    def __init__(self, model_dir: str | Path, max_batch: int = 64, max_queue: int = 64, backend: str = "auto"):
+        from executor.tokenizer import Tokenizer
+
+        if max_batch < 1 or max_queue < 0:
+            raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")
+        self.model_dir = Path(model_dir)
+        self.config = ModelConfig.from_dir(self.model_dir)
+        self.tokenizer = Tokenizer(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None
+        self.max_batch, self.max_queue, self.backend = max_batch, max_queue, backend
+        self.context_tokens = self.config.max_position_embeddings
+        self.state = "loading"  # loading | serving | draining
+        self.on_state_change = lambda state: None  # health checking hooks in here
+        self._serving: _Serving | None = None
+        self._retired: list[EngineWorker] = []
+        self._active: dict[str, EngineWorker] = {}  # admitted requests → the worker running each
+        self._recorders: OrderedDict[str, Recorder] = OrderedDict()
+        self._lock = threading.Condition()
+        self._load_lock = threading.Lock()
+        self._started_s = time.perf_counter()
+
+    # -- plans ----------------------------------------------------------------------------
+    def load_plan(self, source: PlanSource) -> LoadResult:
+        """Validate, load and warm up a plan, then make it the one serving new requests."""
+        from executor.loader import load_model
+        from executor.plan_io import load_checked_plan, placement_from_plan
+
+        with self._load_lock:
+            if self.state == "draining":
+                raise ShuttingDownError("the daemon is shutting down; not loading a plan")
+            t0 = time.perf_counter()
+            if source.path is not None:
+                if not Path(source.path).is_file():
+                    raise PlanNotFoundError(f"plan not found: {source.path} (a path on the daemon's machine)")
+                where = source.path
+            else:
+                where = source.yaml if source.yaml.endswith("\n") else source.yaml + "\n"  # YAML text, not a path
+            plan = load_checked_plan(where, self.model_dir, self.config)
+            placement = placement_from_plan(where, self.model_dir, self.config)
+            model = load_model(self.model_dir, placement, self.config, backend=self.backend)
+            engine = Engine(model, max_running=self.max_batch)
+            t1 = time.perf_counter()
+            self._warm_up(engine)
+            t2 = time.perf_counter()
+
+            summary = PlanSummary.of(plan, source.label)
+            isa = kernel_isa(model)
+            recorder = Recorder(plan, source.label, self.config.architecture, isa)
+            worker = EngineWorker(engine, recorder, name=f"engine-v{plan.plan_version}-{plan.digest[7:15]}")
+            stages = tuple(StageInfo(i, spec.device, str(stage.device), stage.unit_start, stage.unit_end,
+                                     stage.backend, placement.page_size_tokens, None)
+                           for i, (spec, stage) in enumerate(zip(placement.stages, model.stages)))
+            worker.start()
+            with self._lock:
+                previous = self._serving
+                self._serving = _Serving(plan, summary, worker, stages, isa)
+                if previous is not None:
+                    previous.worker.retire()
+                    self._retired.append(previous.worker)
+                self._recorders.pop(plan.digest, None)
+                self._recorders[plan.digest] = recorder
+                while len(self._recorders) > KEEP_REPORTS:
+                    self._recorders.popitem(last=False)
+                self._set_state("serving")
+            log.info("plan loaded", extra={"fields": {
+                "plan_version": plan.plan_version, "digest": plan.digest, "split_k": plan.partition.split_k,
+                "source": source.label, "kernels": isa, "load_s": round(t1 - t0, 3), "warmup_s": round(t2 - t1, 3),
+                "previous_digest": previous.summary.digest if previous else None}})
+            return LoadResult(summary, previous.summary.digest if previous else None, t1 - t0, t2 - t1)
+
+    def _warm_up(self, engine: Engine) -> None:
+        """One short generation before the plan takes requests (first-call allocations, kernels)."""
+        vocab = self.config.vocab_size
+        prompt = [min(i + 1, vocab - 1) for i in range(WARMUP_PROMPT_TOKENS)]
+        engine.generate([prompt], SamplingParams(), StopCriteria(max_new_tokens=WARMUP_NEW_TOKENS, ignore_eos=True))
+
+    def plan(self) -> tuple[PlanSummary, str]:
+        serving = self._require_plan()
+        return serving.summary, serving.plan.to_yaml()
+
+    def _require_plan(self) -> _Serving:
+        serving = self._serving
+        if serving is None:
+            raise NotReadyError("no plan is loaded yet: call LoadPlan (or start the daemon with --plan)")
+        return serving
+
+    # -- requests -------------------------------------------------------------------------
+    def submit(self, spec: GenerateSpec) -> "RequestHandle":
+        """Admit a request; iterate the handle for its events. Raises before admitting when the
+        request is invalid, no plan is loaded, the queue is full or the daemon is draining."""
+        if self.state == "draining":
+            raise ShuttingDownError("the daemon is shutting down: not accepting new requests")
+        self._require_plan()
+        prompt = self._prompt_ids(spec)
+        spec.sampling.validate()
+        spec.stop.validate()
+        if spec.stop_strings and self.tokenizer is None:
+            raise RequestError("stop_strings need the model's tokenizer.json, which this model lacks")
+        if len(prompt) + spec.stop.max_new_tokens > self.context_tokens:
+            raise RequestError(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({spec.stop.max_new_tokens}) exceeds the "
+                f"context of {self.context_tokens} tokens")
+        with self._lock:
+            if self.state == "draining":
+                raise ShuttingDownError("the daemon is shutting down: not accepting new requests")
+            if len(self._active) >= self.max_batch + self.max_queue:
+                raise OverloadedError(f"the daemon is full: {len(self._active)} requests in flight "
+                                      f"(max batch {self.max_batch} + max queue {self.max_queue}); retry later")
+            request_id = spec.request_id or f"req-{uuid.uuid4().hex[:16]}"
+            if request_id in self._active:
+                raise RequestError(f"request_id {request_id!r} is already in flight")
+            serving = self._serving
+            events = serving.worker.submit(Submission(request_id, prompt, spec.sampling, spec.stop))
+            self._active[request_id] = serving.worker
+        return RequestHandle(self, serving, request_id, spec, len(prompt), events)
+
+    def _prompt_ids(self, spec: GenerateSpec) -> tuple[int, ...]:
+        if spec.prompt_ids is not None:
+            if not spec.prompt_ids:
+                raise RequestError("token_ids is empty: give at least one token")
+            return spec.prompt_ids
+        if self.tokenizer is None:
+            raise RequestError("this model has no tokenizer.json: send token_ids instead of text")
+        ids = tuple(self.tokenizer.encode(spec.prompt_text))
+        if not ids:
+            raise RequestError("the prompt text is empty: give some text")
+        return ids
+
+    def _release(self, request_id: str) -> None:
+        with self._lock:
+            if self._active.pop(request_id, None) is not None:
+                self._lock.notify_all()
+
+    # -- inspection -----------------------------------------------------------------------
+    def info(self) -> ServerInfo:
+        from planner import __version__
+
+        with self._lock:
+            serving = self._serving
+            self._retired = [w for w in self._retired if w.alive]
+            on_previous = sum(1 for w in self._active.values() if serving is None or w is not serving.worker)
+        stages, waiting, running = (), 0, 0
+        if serving is not None:
+            snap = serving.worker.snapshot
+            waiting, running = snap.waiting, snap.running
+            stages = tuple(StageInfo(s.index, s.planned_device, s.device, s.unit_start, s.unit_end, s.backend,
+                                     s.page_size_tokens, kv) for s, kv in zip(serving.stages, snap.kv))
+        cfg = self.config
+        return ServerInfo(
+            state=self.state, architecture=cfg.architecture, model_dir=str(self.model_dir),
+            dtype=str(cfg.dtype).removeprefix("torch."), num_layers=cfg.num_layers, vocab_size=cfg.vocab_size,
+            context_tokens=self.context_tokens, has_tokenizer=self.tokenizer is not None,
+            plan=serving.summary if serving else None, stages=stages,
+            kernel_isa=serving.kernel_isa if serving else "", waiting=waiting, running=running,
+            max_batch=self.max_batch, max_queue=self.max_queue, on_previous_plans=on_previous,
+            uptime_s=time.perf_counter() - self._started_s, version=__version__)
+
+    def report(self, plan_digest: str = "") -> Report:
+        if not plan_digest:
+            plan_digest = self._require_plan().plan.digest
+        recorder = self._recorders.get(plan_digest)
+        if recorder is None:
+            raise PlanNotFoundError(f"no measurements for plan {plan_digest}; the daemon keeps the last "
+                                    f"{KEEP_REPORTS} plans: {', '.join(self._recorders) or 'none'}")
+        return recorder.report()
+
+    # -- shutdown -------------------------------------------------------------------------
+    def drain(self, timeout_s: float) -> bool:
+        """Refuse new requests, let those in flight finish within `timeout_s`, then abort the
+        rest (their streams end with finish reason "aborted"). True if nothing was aborted."""
+        with self._lock:
+            self._set_state("draining")
+            log.info("draining", extra={"fields": {"in_flight": len(self._active), "timeout_s": timeout_s}})
+            self._lock.wait_for(lambda: not self._active, timeout=timeout_s)
+            leftover = dict(self._active)
+        for request_id, worker in leftover.items():
+            worker.abort(request_id)
+        if leftover:
+            log.warning("drain timed out; aborted requests", extra={"fields": {"aborted": sorted(leftover)}})
+            with self._lock:
+                self._lock.wait_for(lambda: not self._active, timeout=5.0)
+        return not leftover
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop every worker (after drain)."""
+        with self._lock:
+            workers = self._retired + ([self._serving.worker] if self._serving else [])
+        for w in workers:
+            w.retire()
+        for w in workers:
+            w.join(timeout_s)
+
+    def _set_state(self, state: str) -> None:
+        if state != self.state:
+            self.state = state
+            self.on_state_change(state)
+
+
+class RequestHandle:
+    """One admitted request. Iterating it yields TokenChunk for every token, then one
+    GenerationResult; it raises the request's error instead (before any token when the engine
+    refuses the request). Text and stop strings are handled here, on the caller's thread."""
+
+    EVENT_POLL_S = 1.0
+
+    def __init__(self, daemon: Daemon, serving: _Serving, request_id: str, spec: GenerateSpec,
+                 prompt_tokens: int, events: queue.SimpleQueue):
+        self._daemon, self._serving = daemon, serving
+        self.request_id = request_id
+        self._spec = spec
+        self._prompt_tokens = prompt_tokens
+        self._events = events
+        self._arrival_s = time.perf_counter()
+        self._done = False
+
+    def cancel(self) -> None:
+        """The client went away (cancel, disconnect, deadline): free the request's pages now.
+        A no-op once the request has ended (the id may already belong to a new request)."""
+        if not self._done:
+            self._serving.worker.abort(self.request_id)
+            self._daemon._release(self.request_id)
+
+    def __iter__(self):
+        try:
+            first = self._next()
+            if isinstance(first, Rejected):
+                raise first.error
+            yield from self._stream(first)
+        finally:
+            self._done = True
+            self._daemon._release(self.request_id)
+
+    def _next(self):
+        while True:
+            try:
+                return self._events.get(timeout=self.EVENT_POLL_S)
+            except queue.Empty:
+                if not self._serving.worker.alive:
+                    return Ended("error", "the engine thread has stopped", time.perf_counter())
+
+    def _stream(self, event):
+        text = TextStream(self._daemon.tokenizer, self._spec.stop_strings)
+        timing = _StageTotals(len(self._serving.stages))
+        first_s = last_s = None
+        count = 0
+        while True:
+            if isinstance(event, Produced) and text.stopped_by is None:  # later tokens: abort in flight
+                first_s = event.time_s if first_s is None else first_s
+                last_s, count = event.time_s, count + 1
+                timing.add(event.stage_ms)
+                delta = text.push(event.token_id)
+                if text.stopped_by is not None:
+                    self._serving.worker.abort(self.request_id)
+                yield TokenChunk(event.token_id, delta, event.index, event.time_s - self._arrival_s)
+            elif isinstance(event, Ended):
+                if event.reason == "error":
+                    log.error("request failed", extra={"fields": {"request_id": self.request_id, "error": event.error}})
+                    raise RequestFailedError(f"request {self.request_id} failed: {event.error}")
+                stopped = text.stopped_by is not None
+                result = GenerationResult(
+                    finish_reason="stop_string" if stopped else event.reason, stop_string=text.stopped_by or "",
+                    prompt_tokens=self._prompt_tokens, completion_tokens=count,
+                    trailing_text="" if stopped else text.finish(),
+                    ttft_s=(first_s - self._arrival_s) if first_s is not None else 0.0,
+                    decode_tokens_per_s=(count - 1) / (last_s - first_s) if count > 1 and last_s > first_s else 0.0,
+                    total_s=event.time_s - self._arrival_s,
+                    stages=timing.result(self._serving.stages), plan=self._serving.summary)
+                log.info("request finished", extra={"fields": {
+                    "request_id": self.request_id, "finish_reason": result.finish_reason,
+                    "prompt_tokens": self._prompt_tokens, "completion_tokens": count,
+                    "ttft_ms": round(result.ttft_s * 1e3, 3),
+                    "decode_tokens_per_s": round(result.decode_tokens_per_s, 2)}})
+                yield result
+                return
+            event = self._next()
+
+
+class _StageTotals:
+    """Sums of measured and predicted ms per stage over the steps that produced a request's tokens."""
+
+    def __init__(self, stages: int):
+        self.measured, self.predicted, self.steps = [0.0] * stages, [0.0] * stages, 0
+
+    def add(self, stage_ms: tuple[tuple[float, float], ...]) -> None:
+        if stage_ms:
+            self.steps += 1
+            for i, (m, p) in enumerate(stage_ms):
+                self.measured[i] += m
+                self.predicted[i] += p
+
+    def result(self, stages: tuple[StageInfo, ...]) -> tuple[StageTiming, ...]:
+        n = max(self.steps, 1)
+        return tuple(StageTiming(i, s.planned_device, self.steps, self.measured[i] / n, self.predicted[i] / n)
+                     for i, s in enumerate(stages))

@@ -1,0 +1,143 @@
+"""`helm-executor serve`: the daemon process.
+
+Binds the gRPC server (loopback unless told otherwise) with the executor service, standard
+health checking (NOT_SERVING until a plan is loaded and warm) and server reflection; logs one
+JSON object per line to stderr; loads the plan given on the command line. SIGTERM or SIGINT
+drains: new requests get UNAVAILABLE, requests in flight finish within --drain-timeout (then
+are aborted), and the process exits 0. A second signal exits at once.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from concurrent import futures
+from datetime import datetime, timezone
+from pathlib import Path
+
+log = logging.getLogger("helm.serve")
+
+
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per record: ts, level, logger, msg, and the record's `fields` extra."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        ts = datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds")
+        entry = {"ts": ts.replace("+00:00", "Z"), "level": record.levelname.lower(), "logger": record.name,
+                 "msg": record.getMessage()}
+        entry.update(getattr(record, "fields", None) or {})
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def configure_logging(verbose: bool = False) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonLogFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
+def model_dir_of_plan(plan_path: str) -> Path:
+    """The checkpoint a plan was made from (its model.source: a directory, or a config.json)."""
+    from executor.errors import PlacementError, PlanNotFoundError
+    from planner.plan import PlanError, load_plan
+
+    if not Path(plan_path).is_file():
+        raise PlanNotFoundError(f"plan not found: {plan_path}")
+    try:
+        source = Path(load_plan(plan_path).model.source)
+    except PlanError as e:
+        raise PlacementError(f"invalid plan: {e}") from None
+    return source.parent if source.suffix == ".json" else source
+
+
+def start_server(daemon, host: str, port: int, max_workers: int):
+    """The gRPC server with the executor, health and reflection services, started. (server, port)."""
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+
+    from executor.pb import executor_pb2_grpc as pb_grpc
+    from executor.server.service import SERVICE_NAME, ExecutorServicer
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
+                         maximum_concurrent_rpcs=max_workers)
+    pb_grpc.add_ExecutorServiceServicer_to_server(ExecutorServicer(daemon), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+
+    def on_state(state: str) -> None:
+        if state == "draining":
+            health_servicer.enter_graceful_shutdown()  # NOT_SERVING for good
+            return
+        status = health_pb2.HealthCheckResponse.SERVING if state == "serving" \
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", SERVICE_NAME):
+            health_servicer.set(service, status)
+
+    on_state(daemon.state)
+    daemon.on_state_change = on_state
+    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    bound = server.add_insecure_port(address)
+    if not bound:
+        raise OSError(f"cannot listen on {address}")
+    server.start()
+    return server, bound
+
+
+def serve(args) -> int:
+    import torch
+
+    from executor.errors import HelmError
+    from executor.server.daemon import Daemon
+    from executor.server.messages import PlanSource
+
+    configure_logging(args.verbose)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        if stop.is_set():
+            log.warning("second signal: exiting now", extra={"fields": {"signal": signal.Signals(signum).name}})
+            logging.shutdown()
+            os._exit(128 + signum)
+        log.info("signal: draining", extra={"fields": {"signal": signal.Signals(signum).name}})
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    try:
+        model_dir = args.model or model_dir_of_plan(args.plan)
+        daemon = Daemon(model_dir, max_batch=args.max_batch, max_queue=args.max_queue, backend=args.kernels)
+        server, port = start_server(daemon, args.host, args.port, args.max_batch + args.max_queue + 16)
+    except (HelmError, OSError, RuntimeError, ValueError) as e:
+        log.error("cannot start", extra={"fields": {"error": str(e)}})
+        return 2
+    log.info("listening", extra={"fields": {"host": args.host, "port": port, "pid": os.getpid(),
+                                            "model": str(model_dir), "torch_threads": torch.get_num_threads()}})
+    if args.plan:
+        try:
+            daemon.load_plan(PlanSource(path=args.plan))
+        except HelmError as e:
+            log.error("cannot load the plan", extra={"fields": {"plan": args.plan, "error": str(e)}})
+            server.stop(0)
+            return 2
+    else:
+        log.info("no plan yet: NOT_SERVING until LoadPlan")
+
+    while not stop.wait(0.5):
+        pass
+    clean = daemon.drain(args.drain_timeout)
+    server.stop(grace=5.0).wait(10.0)
+    daemon.close()
+    log.info("stopped", extra={"fields": {"drained": clean}})
+    return 0

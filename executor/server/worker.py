@@ -1,0 +1,219 @@
+"""One Engine on its own thread, the only thread that touches it (the Engine is not thread-safe).
+
+gRPC handler threads talk to an `EngineWorker` through a command queue (submit, abort, retire)
+and read each request's events from the request's own queue. The worker thread loops
+
+    take commands → step the engine → record the step → hand out the events → publish a snapshot
+
+and sleeps on the command queue while the engine has nothing to do. A worker serves one plan;
+when the daemon swaps plans it retires the old worker, which finishes the requests it holds and
+then exits, dropping its model.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from executor.engine import Engine
+from executor.errors import HelmError, RequestFailedError
+from executor.kv_cache import KVStats
+from executor.report import Recorder
+from executor.sampling import SamplingParams, StopCriteria
+
+log = logging.getLogger("helm.worker")
+
+
+@dataclass(frozen=True)
+class Submission:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    stop: StopCriteria
+
+
+# -- what a request's queue receives: Accepted or Rejected, then Produced..., then Ended ----------
+@dataclass(frozen=True)
+class Accepted:
+    pass
+
+
+@dataclass(frozen=True)
+class Rejected:
+    error: HelmError  # the engine refused the request (e.g. a token id outside the vocabulary)
+
+
+@dataclass(frozen=True)
+class Produced:
+    token_id: int
+    index: int  # position in the completion
+    time_s: float  # time.perf_counter() after the step
+    stage_ms: tuple[tuple[float, float], ...]  # (measured, predicted) ms per stage of the step
+
+
+@dataclass(frozen=True)
+class Ended:
+    reason: str  # stop | length | context | aborted | error
+    error: str | None
+    time_s: float
+
+
+@dataclass(frozen=True)
+class WorkerSnapshot:
+    """Queue and KV state after the worker's latest loop, readable from any thread."""
+    waiting: int
+    running: int
+    kv: tuple[KVStats | None, ...]  # per stage
+
+
+@dataclass
+class _Stream:
+    events: queue.SimpleQueue
+    sequence: object  # the engine's Sequence
+    prompt_len: int
+    produced: int = 0
+
+
+class EngineWorker:
+    IDLE_POLL_S = 1.0
+
+    def __init__(self, engine: Engine, recorder: Recorder, name: str):
+        self.engine = engine
+        self.recorder = recorder
+        self.name = name
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._retired = False
+        self._last_record = engine.last_step
+        self.snapshot = self._snapshot()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    # -- any thread -----------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, sub: Submission) -> queue.SimpleQueue:
+        """Queue a request; its events arrive on the returned queue (Accepted or Rejected first)."""
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands.put(("submit", sub, events))
+        return events
+
+    def abort(self, request_id: str) -> None:
+        """End a request now and free its KV pages (a no-op if it already ended)."""
+        self._commands.put(("abort", request_id))
+
+    def retire(self) -> None:
+        """Finish the requests already submitted, then stop."""
+        self._commands.put(("retire",))
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self, timeout_s: float) -> bool:
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    # -- the engine thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                self._take_commands(block=not self.engine.has_work())
+                if self._retired and not self.engine.has_work() and not self._streams:
+                    break
+                if self.engine.has_work():
+                    try:
+                        self._step()
+                    except Exception as e:  # noqa: BLE001 — the engine isolates request failures; this is not one
+                        log.exception("engine step failed on %s; ending its requests", self.name)
+                        self._fail_all(e)
+                self.snapshot = self._snapshot()
+        except BaseException as e:  # noqa: BLE001 — a bug here must end requests, not hang them
+            log.exception("engine worker %s stopped", self.name)
+            self._fail_all(e)
+        finally:
+            log.info("engine worker %s exits", self.name)
+            self.engine = None  # drop the model (its weights and KV pages)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id, stream in list(self._streams.items()):
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # noqa: BLE001 — ending the stream matters more than freeing pages here
+                log.exception("abort of %s failed", request_id)
+            stream.events.put(Ended("error", f"{type(error).__name__}: {error}", time.perf_counter()))
+        self._streams.clear()
+
+    def _take_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=self.IDLE_POLL_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "submit":
+            _, sub, events = command
+            try:
+                seq = self.engine.add_request(list(sub.prompt_ids), sub.sampling, sub.stop, sub.request_id)
+            except HelmError as e:
+                events.put(Rejected(e))
+                return
+            except Exception as e:  # noqa: BLE001 — refuse this request, keep serving
+                events.put(Rejected(RequestFailedError(f"{type(e).__name__}: {e}")))
+                return
+            self._streams[sub.request_id] = _Stream(events, seq, len(sub.prompt_ids))
+            events.put(Accepted())
+        elif kind == "abort":
+            stream = self._streams.pop(command[1], None)
+            if stream is not None:
+                self.engine.abort(command[1])
+                stream.events.put(Ended("aborted", None, time.perf_counter()))
+        elif kind == "retire":
+            self._retired = True
+
+    def _step(self) -> None:
+        events = self.engine.step()
+        now = time.perf_counter()
+        stage_ms = self._record(events)
+        for event in events:
+            stream = self._streams.get(event.request_id)
+            if stream is None:
+                continue
+            if event.token_id is not None:
+                stream.events.put(Produced(event.token_id, stream.produced, now, stage_ms))
+                stream.produced += 1
+            if event.finished:
+                error = stream.sequence.error if event.finish_reason == "error" else None
+                stream.events.put(Ended(event.finish_reason, error, now))
+                del self._streams[event.request_id]
+
+    def _record(self, events) -> tuple[tuple[float, float], ...]:
+        """Pair the step's stage times with the plan's prediction and store them."""
+        record = self.engine.last_step
+        if record is None or record is self._last_record:
+            return ()
+        self._last_record = record
+        phase = "prefill" if record.num_tokens > record.num_seqs else "decode"
+        context = record.max_context
+        if phase == "decode":
+            # Each sequence attended over its whole length: prompt + the tokens before this one.
+            lengths = [s.prompt_len + s.produced for e in events if e.token_id is not None
+                       for s in (self._streams.get(e.request_id),) if s is not None]
+            if lengths:
+                context = round(sum(lengths) / len(lengths))
+        measured = tuple(t.ms for t in record.stages)
+        predicted = self.recorder.record(phase, context, record.num_seqs, record.num_tokens, measured)
+        return tuple((m, p.ms) for m, p in zip(measured, predicted))
+
+    def _snapshot(self) -> WorkerSnapshot:
+        return WorkerSnapshot(len(self.engine.waiting), len(self.engine.running),
+                              tuple(s.kv.stats() if s.kv is not None else None for s in self.engine.model.stages))
