@@ -1,8 +1,11 @@
-"""`helm-executor`: run a model on a CPU/GPU split.
+"""`helm-executor`: run a model on a CPU/GPU split, offline or as a gRPC daemon.
 
     helm-executor generate --model DIR [--plan PLAN | --split K] (--prompt TEXT | --prompt-ids 1,2,3)
                            [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
                            [--seed S] [--ignore-eos] [--json]
+    helm-executor serve --plan PLAN [--model DIR] [--host 127.0.0.1] [--port 50051] [--max-queue N]
+    helm-executor generate --addr HOST:PORT (--prompt TEXT | --prompt-ids 1,2,3) [--stop STR] ...
+    helm-executor report --addr HOST:PORT [-o report.json]
 """
 from __future__ import annotations
 
@@ -25,8 +28,9 @@ def _parse_ids(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="helm-executor", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate offline (no daemon) from a checkpoint")
-    gen.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    gen = sub.add_parser("generate", help="generate offline from a checkpoint, or from a daemon with --addr")
+    gen.add_argument("--addr", help="HOST:PORT of a running daemon: stream from it instead of loading the model here")
+    gen.add_argument("--model", help="Hugging Face checkpoint directory (offline)")
     where = gen.add_mutually_exclusive_group()
     where.add_argument("--plan", help="plan YAML written by helm-plan")
     where.add_argument("--split", type=int, help="partition units on the CPU (0..blocks+2); default: all")
@@ -39,12 +43,34 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int)
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    gen.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable; with --addr)")
+    gen.add_argument("--stop-ids", type=_parse_ids, default=[], help="stop token ids, comma-separated")
+    gen.add_argument("--timeout", type=float, help="deadline in seconds (with --addr)")
     gen.add_argument("--page-size", type=int, help="KV page size in tokens (default: plan's, else 512)")
     gen.add_argument("--device-kv-pages", type=int, help="KV pages the GPU-side stage may hold (default: plan's, else unbounded)")
     gen.add_argument("--kernels", choices=("auto", "helm", "torch"), default="auto",
                      help="CPU-stage kernels: helm (Cython SIMD), torch (reference), auto (helm when built)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("-v", "--verbose", action="store_true")
+
+    srv = sub.add_parser("serve", help="run the gRPC daemon (see protos/helm/executor/v1/executor.proto)")
+    srv.add_argument("--plan", help="plan YAML to serve; without it the daemon waits NOT_SERVING for LoadPlan")
+    srv.add_argument("--model", help="checkpoint directory (default: the plan's model.source)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    srv.add_argument("--port", type=int, default=50051, help="port (0: any free port, logged as 'listening')")
+    srv.add_argument("--max-batch", type=int, default=64, help="most sequences in the running batch")
+    srv.add_argument("--max-queue", type=int, default=64, help="most requests waiting beyond a full batch")
+    srv.add_argument("--drain-timeout", type=float, default=30.0,
+                     help="seconds requests in flight may take to finish after SIGTERM (then aborted)")
+    srv.add_argument("--kernels", choices=("auto", "helm", "torch"), default="auto", help="CPU-stage kernels")
+    srv.add_argument("--threads", type=int, help="torch/kernel threads (default: torch's)")
+    srv.add_argument("-v", "--verbose", action="store_true", help="debug logs")
+
+    rep = sub.add_parser("report", help="measured vs predicted step time from a running daemon")
+    rep.add_argument("--addr", required=True, help="HOST:PORT of the daemon")
+    rep.add_argument("-o", "--output", help="write the report as JSON (schemas/report.schema.json)")
+    rep.add_argument("--plan-digest", default="", help="a plan the daemon served before (default: the current)")
+    rep.add_argument("-v", "--verbose", action="store_true")
     return parser
 
 
@@ -53,8 +79,19 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
-        if args.command == "generate":
-            return _generate(args)
+        if args.command == "serve":
+            from executor.server.serve import serve
+
+            if not args.plan and not args.model:
+                raise RequestError("serve needs --plan, or --model to start without a plan")
+            return serve(args)
+        if args.command == "report":
+            return _report(args)
+        if args.addr:
+            return _generate_remote(args)
+        if not args.model:
+            raise RequestError("generate needs --model (offline) or --addr (a running daemon)")
+        return _generate(args)
     except HelmError as e:
         print(f"helm-executor: error: {e}", file=sys.stderr)
         return 2
@@ -83,14 +120,13 @@ def _generate(args) -> int:
     from executor.engine import Engine
     from executor.loader import load_model
     from executor.model_config import ModelConfig
-    from executor.sampling import SamplingParams, StopCriteria
+    from executor.report import kernel_isa
     from executor.tokenizer import IncrementalDecoder, Tokenizer
 
+    if args.stop or args.timeout is not None:
+        raise RequestError("--stop and --timeout apply to a daemon (--addr)")
     config = ModelConfig.from_dir(args.model)
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    stop = StopCriteria(max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
-    sampling.validate()
-    stop.validate()
+    sampling, stop = _sampling_and_stop(args)
     tokenizer = Tokenizer(args.model) if args.prompt is not None or not args.json else None
     if args.prompt is not None:
         prompt_ids = tokenizer.encode(args.prompt)
@@ -124,7 +160,7 @@ def _generate(args) -> int:
         "decode_tokens_per_s": seq.decode_tokens_per_s,
         "load_s": load_s,
         "split_k": placement.split_k,
-        "kernels": _kernel_label(model),
+        "kernels": kernel_isa(model),
         "stages": [repr(s) for s in model.stages],
     }
     if args.json:
@@ -139,14 +175,91 @@ def _generate(args) -> int:
     return 0
 
 
-def _kernel_label(model) -> str:
-    """The CPU kernels in use, with the instruction set (it belongs with every measurement)."""
-    backends = {s.backend for s in model.stages if s.device.type == "cpu"}
-    if "helm" in backends:
-        from executor.kernels import KERNEL_ISA
+def _sampling_and_stop(args):
+    from executor.sampling import SamplingParams, StopCriteria
 
-        return f"helm-{KERNEL_ISA}"
-    return "torch" if backends else "none"
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    stop = StopCriteria(max_new_tokens=args.max_new_tokens, stop_token_ids=tuple(args.stop_ids),
+                        ignore_eos=args.ignore_eos)
+    sampling.validate()
+    stop.validate()
+    return sampling, stop
+
+
+def _rpc_error(e) -> int:
+    print(f"helm-executor: error: {e.code().name}: {e.details()}", file=sys.stderr)
+    return 2
+
+
+def _generate_remote(args) -> int:
+    """Stream a generation from a daemon: text to stdout as it arrives, a summary to stderr."""
+    import grpc
+
+    from executor.pb import executor_pb2 as pb
+    from executor.server.client import ExecutorClient
+    from executor.server.messages import GenerateSpec, GenerationResult
+
+    offline_only = [f"--{n.replace('_', '-')}" for n in ("plan", "split", "page_size", "device_kv_pages")
+                    if getattr(args, n) is not None] + (["--kernels"] if args.kernels != "auto" else [])
+    if offline_only or args.model:
+        raise RequestError(f"{', '.join(offline_only or ['--model'])}: the daemon's plan decides; drop with --addr")
+    sampling, stop = _sampling_and_stop(args)
+    spec = GenerateSpec(prompt_text=args.prompt, prompt_ids=None if args.prompt_ids is None else tuple(args.prompt_ids),
+                        sampling=sampling, stop=stop, stop_strings=tuple(args.stop))
+    ids, pieces, request_id, result = [], [], "", None
+    with ExecutorClient(args.addr) as client:
+        try:
+            for msg in client.generate(spec, timeout_s=args.timeout):
+                request_id = msg.request_id
+                if msg.HasField("token"):
+                    ids.append(msg.token.token_id)
+                    pieces.append(msg.token.text)
+                    if not args.json:
+                        sys.stdout.write(msg.token.text)
+                        sys.stdout.flush()
+                else:
+                    result = GenerationResult.from_pb(msg.result, pb)
+        except grpc.RpcError as e:
+            return _rpc_error(e)
+    if result is None:
+        print("helm-executor: error: the stream ended without a result", file=sys.stderr)
+        return 1
+    pieces.append(result.trailing_text)
+    stages = [{"stage": s.stage, "device": s.device, "steps": s.steps, "measured_ms": s.measured_ms,
+               "predicted_ms": s.predicted_ms} for s in result.stages]
+    if args.json:
+        print(json.dumps({"request_id": request_id, "token_ids": ids, "text": "".join(pieces),
+                          "finish_reason": result.finish_reason, "stop_string": result.stop_string,
+                          "prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+                          "ttft_ms": result.ttft_s * 1e3, "decode_tokens_per_s": result.decode_tokens_per_s,
+                          "total_ms": result.total_s * 1e3, "plan": vars(result.plan), "stages": stages}))
+        return 0
+    sys.stdout.write(result.trailing_text + "\n")
+    per_stage = "; ".join(f"stage {s.stage} {s.device} {s.measured_ms:.3g} ms/step (predicted {s.predicted_ms:.3g})"
+                          for s in result.stages)
+    p = result.plan
+    print(f"[{result.completion_tokens} tokens, finish={result.finish_reason}, TTFT {result.ttft_s * 1e3:.1f} ms, "
+          f"decode {result.decode_tokens_per_s:.2f} tok/s, plan v{p.version} {p.digest[:15]}… k={p.split_k}; "
+          f"{per_stage}]", file=sys.stderr)
+    return 0
+
+
+def _report(args) -> int:
+    import grpc
+
+    from executor.server.client import ExecutorClient
+
+    with ExecutorClient(args.addr) as client:
+        try:
+            report = client.report(args.plan_digest)
+        except grpc.RpcError as e:
+            return _rpc_error(e)
+    if args.output:
+        report.write(args.output)
+    print(report.table())
+    if args.output:
+        print(f"wrote {args.output}", file=sys.stderr)
+    return 0
 
 
 def _maybe_tokenizer(model_dir):
