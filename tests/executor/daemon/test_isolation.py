@@ -1,0 +1,63 @@
+"""One request's failure never affects another: the culprit's stream ends with INTERNAL, the
+requests batched with it finish with the right tokens, and the daemon keeps serving. (In-process
+server, so that a stage can be made to fail for one request.)"""
+import threading
+
+import grpc
+
+from executor.pb import executor_pb2 as pb
+from executor.server.client import ExecutorClient
+from executor.server.daemon import Daemon
+from executor.server.messages import PlanSource
+from executor.server.serve import start_server
+from tests.executor.daemon.helpers import PAGE_SIZE, collect, wait_until, write_plan
+from tests.executor.helpers import helm_generate, prompt_ids
+
+
+def request(prompt, n, request_id):
+    return pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=prompt),
+                              stopping=pb.StoppingCriteria(max_new_tokens=n, ignore_eos=True))
+
+
+def test_a_failing_request_fails_alone(checkpoint, tmp_path, monkeypatch):
+    model = checkpoint("qwen3", "fp32")
+    daemon = Daemon(model, max_batch=8, max_queue=8)
+    daemon.load_plan(PlanSource(path=str(write_plan(model, 2, tmp_path / "plan.yaml"))))
+    stage = daemon._serving.worker.engine.model.stages[0]
+    real_forward = stage.forward
+
+    def forward(x, batch):
+        if any(s.seq_id == "poison" and s.start + s.count > 6 for s in batch.slices):
+            raise RuntimeError("simulated kernel failure")
+        return real_forward(x, batch)
+
+    monkeypatch.setattr(stage, "forward", forward)
+    server, port = start_server(daemon, "127.0.0.1", 0, max_workers=8)
+    good_prompt = prompt_ids(7, 256, seed=50)
+    try:
+        with ExecutorClient(f"127.0.0.1:{port}") as client:
+            good = client.stub.Generate(request(good_prompt, 30, "good"), timeout=60)
+            first = next(good)
+            outcome = {}
+
+            def run_poison():
+                try:
+                    collect(client.stub.Generate(request([11, 12, 13, 14], 30, "poison"), timeout=60))
+                except grpc.RpcError as e:
+                    outcome["error"] = e
+
+            t = threading.Thread(target=run_poison)
+            t.start()
+            ids, _, result = collect(good)
+            t.join(60)
+            assert outcome["error"].code() == grpc.StatusCode.INTERNAL
+            assert "simulated kernel failure" in outcome["error"].details()
+            want, _ = helm_generate(model, [good_prompt], split=2, max_new_tokens=30, page_size=PAGE_SIZE)
+            assert [first.token.token_id] + ids == want[0] and result.finish_reason == pb.FINISH_REASON_LENGTH
+            again, _, _ = collect(client.stub.Generate(request(good_prompt, 5, "again"), timeout=60))
+            assert again == want[0][:5]
+            wait_until(lambda: all(s.kv.sequences == 0 for s in client.info().stages), what="pages freed")
+    finally:
+        daemon.drain(5)
+        server.stop(0).wait(5)
+        daemon.close()

@@ -1,0 +1,119 @@
+"""The daemon's life: NOT_SERVING → SERVING, no plan → FAILED_PRECONDITION, a full queue →
+RESOURCE_EXHAUSTED, SIGTERM drains (UNAVAILABLE for new work, in-flight streams finish, exit 0),
+a drain that runs out of time aborts, and a second signal exits at once."""
+from __future__ import annotations
+
+import signal
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from executor.pb import executor_pb2 as pb
+from executor.server.client import ExecutorClient
+from tests.executor.daemon.helpers import DaemonProcess, collect, wait_until, write_plan
+
+RPC_TIMEOUT_S = 60
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return checkpoint("qwen3", "fp32")
+
+
+@pytest.fixture(scope="module")
+def plan(model, tmp_path_factory):
+    return write_plan(model, 2, tmp_path_factory.mktemp("plans") / "split2.yaml")
+
+
+def long_request(n=1500, seed=0):
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=[11 + seed, 12, 13, 14]),
+                              stopping=pb.StoppingCriteria(max_new_tokens=n, ignore_eos=True))
+
+
+def code_of(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    return err.value.code()
+
+
+def test_health_queue_limit_and_clean_drain(model, plan, tmp_path):
+    daemon = DaemonProcess(["--model", str(model), "--max-batch", "1", "--max-queue", "1", "--drain-timeout", "60"],
+                           tmp_path / "daemon.log")
+    try:
+        with ExecutorClient(daemon.addr) as client:
+            wait_until(lambda: _health(client) is not None, what="health answers")
+            assert client.health_status() == NOT_SERVING
+            assert client.info().state == pb.SERVING_STATE_LOADING
+            assert code_of(lambda: collect(client.stub.Generate(long_request(4), timeout=RPC_TIMEOUT_S))) \
+                == grpc.StatusCode.FAILED_PRECONDITION
+            assert code_of(lambda: client.get_plan()) == grpc.StatusCode.FAILED_PRECONDITION
+
+            client.load_plan(path=str(plan))
+            assert client.health_status() == SERVING
+            assert client.health_status("helm.executor.v1.ExecutorService") == SERVING
+
+            # max batch 1 + max queue 1: a third request in flight is refused.
+            running = client.stub.Generate(long_request(seed=1), timeout=RPC_TIMEOUT_S)
+            assert next(running).HasField("token")
+            queued = client.stub.Generate(long_request(seed=2), timeout=RPC_TIMEOUT_S)
+            wait_until(lambda: client.info().queue.waiting == 1, what="the second request queued")
+            assert code_of(lambda: collect(client.stub.Generate(long_request(4), timeout=RPC_TIMEOUT_S))) \
+                == grpc.StatusCode.RESOURCE_EXHAUSTED
+            running.cancel()
+            queued.cancel()
+            wait_until(lambda: client.info().queue.running + client.info().queue.waiting == 0, what="queue empty")
+
+            # SIGTERM: the stream in flight finishes, new work is refused, the process exits 0.
+            stream = client.stub.Generate(long_request(600, seed=3), timeout=RPC_TIMEOUT_S)
+            assert next(stream).HasField("token")
+            daemon.signal(signal.SIGTERM)
+            wait_until(lambda: _health(client) == NOT_SERVING, what="NOT_SERVING while draining")
+            assert code_of(lambda: collect(client.stub.Generate(long_request(4), timeout=RPC_TIMEOUT_S))) \
+                == grpc.StatusCode.UNAVAILABLE
+            ids, _, result = collect(stream)
+            assert result.finish_reason == pb.FINISH_REASON_LENGTH and len(ids) == 599
+        assert daemon.wait(60) == 0
+        assert any(e.get("msg") == "stopped" and e.get("drained") is True for e in daemon.logs())
+    finally:
+        daemon.kill()
+
+
+def _health(client):
+    try:
+        return client.health_status(timeout_s=2)
+    except grpc.RpcError:
+        return None
+
+
+def test_drain_timeout_aborts_what_is_left(plan, tmp_path):
+    daemon = DaemonProcess(["--plan", str(plan), "--drain-timeout", "0.5"], tmp_path / "daemon.log")
+    try:
+        with ExecutorClient(daemon.addr) as client:
+            client.wait_serving(timeout_s=120)
+            stream = client.stub.Generate(long_request(1900), timeout=RPC_TIMEOUT_S)
+            assert next(stream).HasField("token")
+            daemon.signal(signal.SIGTERM)
+            ids, _, result = collect(stream)
+            assert result.finish_reason == pb.FINISH_REASON_ABORTED and len(ids) < 1899
+        assert daemon.wait(60) == 0
+    finally:
+        daemon.kill()
+
+
+def test_second_signal_exits_at_once(plan, tmp_path):
+    daemon = DaemonProcess(["--plan", str(plan), "--drain-timeout", "600"], tmp_path / "daemon.log")
+    try:
+        with ExecutorClient(daemon.addr) as client:
+            client.wait_serving(timeout_s=120)
+            stream = client.stub.Generate(long_request(1900), timeout=RPC_TIMEOUT_S)
+            assert next(stream).HasField("token")
+            daemon.signal(signal.SIGTERM)
+            wait_until(lambda: _health(client) == NOT_SERVING, what="draining")
+            daemon.signal(signal.SIGTERM)
+            assert daemon.wait(20) == 128 + signal.SIGTERM
+            stream.cancel()
+    finally:
+        daemon.kill()
