@@ -6,6 +6,7 @@
     helm-executor serve --plan PLAN [--model DIR] [--host 127.0.0.1] [--port 50051] [--max-queue N]
     helm-executor generate --addr HOST:PORT (--prompt TEXT | --prompt-ids 1,2,3) [--stop STR] ...
     helm-executor report --addr HOST:PORT [-o report.json]
+    helm-executor info --addr HOST:PORT [--wait SECONDS]
 """
 from __future__ import annotations
 
@@ -71,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("-o", "--output", help="write the report as JSON (schemas/report.schema.json)")
     rep.add_argument("--plan-digest", default="", help="a plan the daemon served before (default: the current)")
     rep.add_argument("-v", "--verbose", action="store_true")
+
+    inf = sub.add_parser("info", help="what a running daemon serves (JSON): model, plan, stages, KV pages, queue")
+    inf.add_argument("--addr", required=True, help="HOST:PORT of the daemon")
+    inf.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                     help="first wait up to this long for the daemon to be SERVING (health check)")
+    inf.add_argument("-v", "--verbose", action="store_true")
     return parser
 
 
@@ -87,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             return serve(args)
         if args.command == "report":
             return _report(args)
+        if args.command == "info":
+            return _info(args)
         if args.addr:
             return _generate_remote(args)
         if not args.model:
@@ -259,6 +268,26 @@ def _report(args) -> int:
     print(report.table())
     if args.output:
         print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+def _info(args) -> int:
+    import grpc
+    from google.protobuf.json_format import MessageToJson
+
+    from executor.server.client import ExecutorClient
+
+    with ExecutorClient(args.addr) as client:
+        try:
+            if args.wait > 0:
+                client.wait_serving(timeout_s=args.wait)
+            info = client.info()
+        except grpc.RpcError as e:
+            return _rpc_error(e)
+        except TimeoutError as e:
+            print(f"helm-executor: error: {e}", file=sys.stderr)
+            return 1
+    print(MessageToJson(info, preserving_proto_field_name=True))
     return 0
 
 

@@ -134,11 +134,12 @@ class Report:
         p = self.plan
         lines = [f"plan v{p.version} {p.digest[:19]}… split k={p.split_k} of {p.num_units} units, machine "
                  f"{p.machine!r}, kernels {self.kernel_isa}, {self.steps} steps",
-                 f"{'stage':>5} {'device':<6} {'blocks':>6} {'phase':<7} {'context':>13} {'steps':>6} "
+                 f"{'stage':>5} {'device':<6} {'blocks':>6} {'phase':<7} {'context':>13} {'steps':>6} {'batch':>5} "
                  f"{'mean ms':>9} {'p50 ms':>9} {'p99 ms':>9} {'predicted':>9} {'error':>8}"]
         for r in self.rows:
             lines.append(f"{r.stage:>5} {r.device:<6} {r.num_blocks:>6} {r.phase:<7} "
-                         f"{f'[{r.context_min}, {r.context_max})':>13} {r.samples:>6} {r.measured_mean_ms:>9.4g} "
+                         f"{f'[{r.context_min}, {r.context_max})':>13} {r.samples:>6} {r.batch_mean:>5.3g} "
+                         f"{r.measured_mean_ms:>9.4g} "
                          f"{r.measured_p50_ms:>9.4g} {r.measured_p99_ms:>9.4g} {r.predicted_ms:>9.4g} "
                          f"{r.error_pct:>+7.0f}%")
         if not self.rows:

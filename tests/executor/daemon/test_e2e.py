@@ -261,3 +261,6 @@ def test_generate_cli_streams_from_the_daemon(daemon, model, capsys):
     assert code == 0 and out.strip() and "predicted" in err
     code = main(["generate", "--addr", daemon.addr, "--prompt-ids", "11,5000"])
     assert code == 2 and "INVALID_ARGUMENT" in capsys.readouterr().err
+    assert main(["info", "--addr", daemon.addr, "--wait", "10"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["state"] == "SERVING_STATE_SERVING" and info["plan"]["split_k"] == 2
