@@ -121,6 +121,11 @@ def test_text_prompt_and_stop_string(client, model):
     assert result2.finish_reason == pb.FINISH_REASON_STOP_STRING and result2.stop_string == stop
     assert text2 + result2.trailing_text == full[:full.index(stop)]
     assert ids2 == ids[:len(ids2)] and len(ids2) < len(ids)
+    # A stop token id ends the generation with the id included.
+    del request.stopping.stop_strings[:]
+    request.stopping.stop_token_ids.append(ids[5])
+    ids3, _, result3 = collect(client.stub.Generate(request, timeout=RPC_TIMEOUT_S))
+    assert result3.finish_reason == pb.FINISH_REASON_STOP and ids3 == ids[:ids.index(ids[5]) + 1]
 
 
 def test_sixteen_concurrent_streams(client, model):
@@ -148,7 +153,7 @@ def test_sixteen_concurrent_streams(client, model):
     wait_until(lambda: kv_in_use(client) == 0, what="every page freed")
 
 
-def test_cancel_and_deadline_free_pages(client):
+def test_cancel_disconnect_and_deadline_free_pages(client, daemon):
     stream = client.stub.Generate(ids_request(prompt_ids(40, 256, seed=3), 1500), timeout=RPC_TIMEOUT_S)
     for _, msg in zip(range(5), stream):
         assert msg.HasField("token")
@@ -156,6 +161,11 @@ def test_cancel_and_deadline_free_pages(client):
     assert info.stages[1].kv.sequences == 1 and info.stages[1].kv.device_pages_used >= 3
     stream.cancel()
     wait_until(lambda: kv_in_use(client) == 0, timeout_s=10, what="pages freed after cancel")
+
+    with ExecutorClient(daemon.addr) as other:  # a client that disconnects mid-stream
+        stream = other.stub.Generate(ids_request(prompt_ids(40, 256, seed=3), 1500), timeout=RPC_TIMEOUT_S)
+        assert next(stream).HasField("token")
+    wait_until(lambda: kv_in_use(client) == 0, timeout_s=10, what="pages freed after a disconnect")
 
     with pytest.raises(grpc.RpcError) as err:
         collect(client.stub.Generate(ids_request(prompt_ids(40, 256, seed=4), 1500), timeout=0.5))
