@@ -103,6 +103,9 @@ class Daemon:
                            for i, (spec, stage) in enumerate(zip(placement.stages, model.stages)))
             worker.start()
             with self._lock:
+                if self.state == "draining":  # shutdown began while the plan loaded
+                    worker.retire()
+                    raise ShuttingDownError("the daemon is shutting down; the plan was loaded but not swapped in")
                 previous = self._serving
                 self._serving = _Serving(plan, summary, worker, stages, isa)
                 if previous is not None:
