@@ -35,6 +35,13 @@ static inline __attribute__((always_inline)) float v_hsum(vf v) {
     s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
     return _mm_cvtss_f32(s);
 }
+/* 16 bf16 → evens and odds as floats (see vec_avx512.h). */
+#define v_load_bf16x2(p, even, odd)                                                        \
+    do {                                                                                   \
+        const __m256i v_ = _mm256_loadu_si256((const __m256i *)(p));                       \
+        (even) = _mm256_castsi256_ps(_mm256_slli_epi32(v_, 16));                           \
+        (odd) = _mm256_castsi256_ps(_mm256_and_si256(v_, _mm256_set1_epi32((int)0xFFFF0000))); \
+    } while (0)
 #include "kernels_impl.h"
 
 #include "target_pop.h"

@@ -44,4 +44,12 @@ static inline __attribute__((always_inline)) vf v_add(vf a, vf b) { return a + b
 static inline __attribute__((always_inline)) float s_fma(float a, float b, float c) { return a * b + c; }
 static inline __attribute__((always_inline)) float v_hsum(vf v) { return (v[0] + v[1]) + (v[2] + v[3]); }
 
+/* 8 bf16 → evens and odds as floats (see vec_avx512.h). */
+#define v_load_bf16x2(p, even, odd)                \
+    do {                                           \
+        helm_vu v_;                                \
+        memcpy(&v_, (p), sizeof v_);               \
+        (even) = (vf)(v_ << 16);                   \
+        (odd) = (vf)(v_ & 0xFFFF0000u);            \
+    } while (0)
 #include "kernels_impl.h"

@@ -15,3 +15,11 @@ static inline __attribute__((always_inline)) vf v_fma(vf a, vf b, vf c) { return
 static inline __attribute__((always_inline)) vf v_add(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline __attribute__((always_inline)) float v_hsum(vf v) { return _mm512_reduce_add_ps(v); }
 static inline __attribute__((always_inline)) float s_fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+/* 32 bf16 → evens and odds as floats: a bf16 is the top half of its float, so a shift (even,
+ * low halves of each 32-bit lane) and a mask (odd, high halves) widen without a shuffle. */
+#define v_load_bf16x2(p, even, odd)                                                       \
+    do {                                                                                  \
+        const __m512i v_ = _mm512_loadu_si512((const void *)(p));                         \
+        (even) = _mm512_castsi512_ps(_mm512_slli_epi32(v_, 16));                          \
+        (odd) = _mm512_castsi512_ps(_mm512_and_si512(v_, _mm512_set1_epi32((int)0xFFFF0000))); \
+    } while (0)
