@@ -211,7 +211,8 @@ def _generate_remote(args) -> int:
     offline_only = [f"--{n.replace('_', '-')}" for n in ("plan", "split", "page_size", "device_kv_pages")
                     if getattr(args, n) is not None] + (["--kernels"] if args.kernels != "auto" else [])
     if offline_only or args.model:
-        raise RequestError(f"{', '.join(offline_only or ['--model'])}: the daemon's plan decides; drop with --addr")
+        raise RequestError(f"{', '.join(offline_only or ['--model'])}: offline only; with --addr the daemon's "
+                           "model and plan decide")
     sampling, stop = _sampling_and_stop(args)
     spec = GenerateSpec(prompt_text=args.prompt, prompt_ids=None if args.prompt_ids is None else tuple(args.prompt_ids),
                         sampling=sampling, stop=stop, stop_strings=tuple(args.stop))
