@@ -14,37 +14,12 @@ import torch
 
 from executor.kv_cache import KVCache
 from executor.model_config import ModelConfig
-from executor.ops import TorchLinear
+from executor.backends import make_backend, resolve_backend
 from executor.placement import Placement, StageSpec, resolve_device
 from executor.stage import BlockWeights, HeadWeights, Stage
 from executor.weights import CheckpointReader
 
 log = logging.getLogger(__name__)
-
-
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, backend: str):
-    """The linear operator of a stage's backend ("torch": reference PyTorch ops; "helm": our
-    Cython SIMD kernels, CPU only)."""
-    if backend == "torch" or weight.device.type != "cpu":
-        return TorchLinear(weight, bias)
-    if backend == "helm":
-        return KernelLinear(weight, bias)
-    raise ValueError(f"unknown CPU kernel backend {backend!r}")
-
-
-class KernelLinear:
-    """y = x @ W.T + b through executor.kernels (fp32 activations, fp32 accumulation)."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        from executor import kernels
-
-        self._kernels = kernels
-        self.weight = weight
-        self.prepared = kernels.prepare_linear(weight, bias)
-        self.num_threads = torch.get_num_threads()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self._kernels.linear(x.contiguous(), self.prepared, num_threads=self.num_threads)
 
 
 @dataclass
@@ -58,20 +33,6 @@ class LoadedModel:
         for stage in self.stages:
             if stage.kv is not None:
                 stage.kv.free(seq_id)
-
-
-def resolve_backend(backend: str = "auto") -> str:
-    """"auto": our kernels when the compiled extension loads, else the PyTorch reference path."""
-    if backend not in ("auto", "helm", "torch"):
-        raise ValueError(f"kernel backend must be auto, helm or torch, got {backend!r}")
-    if backend != "auto":
-        return backend
-    try:
-        from executor import kernels  # noqa: F401
-    except ImportError as e:
-        log.warning("CPU kernels unavailable, using PyTorch ops: %s", e)
-        return "torch"
-    return "helm"
 
 
 def load_model(model_dir: str | Path, placement: Placement, config: ModelConfig | None = None,
@@ -98,7 +59,7 @@ def _load_stage(reader: CheckpointReader, cfg: ModelConfig, spec: StageSpec, pla
                  spec.unit_start, spec.unit_end - 1)
     wdtype, f32 = cfg.dtype, torch.float32
     H, V, D, I = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.intermediate_size
-    stage_backend = backend if device.type == "cpu" else "torch"
+    ops = make_backend(backend, device)
 
     def get(name, shape, dtype=wdtype):
         return reader.get(name, shape, dtype, device)
@@ -125,13 +86,13 @@ def _load_stage(reader: CheckpointReader, cfg: ModelConfig, spec: StageSpec, pla
         gate_up = torch.cat([get(p + "mlp.gate_proj.weight", (I, H)), get(p + "mlp.up_proj.weight", (I, H))])
         blocks.append(BlockWeights(
             input_norm=get(p + "input_layernorm.weight", (H,), f32),
-            qkv=make_linear(qkv, qkv_bias, stage_backend),
+            qkv=ops.linear(qkv, qkv_bias),
             q_norm=get(p + "self_attn.q_norm.weight", (D,), f32) if cfg.qk_norm else None,
             k_norm=get(p + "self_attn.k_norm.weight", (D,), f32) if cfg.qk_norm else None,
-            o=make_linear(get(p + "self_attn.o_proj.weight", (H, cfg.q_dim)), None, stage_backend),
+            o=ops.linear(get(p + "self_attn.o_proj.weight", (H, cfg.q_dim)), None),
             post_norm=get(p + "post_attention_layernorm.weight", (H,), f32),
-            gate_up=make_linear(gate_up, None, stage_backend),
-            down=make_linear(get(p + "mlp.down_proj.weight", (H, I)), None, stage_backend),
+            gate_up=ops.linear(gate_up, None),
+            down=ops.linear(get(p + "mlp.down_proj.weight", (H, I)), None),
         ))
 
     head = None
@@ -142,7 +103,7 @@ def _load_stage(reader: CheckpointReader, cfg: ModelConfig, spec: StageSpec, pla
             lm_head = get("model.embed_tokens.weight", (V, H))
         else:
             lm_head = get("lm_head.weight", (V, H))
-        head = HeadWeights(norm=get("model.norm.weight", (H,), f32), lm_head=make_linear(lm_head, None, stage_backend))
+        head = HeadWeights(norm=get("model.norm.weight", (H,), f32), lm_head=ops.linear(lm_head, None))
 
     kv = None
     if blocks:
@@ -153,4 +114,4 @@ def _load_stage(reader: CheckpointReader, cfg: ModelConfig, spec: StageSpec, pla
             device_pages=placement.device_kv_pages if bounded else None,
             watermark=placement.watermark,
         )
-    return Stage(cfg, spec.unit_start, spec.unit_end, device, embedding, blocks, head, kv, stage_backend)
+    return Stage(cfg, spec.unit_start, spec.unit_end, device, embedding, blocks, head, kv, ops)

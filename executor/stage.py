@@ -17,7 +17,7 @@ from executor.attention import streaming_attention
 from executor.batch import StepBatch
 from executor.kv_cache import KVCache
 from executor.model_config import ModelConfig
-from executor.ops import rms_norm, silu_mul
+from executor.backends import TorchBackend
 from executor.rope import apply_rotary, inverse_frequencies, rotary_tables
 
 Linear = Callable[[torch.Tensor], torch.Tensor]  # [T, K] fp32 → [T, N] fp32
@@ -44,7 +44,7 @@ class HeadWeights:
 class Stage:
     def __init__(self, config: ModelConfig, unit_start: int, unit_end: int, device: torch.device,
                  embedding: torch.Tensor | None, blocks: list[BlockWeights], head: HeadWeights | None,
-                 kv: KVCache | None, backend: str = "torch"):
+                 kv: KVCache | None, ops=None):
         self.config = config
         self.unit_start, self.unit_end = unit_start, unit_end
         self.device = torch.device(device)
@@ -52,7 +52,8 @@ class Stage:
         self.blocks = blocks
         self.head = head
         self.kv = kv
-        self.backend = backend
+        self.ops = ops or TorchBackend()
+        self.backend = self.ops.name  # "helm" | "torch"
         self.first_block = max(unit_start, 1) - 1  # model layer index of blocks[0]
         self.inv_freq = inverse_frequencies(config.rope, config.head_dim).to(self.device)
         self.scale = config.head_dim ** -0.5
@@ -80,7 +81,7 @@ class Stage:
                 x = self._block(x, block, i, batch, positions, cos, sin)
         if self.head is not None:
             x = x[batch.logit_rows.to(self.device)]
-            x = self.head.lm_head(rms_norm(x, self.head.norm, self.config.rms_norm_eps))
+            x = self.head.lm_head(self.ops.rms_norm(x, self.head.norm, self.config.rms_norm_eps))
         return x
 
     def _receive(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,17 +97,17 @@ class Stage:
         return x.to(self.device)
 
     def _block(self, x, w: BlockWeights, layer, batch, positions, cos, sin):
-        cfg = self.config
+        cfg, ops = self.config, self.ops
         T = x.shape[0]
-        h = rms_norm(x, w.input_norm, cfg.rms_norm_eps)
+        h = ops.rms_norm(x, w.input_norm, cfg.rms_norm_eps)
         qkv = w.qkv(h)  # [T, (H_q + 2·H_kv)·D]
         q, k, v = qkv.split((cfg.q_dim, cfg.kv_dim, cfg.kv_dim), dim=-1)
         q = q.reshape(T, cfg.num_heads, cfg.head_dim)  # [T, H_q, D]
         k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)  # [T, H_kv, D]
         v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
         if w.q_norm is not None:
-            q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+            q = ops.rms_norm(q, w.q_norm, cfg.rms_norm_eps)
+            k = ops.rms_norm(k, w.k_norm, cfg.rms_norm_eps)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
 
@@ -118,8 +119,8 @@ class Stage:
             # Decode (one query at the newest position) needs no mask: every cached key is visible.
             q_pos = positions[rows] if s.count > 1 else None
             attn[rows] = streaming_attention(q[rows], self.kv.chunks(layer, s.seq_id, end), self.scale, q_pos)
-        x = x + w.o(attn.reshape(T, cfg.q_dim))
+        x = ops.add_(x, w.o(attn.reshape(T, cfg.q_dim)))
 
-        h = rms_norm(x, w.post_norm, cfg.rms_norm_eps)
+        h = ops.rms_norm(x, w.post_norm, cfg.rms_norm_eps)
         gate, up = w.gate_up(h).split(cfg.intermediate_size, dim=-1)
-        return x + w.down(silu_mul(gate, up))
+        return ops.add_(x, w.down(ops.silu_mul(gate, up)))
