@@ -7,6 +7,7 @@ stage code.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 
 import torch
@@ -80,7 +81,7 @@ def resolve_backend(backend: str = "auto") -> str:
     if backend != "auto":
         return backend
     try:
-        import executor.kernels  # noqa: F401  (does the compiled extension load?)
+        importlib.import_module("executor.kernels")  # does the compiled extension load?
     except ImportError as e:
         log.warning("CPU kernels unavailable, using PyTorch ops: %s", e)
         return "torch"
