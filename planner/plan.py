@@ -10,13 +10,14 @@ canonical JSON of everything else, so a hand-edited plan is detected.
     save_plan(plan, path); plan.to_yaml()
     make_plan("tools/model_configs/qwen3-8b.json", machine=load_machine(...))   # search
     plan_for_split("path/to/checkpoint", split_k=3)                             # no profiling
+    replan(plan, calibration, recalibration)         # next version, search re-run (planner.calibrate)
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from planner.config import config_digest, config_dtype, read_config
@@ -31,7 +32,8 @@ from planner.units import fmt_bytes, round_sig
 __all__ = [
     "PlanError", "Plan", "ModelIdentity", "IRSummary", "Workload", "Limits", "StagePlan", "Partition",
     "KVPlan", "StagePrediction", "Prediction", "Candidate", "Search", "UnitIR", "SharedWeight",
-    "load_plan", "save_plan", "make_plan", "plan_for_split", "config_digest", "plan_digest", "predict",
+    "Recalibration", "MeasurementSource", "DeviceFit", "FitResidual",
+    "load_plan", "save_plan", "make_plan", "plan_for_split", "replan", "config_digest", "plan_digest", "predict",
     "PLAN_SCHEMA_VERSION",
 ]
 
@@ -151,6 +153,67 @@ class Search:
 
 
 @dataclass(frozen=True)
+class MeasurementSource:
+    """Which executor measured the steps a calibration was fitted to."""
+    source: str                         # "daemon HOST:PORT" | "report PATH" (as given to recalibrate)
+    architecture: str                   # model the daemon ran
+    kernel_isa: str                     # CPU kernels during the measurements ("helm-avx512", "torch", ...)
+    steps: int                          # engine steps the daemon measured on the plan
+
+
+@dataclass(frozen=True)
+class DeviceFit:
+    """What the fit found for one device (its decode rows)."""
+    device: str
+    delta_ms_per_block: float           # fitted δ (>= 0)
+    delta_stderr_ms: float | None       # its standard error (None: no degrees of freedom left)
+    eta_memory: float                   # η_m after the fit (fitted, or kept from the measured plan)
+    eta_memory_fitted: bool             # false: fewer than 3 context buckets (or kept; see note)
+    eta_memory_stderr: float | None
+    note: str                           # why η_m was kept, δ held at 0, what the residuals say ("" if nothing)
+    buckets: int                        # decode rows (context buckets) in the fit
+    samples: int                        # decode steps in those rows
+    rms_error_pct_before: float         # over the fitted rows, the measured plan's model
+    rms_error_pct_after: float          # the same rows, the calibrated model
+    max_abs_error_pct_before: float
+    max_abs_error_pct_after: float
+
+
+@dataclass(frozen=True)
+class FitResidual:
+    """One fitted report row: measured against the model before and after calibration."""
+    stage: int
+    device: str
+    context_min: int                    # bucket [context_min, context_max) in tokens
+    context_max: int
+    samples: int                        # decode steps in the row
+    context_mean: float
+    batch_mean: float
+    measured_ms: float                  # mean measured stage time per step
+    predicted_before_ms: float          # the measured plan's prediction (from the report)
+    predicted_after_ms: float           # the calibrated model on the same steps
+    error_before_pct: float             # (measured - predicted) / predicted * 100
+    error_after_pct: float
+    weight: float                       # robust weight in the final fit (1: full; < 1: an outlier, down-weighted)
+
+
+@dataclass(frozen=True)
+class Recalibration:
+    """Where `calibration` came from: the measurements, the fit and its residuals (DESIGN §8).
+    Absent from plans whose calibration is the default or entered by hand."""
+    method: str                         # the fit, in words
+    measured_at: str                    # when the daemon made the report (UTC): the calibration's date
+    machine: str                        # machine profile the measured plan was made for
+    delta_from_other_machine: bool      # true: δ was fitted on `machine`, not on this plan's machine
+    measured_plan_version: int          # the plan whose steps were measured
+    measured_plan_digest: str
+    measured_split_k: int
+    executor: MeasurementSource
+    devices: tuple[DeviceFit, ...]      # one per device of the measured plan
+    residuals: tuple[FitResidual, ...]  # every fitted row
+
+
+@dataclass(frozen=True)
 class Plan:
     kind: str                           # always "plan"
     schema_version: int
@@ -165,12 +228,18 @@ class Plan:
     partition: Partition
     kv: KVPlan
     calibration: Calibration            # δ, η used for the prediction
+    # Where the calibration came from (set by `helm-plan recalibrate`, carried by --parent); not
+    # written when None, so plans with a default calibration read as before.
+    recalibration: Recalibration | None = field(default=None, kw_only=True)
     prediction: Prediction
     search: Search
     ir: IRSummary
 
     def to_dict(self) -> dict:
-        return to_dict(self)
+        data = to_dict(self)
+        if data["recalibration"] is None:
+            del data["recalibration"]
+        return data
 
     def to_yaml(self) -> str:
         from planner.yamlio import dump_yaml
@@ -188,7 +257,7 @@ def _canonical(data: dict) -> bytes:
 
 
 def plan_digest(plan_or_dict: Plan | dict) -> str:
-    data = plan_or_dict if isinstance(plan_or_dict, dict) else to_dict(plan_or_dict)
+    data = plan_or_dict if isinstance(plan_or_dict, dict) else plan_or_dict.to_dict()
     return "sha256:" + hashlib.sha256(_canonical(data)).hexdigest()
 
 
@@ -283,7 +352,24 @@ def header_lines(plan: Plan) -> list[str]:
     line2 = (f"Predicted {pr.ms_per_token:g} ms/token ({pr.tokens_per_s:g} tok/s) at context "
              f"{pr.context_tokens}, batch {pr.batch_size}: {' + '.join(terms)} ms"
              f" (roofline {pr.roofline_ms_per_token:g} ms before δ); TTFT {pr.ttft_ms:g} ms")
-    return [line1, line2, "Why: " + _why(plan)]
+    lines = [line1, line2, "Why: " + _why(plan)]
+    if plan.recalibration is not None:
+        lines.append(_calibration_line(plan))
+    return lines
+
+
+def _calibration_line(plan: Plan) -> str:
+    rec, cal = plan.recalibration, plan.calibration
+    fits = "; ".join(
+        f"{d.device} δ {cal.for_device(d.device).delta_ms_per_block:g} ms/block, η_m "
+        f"{cal.for_device(d.device).eta_memory:g}{'' if d.eta_memory_fitted else ' (kept)'}" for d in rec.devices)
+    where = (f"from {max(d.samples for d in rec.devices)} decode steps of plan v{rec.measured_plan_version} "
+             f"measured on {rec.machine} at {rec.measured_at}")
+    if rec.delta_from_other_machine:
+        return (f"Calibration carried from {rec.machine}: η as fitted there; δ was measured on {rec.machine}, "
+                f"not on {plan.machine.name}: recalibrate on this machine ({fits}).")
+    errors = ", ".join(f"{d.device} {d.rms_error_pct_before:.1f}% -> {d.rms_error_pct_after:.1f}%" for d in rec.devices)
+    return f"Calibrated {where}: {fits}; rms decode error {errors}."
 
 
 def _why(plan: Plan) -> str:
@@ -393,7 +479,11 @@ def make_plan(model: str | Path | dict, machine: MachineProfile | None = None, *
               calibration: Calibration | None = None, parent: Plan | None = None,
               source: str | None = None) -> Plan:
     """Trace the model, score every split on `machine`, and return the plan for the best one
-    (or for `split_k` when given). PlanError when the input is bad or nothing fits."""
+    (or for `split_k` when given). PlanError when the input is bad or nothing fits.
+
+    With `parent` the plan is its next version and inherits its calibration (unless
+    `calibration` is given) by `carry_calibration`: a parent calibrated on another machine keeps
+    its η and δ, but the plan says that δ was measured elsewhere."""
     data, given_source = read_config(model)
     dtype = config_dtype(data, dtype)
     machine = machine or placeholder_machine()
@@ -404,20 +494,61 @@ def make_plan(model: str | Path | dict, machine: MachineProfile | None = None, *
     if not 0 < watermark <= 1:
         raise PlanError(f"--watermark must be in (0, 1], got {watermark}")
     gpu_budget, host_budget = _budgets(machine, gpu_memory_bytes, host_memory_bytes)
-    calibration = calibration or (parent.calibration if parent else machine.calibration)
+    recalibration = None
+    if calibration is None:
+        if parent is not None:
+            calibration, recalibration = carry_calibration(parent, machine)
+        else:
+            calibration = machine.calibration
 
     ir = trace_model(data, dtype)
-    units, shared, n = ir.units, ir.shared_weights, ir.num_units
+    identity = ModelIdentity(architecture=ir.architecture, model_type=ir.model_type,
+                             config_digest=config_digest(data), dtype=dtype, source=source or given_source,
+                             num_blocks=ir.num_blocks, num_params=ir.num_params, weight_bytes=ir.weight_bytes)
+    return _assemble(identity, IRSummary(trace_context_tokens=ir.trace_context_tokens, units=ir.units,
+                                         shared_weights=ir.shared_weights),
+                     machine, workload,
+                     Limits(gpu_memory_bytes=gpu_memory_bytes, host_memory_bytes=host_memory_bytes,
+                            gpu_budget_bytes=gpu_budget, host_budget_bytes=host_budget),
+                     KVPlan(page_size_tokens=page_size_tokens, watermark=watermark, offload=kv_offload),
+                     split_k, allow_infeasible, calibration, recalibration, parent)
+
+
+def carry_calibration(parent: Plan, machine: MachineProfile) -> tuple[Calibration, Recalibration | None]:
+    """The calibration a plan derived from `parent` for `machine` starts from. The same machine:
+    all of it. Another machine: η is relative to each machine's measured rates, so it carries;
+    δ is an absolute per-block cost of the machine it was fitted on, so it is kept as the best
+    prior there is, but `recalibration.delta_from_other_machine` says where it came from."""
+    rec = parent.recalibration
+    if rec is not None:
+        rec = replace(rec, delta_from_other_machine=rec.machine != machine.name)
+    return parent.calibration, rec
+
+
+def replan(plan: Plan, calibration: Calibration, recalibration: Recalibration | None) -> Plan:
+    """The next version of `plan` with another calibration: the search re-run from the plan's own
+    IR (no config or weights needed) on the same machine, workload, limits and KV settings. A
+    plan whose split was forced keeps it; otherwise the calibrated model may move k."""
+    p = plan.partition
+    return _assemble(plan.model, plan.ir, plan.machine, plan.workload, plan.limits, plan.kv,
+                     p.split_k if p.forced else None, True, calibration, recalibration, plan)
+
+
+def _assemble(identity: ModelIdentity, ir: IRSummary, machine: MachineProfile, workload: Workload,
+              limits: Limits, kv_settings: KVPlan, split_k: int | None, allow_infeasible: bool,
+              calibration: Calibration, recalibration: Recalibration | None, parent: Plan | None) -> Plan:
+    """Score every split of `ir` on `machine` and build the plan for the best (or `split_k`)."""
+    units, shared, n = ir.units, ir.shared_weights, len(ir.units)
     space = SearchSpace(batch=workload.batch_size, context=workload.context_tokens,
-                        prompt=workload.prompt_tokens, page_size_tokens=page_size_tokens,
-                        watermark=watermark, offload=kv_offload, gpu_budget_bytes=gpu_budget,
-                        host_budget_bytes=host_budget)
+                        prompt=workload.prompt_tokens, page_size_tokens=kv_settings.page_size_tokens,
+                        watermark=kv_settings.watermark, offload=kv_settings.offload,
+                        gpu_budget_bytes=limits.gpu_budget_bytes, host_budget_bytes=limits.host_budget_bytes)
     costs = evaluate_all(units, shared, machine, space, calibration)
     best = best_split(costs)
-    model_name = f"{ir.architecture} ({source or given_source})"
+    model_name = f"{identity.architecture} ({identity.source})"
     if split_k is not None:
         if not 0 <= split_k <= n:
-            raise PlanError(f"--split {split_k} is out of range: {ir.architecture} has {n} units "
+            raise PlanError(f"--split {split_k} is out of range: {identity.architecture} has {n} units "
                             f"(k = units on the CPU, 0..{n})")
         chosen = costs[split_k]
         if not chosen.feasible and not allow_infeasible:
@@ -434,24 +565,18 @@ def make_plan(model: str | Path | dict, machine: MachineProfile | None = None, *
         kind="plan", schema_version=PLAN_SCHEMA_VERSION,
         plan_version=(parent.plan_version + 1) if parent else 1, digest="",
         parent_digest=parent.digest if parent else None, tool_version=_tool_version(),
-        model=ModelIdentity(architecture=ir.architecture, model_type=ir.model_type,
-                            config_digest=config_digest(data), dtype=dtype,
-                            source=source or given_source, num_blocks=ir.num_blocks,
-                            num_params=ir.num_params, weight_bytes=ir.weight_bytes),
-        machine=machine, workload=workload,
-        limits=Limits(gpu_memory_bytes=gpu_memory_bytes, host_memory_bytes=host_memory_bytes,
-                      gpu_budget_bytes=gpu_budget, host_budget_bytes=host_budget),
+        model=identity, machine=machine, workload=workload, limits=limits,
         partition=Partition(split_k=chosen.split_k, num_units=n, forced=split_k is not None, stages=stages),
-        kv=KVPlan(page_size_tokens=page_size_tokens, watermark=watermark, offload=kv_offload,
-                  pages_per_sequence=kv.pages_per_sequence, device_page_bytes=kv.device_page_bytes,
-                  cpu_page_bytes=kv.cpu_page_bytes, device_pages=kv.device_pages,
-                  host_pages=kv.host_pages, cpu_pages=kv.cpu_pages),
+        kv=replace(kv_settings, pages_per_sequence=kv.pages_per_sequence, device_page_bytes=kv.device_page_bytes,
+                   cpu_page_bytes=kv.cpu_page_bytes, device_pages=kv.device_pages,
+                   host_pages=kv.host_pages, cpu_pages=kv.cpu_pages),
         calibration=calibration,
+        recalibration=recalibration,
         prediction=_prediction(chosen, workload),
         search=Search(objective="minimum predicted ms/token among feasible splits (ties: larger k)",
                       best_feasible_k=best.split_k if best else None,
                       candidates=tuple(_candidate(c) for c in costs)),
-        ir=IRSummary(trace_context_tokens=ir.trace_context_tokens, units=units, shared_weights=shared),
+        ir=ir,
     )
     return _seal(plan)
 
