@@ -6,6 +6,7 @@
     helm-plan validate FILE...
     helm-plan diff A B [--json]
     helm-plan trace MODEL [--json]
+    helm-plan recalibrate PLAN (--report REPORT.json | --executor HOST:PORT) -o NEW_PLAN [--apply]
 
 Exit status: 0 success; 1 validate found an invalid file / diff found differences; 2 bad input or
 error (a one-line message, never a traceback).
@@ -113,6 +114,21 @@ def _parser() -> argparse.ArgumentParser:
     di.add_argument("a", metavar="A")
     di.add_argument("b", metavar="B")
     di.add_argument("--json", action="store_true")
+
+    rc = sub.add_parser("recalibrate", help="fit δ and η_m to the executor's measurements; write the next plan version",
+                        description="Fit the per-block overhead δ (and the memory efficiency η_m, given >= 3 context "
+                                    "buckets) of every device of PLAN to the executor's measured step times, re-run "
+                                    "the search with the calibrated model, write the next plan version, and print "
+                                    "measured vs predicted per stage and context bucket, before and after.")
+    rc.add_argument("plan", metavar="PLAN", help="the plan the executor measured")
+    src = rc.add_mutually_exclusive_group(required=True)
+    src.add_argument("--report", metavar="FILE", help="a report written by `helm-executor report -o FILE`")
+    src.add_argument("--executor", metavar="HOST:PORT", help="fetch the plan's report from this running daemon")
+    rc.add_argument("-o", "--output", metavar="NEW_PLAN", required=True, help="write the next plan version here")
+    rc.add_argument("--apply", action="store_true", help="load the new plan into the daemon (--executor) and confirm")
+    rc.add_argument("--min-samples", type=_int_arg("--min-samples", 1), default=None,
+                    help="decode steps every stage needs (default 20)")
+    rc.add_argument("--timeout", type=_float_arg, default=30.0, help="seconds to wait for the daemon's report")
 
     tr = sub.add_parser("trace", help="trace MODEL and print its partition units (no machine needed)")
     tr.add_argument("model", metavar="MODEL")
@@ -243,8 +259,52 @@ def cmd_trace(args) -> int:
     return EXIT_OK
 
 
+def cmd_recalibrate(args) -> int:
+    """Everything is read, checked and fitted before anything is written: bad input writes nothing."""
+    from planner.calibrate import (MIN_STAGE_SAMPLES, apply_plan, check_addr, fetch_report, format_table,
+                                   read_report, recalibrate)
+    from planner.plan import load_plan
+    from planner.schema import validate
+
+    if args.apply and not args.executor:
+        raise PlanError("--apply loads the new plan into a running daemon: give its address with --executor "
+                        "HOST:PORT (with --report, load it yourself: LoadPlan)")
+    out = Path(args.output)
+    if out.exists() and out.resolve() == Path(args.plan).resolve():
+        raise PlanError(f"-o {args.output} is PLAN itself: write the next version to a new file (the parent stays "
+                        "as the executor measured it)")
+    if args.executor:
+        check_addr(args.executor)
+    plan = load_plan(args.plan)
+    if args.executor:
+        report, source, label = fetch_report(args.executor, plan, args.timeout), f"daemon {args.executor}", \
+            f"the report of the daemon at {args.executor}"
+    else:
+        report, source, label = read_report(args.report), f"report {args.report}", f"report {args.report}"
+    result = recalibrate(plan, report, source, args.min_samples or MIN_STAGE_SAMPLES, label)
+    validate(result.plan.to_dict(), "plan", "new plan")  # never write a plan the executor would reject
+    text = result.plan.to_yaml()
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text)
+        tmp.replace(out)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise PlanError(f"cannot write {args.output}: {e.strerror or e}") from None
+    print(format_table(result))
+    print(f"wrote {args.output}: plan v{result.plan.plan_version} {result.plan.digest[:19]}…, parent "
+          f"{plan.digest[:19]}…")
+    if args.apply:
+        try:
+            print(apply_plan(args.executor, result.plan))
+        except PlanError as e:
+            raise PlanError(f"{e} (the new plan is written to {args.output}; it was not applied)") from None
+    return EXIT_OK
+
+
 COMMANDS = {"profile": cmd_profile, "plan": cmd_plan, "show": cmd_show, "validate": cmd_validate,
-            "diff": cmd_diff, "trace": cmd_trace}
+            "diff": cmd_diff, "trace": cmd_trace, "recalibrate": cmd_recalibrate}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,11 +14,11 @@ from typing import Any
 from planner.plan import Plan
 
 _MISSING = object()
-SECTIONS = ("partition", "kv", "prediction", "machine", "calibration", "workload", "limits", "model",
+SECTIONS = ("partition", "kv", "prediction", "machine", "calibration", "recalibration", "workload", "limits", "model",
             "plan_version", "parent_digest", "tool_version", "schema_version", "kind", "search", "ir")
 _KEYED = {"partition.stages": "device", "prediction.stages": "device", "search.candidates": "split_k",
-          "ir.units": "index", "ir.shared_weights": "name"}
-_SUMMARIZED = ("search.candidates", "ir.units")  # many rows: counted in the text output
+          "ir.units": "index", "ir.shared_weights": "name", "recalibration.devices": "device"}
+_SUMMARIZED = ("search.candidates", "ir.units", "recalibration.residuals")  # many rows: counted in the text output
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,12 @@ class Change:
 
 
 def _walk(a, b, path: str, out: list[Change]) -> None:
+    if path.startswith("recalibration") and (a is _MISSING) != (b is _MISSING):
+        # a plan gained (or lost) its calibration's provenance: show it leaf by leaf, not as one blob
+        other = b if a is _MISSING else a
+        if isinstance(other, (dict, list)):
+            empty = type(other)()
+            a, b = (empty if a is _MISSING else a), (empty if b is _MISSING else b)
     if isinstance(a, dict) and isinstance(b, dict):
         for k in list(a) + [k for k in b if k not in a]:
             if path == "" and k == "digest":
@@ -104,8 +110,9 @@ def format_diff(a: Plan, b: Plan, changes: list[Change], label_a: str = "A", lab
             lines.append(f"{section}:")
         lines.append(f"  {c.path}: {_fmt(c.a, c.a_present)} -> {_fmt(c.b, c.b_present)}{_rel(c.a, c.b)}")
     for prefix, rows in summarized.items():
-        total = len(a.to_dict()[prefix.split(".")[0]][prefix.split(".")[1]])
-        what = "k" if prefix == "search.candidates" else "unit"
+        section, key = prefix.split(".")
+        total = max(len(p.to_dict().get(section, {}).get(key, [])) for p in (a, b))
+        what = {"search.candidates": "k", "ir.units": "unit"}.get(prefix, "row")
         lines.append(f"{prefix.split('.')[0]}:")
         lines.append(f"  {prefix}: {len(rows)} of {total} rows differ ({what} = {', '.join(rows[:12])}"
                      f"{', …' if len(rows) > 12 else ''}); see --json for every value")

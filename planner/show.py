@@ -54,6 +54,14 @@ def format_summary(plan: Plan) -> str:
     c = plan.calibration
     lines.append(f"calib     {c.provenance}, {c.samples} samples: δ cpu {c.cpu.delta_ms_per_block:g} ms, "
                  f"cuda {c.cuda.delta_ms_per_block:g} ms per block; η_m cpu {c.cpu.eta_memory:g}, cuda {c.cuda.eta_memory:g}")
+    r = plan.recalibration
+    if r is not None:
+        fits = ", ".join(f"{d.device} rms error {d.rms_error_pct_before:.1f}% -> {d.rms_error_pct_after:.1f}%"
+                         for d in r.devices)
+        lines.append(f"          fitted to plan v{r.measured_plan_version} {r.measured_plan_digest[:19]}… measured on "
+                     f"{r.machine} at {r.measured_at} ({r.executor.source}, kernels {r.executor.kernel_isa}): {fits}")
+        if r.delta_from_other_machine:
+            lines.append(f"          δ came from {r.machine}, not this machine ({plan.machine.name}): recalibrate here")
     return "\n".join(lines)
 
 
