@@ -1,0 +1,345 @@
+"""helm-plan recalibrate: the fit recovers a known δ and η_m from synthetic reports, the next plan
+version is right and deterministic, calibration carries across machines only where it should,
+bad input writes nothing, and (end to end) a real daemon's report is fitted and applied.
+
+Synthetic reports go through the executor's own Recorder, so they are exactly what the daemon
+writes: each step's "measured" time is the cost model under a known true calibration, times
+(1 + noise). There is no GPU here: δ and η_m for cuda are only ever fitted from such reports.
+"""
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from executor.report import Recorder
+from planner import cli
+from planner.calibrate import fetch_report, read_report, recalibrate
+from planner.errors import PlanError
+from planner.machine import Calibration, DeviceCalibration
+from planner.plan import load_plan, make_plan, predict, save_plan
+from tests.planner.conftest import REPO, config_path, rel_source
+
+DEV_PLAN = REPO / "plans" / "qwen3-0.6b.helm-dev-2core.yaml"     # all on the CPU, 28 blocks
+LAPTOP_8B = REPO / "plans" / "qwen3-8b.laptop-rtx4060.yaml"      # k=21: 20 blocks cpu, 16 cuda
+LONG = [128 << i for i in range(9)]                                # 128 .. 32768: 9 buckets
+SHORT = [128 << i for i in range(6)]                               # 128 .. 4096: 6 buckets
+CREATED_NS = 1_795_000_000_000_000_000                             # fixed: reports and plans are reproducible
+RECOVERY_TOLERANCE = 0.02                                          # issue 6: within 2%
+
+
+def synthetic_report(plan, truth: Calibration, contexts, steps: int = 64, noise: float = 0.01, seed: int = 0,
+                     disturb: dict[int, float] | None = None, batch: int = 1):
+    """A report of `plan` whose steps took what the cost model says under `truth`, times
+    (1 + noise·N(0,1)) per step, and (1 + disturb[c]) for every step of the bucket starting at c.
+    Each bucket gets `steps` decode steps at contexts c, c+1, ...; one prefill step is added
+    (reported, not fitted)."""
+    rng = random.Random(seed)
+    true_plan = replace(plan, calibration=truth)
+    rec = Recorder(plan, "synthetic", plan.model.architecture, "helm-synthetic")
+    for c in contexts:
+        factor = 1 + (disturb or {}).get(c, 0.0)
+        for s in range(steps):
+            p = predict(true_plan, c + s, batch)
+            ms = [st.ms_per_token + (p.comm_ms_per_token if i else 0.0) for i, st in enumerate(p.stages)]
+            rec.record("decode", c + s, batch, batch, tuple(m * factor * (1 + noise * rng.gauss(0, 1)) for m in ms))
+    rec.record("prefill", contexts[0], 1, contexts[0], tuple(100.0 for _ in plan.partition.stages))
+    return replace(rec.report(), created_unix_ns=CREATED_NS)
+
+
+def assert_recovered(result, truth: Calibration):
+    for fit in result.fits:
+        want = truth.for_device(fit.device)
+        assert fit.eta_memory_fitted, fit.note
+        assert fit.delta_ms_per_block == pytest.approx(want.delta_ms_per_block, rel=RECOVERY_TOLERANCE), fit
+        assert fit.eta_memory == pytest.approx(want.eta_memory, rel=RECOVERY_TOLERANCE), fit
+        cal = result.plan.calibration.for_device(fit.device)
+        assert (cal.delta_ms_per_block, cal.eta_memory) == (fit.delta_ms_per_block, fit.eta_memory)
+
+
+@pytest.fixture(scope="module")
+def dev_plan():
+    return load_plan(DEV_PLAN)
+
+
+@pytest.fixture(scope="module")
+def split_plan(laptop):
+    """Qwen3-0.6B on the laptop, forced split: 14 blocks on the CPU, 14 + the head on the GPU."""
+    return make_plan(config_path("qwen3-0.6b"), laptop, split_k=15, source=rel_source("qwen3-0.6b"))
+
+
+# ---- the fit -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_recovers_delta_and_eta_per_device_within_2_percent(split_plan, seed):
+    truth = Calibration(cpu=DeviceCalibration(eta_memory=0.9, delta_ms_per_block=0.8),
+                        cuda=DeviceCalibration(eta_memory=0.85, delta_ms_per_block=0.14))
+    result = recalibrate(split_plan, synthetic_report(split_plan, truth, LONG, seed=seed), "synthetic")
+    assert [f.device for f in result.fits] == ["cpu", "cuda"]
+    assert_recovered(result, truth)
+    for fit in result.fits:
+        assert fit.buckets == 9 and fit.samples == 9 * 64
+        assert fit.rms_error_pct_after < 0.5 < fit.rms_error_pct_before
+        assert fit.delta_stderr_ms is not None and fit.eta_memory_stderr is not None
+
+
+def test_recovers_the_cpu_calibration_of_an_all_cpu_plan(dev_plan):
+    truth = Calibration(cpu=DeviceCalibration(eta_memory=0.7, delta_ms_per_block=1.0))
+    result = recalibrate(dev_plan, synthetic_report(dev_plan, truth, LONG, seed=3), "synthetic")
+    assert_recovered(result, truth)
+    assert result.plan.calibration.cuda == dev_plan.calibration.cuda      # no cuda stage: untouched
+
+
+def test_a_disturbed_bucket_is_left_out(split_plan):
+    """Another process slowed one bucket by 30%: bisquare weights give it no say."""
+    truth = Calibration(cpu=DeviceCalibration(eta_memory=0.9, delta_ms_per_block=0.8),
+                        cuda=DeviceCalibration(eta_memory=0.85, delta_ms_per_block=0.14))
+    result = recalibrate(split_plan, synthetic_report(split_plan, truth, LONG, seed=4, disturb={1024: 0.3}),
+                         "synthetic")
+    assert_recovered(result, truth)
+    disturbed = [r for r in result.plan.recalibration.residuals if r.context_min == 1024]
+    assert len(disturbed) == 2 and all(r.weight == 0 and r.error_after_pct == pytest.approx(30, abs=1.5)
+                                       for r in disturbed)
+    assert all("left out as outliers" in f.note for f in result.fits)
+    assert [r.status for r in result.rows if r.context_min == 1024 and r.phase == "decode"] == ["outlier: weight 0"] * 2
+
+
+def test_fewer_than_three_buckets_fit_delta_alone(dev_plan):
+    truth = Calibration(cpu=DeviceCalibration(eta_memory=1.0, delta_ms_per_block=0.5))
+    result = recalibrate(dev_plan, synthetic_report(dev_plan, truth, [512, 1024]), "synthetic")
+    (fit,) = result.fits
+    assert not fit.eta_memory_fitted and fit.eta_memory == 1.0 and "needs >= 3" in fit.note
+    assert fit.delta_ms_per_block == pytest.approx(0.5, rel=RECOVERY_TOLERANCE)
+
+
+def test_eta_is_kept_where_the_buckets_cannot_tell_it_from_delta():
+    """The laptop's CPU reads 4k contexts of KV from L3 at compute-bound speed: how time grows
+    with context says nothing about η_m, so any η_m fits with a matching δ. It is kept, δ fitted."""
+    plan = load_plan(LAPTOP_8B)
+    truth = Calibration(cpu=DeviceCalibration(delta_ms_per_block=0.8), cuda=DeviceCalibration(delta_ms_per_block=0.14))
+    result = recalibrate(plan, synthetic_report(plan, truth, SHORT, noise=0.0), "synthetic")
+    cpu = result.fits[0]
+    assert cpu.device == "cpu" and not cpu.eta_memory_fitted and "do not pin it down" in cpu.note
+    assert cpu.delta_ms_per_block == pytest.approx(0.8, rel=RECOVERY_TOLERANCE)
+
+
+def test_the_search_rerun_may_move_the_split(tmp_path, capsys):
+    """GPU blocks that pay 8 ms of overhead each are slower than CPU blocks: units move to the CPU."""
+    plan = load_plan(LAPTOP_8B)
+    truth = Calibration(cuda=DeviceCalibration(delta_ms_per_block=8.0))
+    report = synthetic_report(plan, truth, SHORT, noise=0.0)
+    result = recalibrate(plan, report, "synthetic")
+    assert result.plan.partition.split_k > plan.partition.split_k == 21
+    assert result.plan.search.best_feasible_k == result.plan.partition.split_k
+    new = tmp_path / "new.yaml"
+    save_plan(result.plan, new)
+    code = cli.main(["diff", str(LAPTOP_8B), str(new)])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert f"partition.split_k: 21 -> {result.plan.partition.split_k}" in out
+    assert "calibration.cuda.delta_ms_per_block: 0 -> 8" in out and "calibration.provenance: default -> recalibrated" in out
+    assert "recalibration.devices[cuda].delta_ms_per_block: (absent) -> 8" in out and "plan_version: 1 -> 2" in out
+
+
+# ---- the written plan --------------------------------------------------------------------------
+
+def write_report(report, path: Path) -> Path:
+    report.write(path)
+    return path
+
+
+def test_writes_the_next_version_deterministically(dev_plan, tmp_path, capsys):
+    truth = Calibration(cpu=DeviceCalibration(eta_memory=0.7, delta_ms_per_block=1.0))
+    report_path = write_report(synthetic_report(dev_plan, truth, LONG, seed=5), tmp_path / "report.json")
+    assert read_report(report_path).rows[0].samples == 64
+    outs = [tmp_path / "a" / "v2.yaml", tmp_path / "b" / "v2.yaml"]
+    for out in outs:
+        assert cli.main(["recalibrate", str(DEV_PLAN), "--report", str(report_path), "-o", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    assert outs[0].read_bytes() == outs[1].read_bytes()              # same input, same bytes
+    v2 = load_plan(outs[0])
+    assert v2.plan_version == 2 and v2.parent_digest == dev_plan.digest != v2.digest
+    assert v2.calibration.provenance == "recalibrated" and v2.calibration.samples == 9 * 64
+    rec = v2.recalibration
+    assert rec.measured_at == "2026-11-18T11:06:40Z" and rec.machine == "helm-dev-2core"
+    assert (rec.measured_plan_digest, rec.measured_plan_version, rec.measured_split_k) == (dev_plan.digest, 1, 30)
+    assert rec.executor.source == f"report {report_path}" and rec.executor.kernel_isa == "helm-synthetic"
+    assert not rec.delta_from_other_machine and len(rec.residuals) == 9
+    assert v2.prediction.ms_per_token > dev_plan.prediction.ms_per_token     # δ > 0, η_m < 1: slower
+    header = outs[0].read_text().splitlines()
+    assert header[3].startswith("# Calibrated from 576 decode steps of plan v1 measured on helm-dev-2core")
+    # the table: every bucket before and after, prefill shown but not fitted
+    assert re.search(r"cpu  δ 0 -> 0\.99\d* ± [0-9.]+ ms/block, η_m 1 -> 0\.699\d* ± ", stdout), stdout
+    assert stdout.count("  decode  ") == 2 * 9 and "prefill" in stdout and "not fitted" in stdout
+    assert f"wrote {outs[0]}: plan v2" in stdout
+    # and again: v3 from a report of v2
+    truth3 = Calibration(cpu=DeviceCalibration(eta_memory=0.75, delta_ms_per_block=0.9))
+    report3 = write_report(synthetic_report(v2, truth3, LONG, seed=6), tmp_path / "report3.json")
+    v3_path = tmp_path / "v3.yaml"
+    assert cli.main(["recalibrate", str(outs[0]), "--report", str(report3), "-o", str(v3_path)]) == 0
+    v3 = load_plan(v3_path)
+    assert v3.plan_version == 3 and v3.parent_digest == v2.digest
+    assert v3.calibration.cpu.delta_ms_per_block == pytest.approx(0.9, rel=RECOVERY_TOLERANCE)
+    assert re.search(r"η_m 0\.69\d* -> 0\.7[45]", capsys.readouterr().out)   # starts from v2's calibration
+    assert cli.main(["validate", str(v3_path)]) == 0
+
+
+def test_plans_without_recalibration_keep_their_bytes(dev_plan):
+    assert "recalibration" not in dev_plan.to_dict()
+    assert dev_plan.to_yaml() == DEV_PLAN.read_text()
+
+
+def test_calibration_carries_across_machines_only_where_it_should(dev_plan, laptop, tmp_path, capsys):
+    truth = Calibration(cpu=DeviceCalibration(eta_memory=0.7, delta_ms_per_block=1.0))
+    v2 = recalibrate(dev_plan, synthetic_report(dev_plan, truth, LONG), "synthetic").plan
+    v2_path = tmp_path / "v2.yaml"
+    save_plan(v2, v2_path)
+
+    # the same machine: everything carries, δ is from here
+    same = make_plan(config_path("qwen3-0.6b"), dev_plan.machine, parent=v2, source=rel_source("qwen3-0.6b"))
+    assert same.calibration == v2.calibration and same.recalibration == v2.recalibration
+    assert not same.recalibration.delta_from_other_machine and same.plan_version == 3
+
+    # another machine: η and δ carry (δ is the best prior there is), but the plan says δ came from elsewhere
+    out = tmp_path / "laptop.yaml"
+    assert cli.main(["plan", str(config_path("qwen3-0.6b")), "--machine", str(REPO / "plans/machines/laptop-rtx4060-i7-13700h.yaml"),
+                     "--parent", str(v2_path), "-o", str(out)]) == 0
+    other = load_plan(out)
+    assert other.machine.name == laptop.name and other.parent_digest == v2.digest and other.plan_version == 3
+    assert other.calibration.cpu.eta_memory == v2.calibration.cpu.eta_memory == pytest.approx(0.7, rel=0.02)
+    assert other.calibration.cpu.delta_ms_per_block == v2.calibration.cpu.delta_ms_per_block
+    assert other.recalibration.delta_from_other_machine and other.recalibration.machine == "helm-dev-2core"
+    assert "δ was measured on helm-dev-2core, not on laptop-rtx4060-i7-13700h: recalibrate" in out.read_text()
+    capsys.readouterr()
+    assert cli.main(["show", str(out)]) == 0
+    assert "δ came from helm-dev-2core, not this machine" in capsys.readouterr().out
+    # recalibrating on the laptop makes δ its own again
+    truth_laptop = Calibration(cpu=DeviceCalibration(eta_memory=0.6, delta_ms_per_block=0.3),
+                               cuda=DeviceCalibration(eta_memory=0.8, delta_ms_per_block=0.2))
+    mine = recalibrate(other, synthetic_report(other, truth_laptop, LONG), "synthetic").plan
+    assert not mine.recalibration.delta_from_other_machine and mine.recalibration.machine == laptop.name
+
+
+# ---- bad input: a clear one-line error, nothing written ----------------------------------------
+
+@pytest.fixture(scope="module")
+def good_report_data(dev_plan):
+    truth = Calibration(cpu=DeviceCalibration(eta_memory=0.8, delta_ms_per_block=0.5))
+    return synthetic_report(dev_plan, truth, SHORT, steps=8).to_dict()
+
+
+def _mutate(data: dict, how: str):
+    data = json.loads(json.dumps(data))
+    if how == "another plan":
+        data["plan"]["digest"] = "sha256:" + "0" * 64
+    elif how == "another model":
+        data["architecture"] = "LlamaForCausalLM"
+    elif how == "too few samples":
+        for row in data["rows"]:
+            row["samples"] = 3
+    elif how == "schema-invalid":
+        data["rows"][0]["phase"] = "warmup"
+    elif how == "no rows":
+        data["rows"] = []
+    elif how == "edited partition":
+        data["plan"]["split_k"] = 29
+    return json.dumps(data)
+
+
+BAD_REPORTS = {
+    "another plan": "measured another plan: v1 sha256:000000000000…",
+    "another model": "measured a LlamaForCausalLM model; the plan is for Qwen3ForCausalLM",
+    "too few samples": "too few samples in report .*: stage 0 \\(cpu\\) has 18 decode step\\(s\\) in 6 context bucket",
+    "schema-invalid": "report.schema.json violation at field 'rows.0.phase'",
+    "no rows": "has no measurements: the daemon has not run a step of this plan yet",
+    "edited partition": "names the plan's digest but not its partition",
+    "empty file": "is empty",
+    "empty object": "is empty",
+    "not JSON": "is not JSON",
+}
+
+
+@pytest.mark.parametrize("how", sorted(BAD_REPORTS))
+def test_bad_reports_are_clear_errors_and_write_nothing(how, good_report_data, tmp_path, capsys):
+    path = tmp_path / "report.json"
+    raw = {"empty file": "", "empty object": "{}", "not JSON": "{rows: ["}
+    path.write_text(raw[how] if how in raw else _mutate(good_report_data, how))
+    out = tmp_path / "new.yaml"
+    code = cli.main(["recalibrate", str(DEV_PLAN), "--report", str(path), "-o", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and not out.exists() and not list(tmp_path.glob(".*.tmp"))
+    assert err.startswith("helm-plan: error: ") and err.count("\n") == 1 and "Traceback" not in err
+    assert re.search(BAD_REPORTS[how], err), err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--report", "no/such/report.json"], "report not found: no/such/report.json"),
+    (["--executor", "127.0.0.1:1", "--timeout", "10"], "cannot reach the executor daemon at 127.0.0.1:1"),
+    (["--executor", "nohost"], "--executor 'nohost': expected HOST:PORT"),
+    (["--report", "r.json", "--apply"], "--apply loads the new plan into a running daemon: give its address"),
+])
+def test_bad_arguments_and_unreachable_daemons_write_nothing(argv, message, tmp_path, capsys):
+    out = tmp_path / "new.yaml"
+    code = cli.main(["recalibrate", str(DEV_PLAN), *argv, "-o", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and not out.exists() and message in err and "Traceback" not in err
+
+
+def test_the_parent_is_never_overwritten(tmp_path, capsys):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(DEV_PLAN.read_text())
+    assert cli.main(["recalibrate", str(plan), "--report", "r.json", "-o", str(plan)]) == 2
+    assert "is PLAN itself" in capsys.readouterr().err and plan.read_text() == DEV_PLAN.read_text()
+
+
+def test_the_report_must_come_from_the_recalibrated_plan(dev_plan):
+    laptop_report = synthetic_report(load_plan(LAPTOP_8B), Calibration(), SHORT, steps=8)
+    with pytest.raises(PlanError, match="measured another plan.*machine 'laptop-rtx4060-i7-13700h', split k=21"):
+        recalibrate(dev_plan, laptop_report, "synthetic")
+
+
+# ---- end to end: a real daemon on loopback -----------------------------------------------------
+
+def test_recalibrate_from_a_live_daemon_and_apply(checkpoint, tmp_path, capsys):
+    from executor.pb import executor_pb2 as pb
+    from executor.server.client import ExecutorClient
+    from tests.executor.daemon.helpers import DaemonProcess, collect, write_plan
+
+    model = checkpoint("qwen3", "fp32")
+    v1_path = write_plan(model, 2, tmp_path / "v1.yaml")
+    other_path = write_plan(model, 3, tmp_path / "other.yaml")
+    daemon = DaemonProcess(["--plan", str(v1_path)], tmp_path / "daemon.log")
+    try:
+        with ExecutorClient(daemon.addr) as client:
+            client.wait_serving(timeout_s=120)
+            for prompt_tokens in (16, 32, 64):          # buckets [16, 32), [32, 64), [64, 128)
+                request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7] * prompt_tokens),
+                                             stopping=pb.StoppingCriteria(max_new_tokens=10, ignore_eos=True))
+                ids, _, _ = collect(client.stub.Generate(request, timeout=60))
+                assert len(ids) == 10
+            # a plan the daemon never served: no measurements
+            with pytest.raises(PlanError, match="has no measurements of this plan"):
+                fetch_report(daemon.addr, load_plan(other_path))
+
+            v2_path = tmp_path / "v2.yaml"
+            code = cli.main(["recalibrate", str(v1_path), "--executor", daemon.addr, "-o", str(v2_path), "--apply"])
+            out, err = capsys.readouterr()
+            assert code == 0, err
+            v2 = load_plan(v2_path)
+            assert v2.plan_version == 2 and v2.parent_digest == load_plan(v1_path).digest
+            assert v2.recalibration.executor.source == f"daemon {daemon.addr}"
+            assert [f.device for f in v2.recalibration.devices] == ["cpu", "cuda"]
+            assert f"applied: the daemon at {daemon.addr} serves plan v2 {v2.digest[:19]}" in out
+            assert client.get_plan().plan.digest == v2.digest
+            # the new plan serves: a request runs on it and its report fills
+            ids, _, _ = collect(client.stub.Generate(pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=[5] * 8), stopping=pb.StoppingCriteria(max_new_tokens=4, ignore_eos=True)),
+                timeout=60))
+            assert len(ids) == 4 and client.report(v2.digest).steps > 0
+    finally:
+        daemon.signal()
+        assert daemon.wait(60) == 0, daemon.log_path.read_text()
