@@ -4,8 +4,14 @@ shape.
 
 Every weight is cycled through a pool of copies of at least --pool-gib so that each call streams
 from DRAM, not from the (large) L3. For every row the three measurements alternate, --repeats
-times: read probe, our kernel, PyTorch; the table shows the median GB/s (weight bytes / time) and
+times: read probe (KernelSet.read_pass: every thread reads its share as 4 sequential streams with
+prefetch, over --read-gib), our `linear`, PyTorch's F.linear on the weight in its own dtype (x
+cast to it, as a bf16/fp16 model runs). The table shows the median GB/s (weight bytes / time),
 the min–max spread, and the ratios of the medians.
+
+The machine may be shared: a triple of samples during which other processes kept more than
+--max-foreign-cpu cores busy (from /proc/stat) is measured again, up to --retries times; the
+`redo` column counts those. Check `uptime` before a run that matters, and repeat it.
 
     python tools/bench_kernels.py                              # Qwen3 0.6B/1.7B/8B, bf16/fp16/fp32
     python tools/bench_kernels.py --models qwen3-8b --dtypes bf16 --batches 1,8 --threads 2
@@ -19,7 +25,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -48,6 +54,30 @@ def projection_shapes(config: dict, fused: bool) -> list[tuple[str, int, int]]:
     return shapes
 
 
+class ForeignLoad:
+    """CPU time used by other processes while a measurement ran, in cores (Linux /proc)."""
+
+    HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    @staticmethod
+    def _ticks() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(t) for t in f.readline().split()[1:9]]
+        busy = v[0] + v[1] + v[2] + v[5] + v[6] + v[7]  # user nice system irq softirq steal
+        with open("/proc/self/stat") as f:
+            own = f.read().rsplit(")", 1)[1].split()
+        return busy, int(own[11]) + int(own[12])  # utime + stime of all our threads
+
+    def __enter__(self):
+        self.t0, (self.b0, self.o0) = time.perf_counter(), self._ticks()
+        return self
+
+    def __exit__(self, *exc):
+        b1, o1 = self._ticks()
+        self.cores = ((b1 - self.b0) - (o1 - self.o0)) / self.HZ / (time.perf_counter() - self.t0)
+        return False
+
+
 @dataclass
 class Row:
     model: str
@@ -56,10 +86,12 @@ class Row:
     k: int
     dtype: str
     batch: int
+    path: str  # what K.linear ran: "ours" or "torch" (prefill policy)
     weight_mib: float
-    read_gbps: list[float]
-    ours_gbps: list[float]
-    torch_gbps: list[float]
+    read_gbps: list[float] = field(default_factory=list)
+    ours_gbps: list[float] = field(default_factory=list)
+    torch_gbps: list[float] = field(default_factory=list)
+    redone: int = 0
 
     @staticmethod
     def med(v: list[float]) -> float:
@@ -96,32 +128,61 @@ def bench_row(model, proj, n, k, dtype_name, batch, args, read_buf) -> Row:
     def torch_linear(w):
         F.linear(x_t, w)
 
+    path = "torch" if K.kernels.uses_torch(dtype, batch) else "ours"
+    row = Row(model, proj, n, k, dtype_name, batch, path, nbytes / 2**20)
     pool_gbps(ours, prepared, nbytes)  # warm-up: page in, settle clocks
-    row = Row(model, proj, n, k, dtype_name, batch, nbytes / 2**20, [], [], [])
+    if not args.no_torch:
+        pool_gbps(torch_linear, weights[:4], nbytes)
     for _ in range(args.repeats):
-        row.read_gbps.append(read_gbps(read_buf, args.threads))
-        row.ours_gbps.append(pool_gbps(ours, prepared, nbytes))
-        if not args.no_torch:
-            row.torch_gbps.append(pool_gbps(torch_linear, weights, nbytes))
+        for attempt in range(args.retries + 1):
+            with ForeignLoad() as load:
+                sample = (read_gbps(read_buf, args.threads), pool_gbps(ours, prepared, nbytes),
+                          None if args.no_torch else pool_gbps(torch_linear, weights, nbytes))
+            if load.cores <= args.max_foreign_cpu or attempt == args.retries:
+                break
+            row.redone += 1
+            time.sleep(1.0)
+        row.read_gbps.append(sample[0])
+        row.ours_gbps.append(sample[1])
+        if sample[2] is not None:
+            row.torch_gbps.append(sample[2])
     return row
 
 
 def fmt_spread(v: list[float]) -> str:
     if not v:
         return "-"
-    return f"{Row.med(v):6.1f} ({min(v):.1f}–{max(v):.1f})"
+    return f"{Row.med(v):5.1f} ({min(v):.1f}–{max(v):.1f})"
 
 
 HEADER = (f"{'model':<11} {'proj':<8} {'N×K':>13} {'dtype':<5} {'B':>3} {'MiB':>7}  "
-          f"{'read GB/s (min–max)':>21}  {'ours GB/s (min–max)':>21}  {'torch GB/s (min–max)':>21}"
-          f"  {'ours/read':>9} {'ours/torch':>10}")
+          f"{'read GB/s':>19}  {'ours GB/s':>19}  {'torch GB/s':>19}  "
+          f"{'ours/read':>9} {'ours/torch':>10} {'redo':>4}")
 
 
 def format_row(r: Row) -> str:
     rd, us, th = Row.med(r.read_gbps), Row.med(r.ours_gbps), Row.med(r.torch_gbps)
+    ours = fmt_spread(r.ours_gbps) + ("*" if r.path == "torch" else "")
     return (f"{r.model:<11} {r.proj:<8} {f'{r.n}×{r.k}':>13} {r.dtype:<5} {r.batch:>3} "
-            f"{r.weight_mib:7.1f}  {fmt_spread(r.read_gbps):>21}  {fmt_spread(r.ours_gbps):>21}  "
-            f"{fmt_spread(r.torch_gbps):>21}  {us / rd:9.0%} {us / th:10.2f}")
+            f"{r.weight_mib:7.1f}  {fmt_spread(r.read_gbps):>19}  {ours:>19}  "
+            f"{fmt_spread(r.torch_gbps):>19}  {us / rd:9.0%} {us / th:10.2f} {r.redone:4d}")
+
+
+def summary(rows: list[Row]) -> list[str]:
+    lines = []
+    for dtype in dict.fromkeys(r.dtype for r in rows):
+        for batch in dict.fromkeys(r.batch for r in rows):
+            sel = [r for r in rows if r.dtype == dtype and r.batch == batch]
+            if not sel:
+                continue
+            ratio = [Row.med(r.ours_gbps) / Row.med(r.read_gbps) for r in sel]
+            vs_torch = [Row.med(r.ours_gbps) / Row.med(r.torch_gbps) for r in sel if r.torch_gbps]
+            line = (f"# {dtype} B={batch}: ours/read min {min(ratio):.0%}, median "
+                    f"{statistics.median(ratio):.0%}, max {max(ratio):.0%} over {len(sel)} shapes")
+            if vs_torch:
+                line += f"; ours/torch median {statistics.median(vs_torch):.2f}"
+            lines.append(line)
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,15 +199,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--read-gib", type=float, default=2.0, help="size of the read-probe buffer")
     p.add_argument("--fused", action="store_true", help="also the executor's fused qkv and gate_up")
     p.add_argument("--no-torch", action="store_true", help="skip PyTorch's F.linear")
+    p.add_argument("--max-foreign-cpu", type=float, default=0.2,
+                   help="redo a sample while other processes used more cores than this")
+    p.add_argument("--retries", type=int, default=3, help="redos per sample at most")
     p.add_argument("--json", type=Path, help="also write every sample here")
     args = p.parse_args(argv)
 
     torch.set_num_threads(args.threads)
     read_buf = torch.ones(int(args.read_gib * GIB) // 8, dtype=torch.int64)
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"# kernels: ISA {K.KERNEL_ISA} (available: {', '.join(K.available_isas())}), "
-          f"threads {args.threads}, prefetch {K._kernels.prefetch_bytes()} B; torch {torch.__version__}; "
-          f"pool {args.pool_gib} GiB, read probe {args.read_gib} GiB; load avg {load:.2f}")
+          f"threads {args.threads}, prefetch {K._kernels.prefetch_bytes()} B; torch "
+          f"{torch.__version__} ({torch.get_num_threads()} threads); pool {args.pool_gib} GiB, "
+          f"read probe {args.read_gib} GiB; load avg {os.getloadavg()[0]:.2f}")
+    print(f"# GB/s: median (min–max) of {args.repeats}; * = this batch runs in PyTorch "
+          f"(TORCH_PREFILL_MIN_B)")
     print(HEADER)
     print("-" * len(HEADER))
     rows: list[Row] = []
@@ -157,11 +223,9 @@ def main(argv: list[str] | None = None) -> int:
                 for batch in (int(b) for b in args.batches.split(",")):
                     rows.append(bench_row(model, proj, n, k, dtype_name, batch, args, read_buf))
                     print(format_row(rows[-1]), flush=True)
-    ours_read = [Row.med(r.ours_gbps) / Row.med(r.read_gbps) for r in rows]
-    print(f"# ours/read: min {min(ours_read):.0%}, median {statistics.median(ours_read):.0%}, "
-          f"max {max(ours_read):.0%} over {len(rows)} rows")
-    load_end = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"# load avg at end {load_end:.2f}")
+    for line in summary(rows):
+        print(line)
+    print(f"# load avg at end {os.getloadavg()[0]:.2f}")
     if args.json:
         args.json.write_text(json.dumps({"isa": K.KERNEL_ISA, "threads": args.threads,
                                          "rows": [asdict(r) for r in rows]}, indent=1))
