@@ -246,7 +246,7 @@ class _RowModel:
 class _Solution:
     delta: float
     eta: float
-    weights: tuple[float, ...]       # robust (Huber) weights of the final iteration
+    weights: tuple[float, ...]       # robust weights of the final iteration (bisquare; 0: left out)
     residuals: tuple[float, ...]     # relative: (measured - T̂) / measured
     delta_clamped: bool
 
