@@ -95,7 +95,7 @@ def format_diff(a: Plan, b: Plan, changes: list[Change], label_a: str = "A", lab
         return f"plans are equivalent: {label_a} and {label_b}\n"
     lines = [f"--- {label_a}  ({a.model.architecture} on {a.machine.name}, {a.digest[:19]}…)",
              f"+++ {label_b}  ({b.model.architecture} on {b.machine.name}, {b.digest[:19]}…)"]
-    section = None
+    by_section: dict[str, list[str]] = {}   # changes in SECTIONS order, each section printed once
     summarized: dict[str, list[str]] = {}
     for c in changes:
         prefix = next((p for p in _SUMMARIZED if c.path.startswith(p + "[")), None)
@@ -104,18 +104,19 @@ def format_diff(a: Plan, b: Plan, changes: list[Change], label_a: str = "A", lab
             rows = summarized.setdefault(prefix, [])
             if row not in rows:
                 rows.append(row)
+            by_section.setdefault(c.section, [])
             continue
-        if c.section != section:
-            section = c.section
-            lines.append(f"{section}:")
-        lines.append(f"  {c.path}: {_fmt(c.a, c.a_present)} -> {_fmt(c.b, c.b_present)}{_rel(c.a, c.b)}")
+        by_section.setdefault(c.section, []).append(
+            f"  {c.path}: {_fmt(c.a, c.a_present)} -> {_fmt(c.b, c.b_present)}{_rel(c.a, c.b)}")
     for prefix, rows in summarized.items():
         section, key = prefix.split(".")
         total = max(len(p.to_dict().get(section, {}).get(key, [])) for p in (a, b))
         what = {"search.candidates": "k", "ir.units": "unit"}.get(prefix, "row")
-        lines.append(f"{prefix.split('.')[0]}:")
-        lines.append(f"  {prefix}: {len(rows)} of {total} rows differ ({what} = {', '.join(rows[:12])}"
-                     f"{', …' if len(rows) > 12 else ''}); see --json for every value")
+        by_section[section].append(f"  {prefix}: {len(rows)} of {total} rows differ ({what} = {', '.join(rows[:12])}"
+                                   f"{', …' if len(rows) > 12 else ''}); see --json for every value")
+    for section, section_lines in by_section.items():
+        lines.append(f"{section}:")
+        lines.extend(section_lines)
     return "\n".join(lines) + "\n"
 
 
