@@ -100,7 +100,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="force k units on the CPU (still scored and recorded)")
     pl.add_argument("--allow-infeasible", action="store_true", help="with --split: write the plan even if it does not fit")
     pl.add_argument("--dtype", help="weight dtype (default: the config's): bfloat16, float16, float32")
-    pl.add_argument("--parent", metavar="PLAN", help="derive from this plan: version + 1, its digest as parent, its calibration")
+    pl.add_argument("--parent", metavar="PLAN", help="derive from this plan: version + 1, its digest as parent, its calibration (from a plan "
+                         "for another machine: η and δ carry, the plan says δ was measured elsewhere)")
 
     sh = sub.add_parser("show", help="summary and search table of a plan")
     sh.add_argument("plan", metavar="PLAN")
