@@ -41,7 +41,7 @@ from typing import Callable
 
 from planner.cost import evaluate_split
 from planner.errors import PlanError
-from planner.machine import Calibration, DeviceCalibration
+from planner.machine import Calibration
 from planner.plan import DeviceFit, FitResidual, MeasurementSource, Plan, Recalibration, replan
 from planner.units import round_sig
 
@@ -151,7 +151,8 @@ def apply_plan(addr: str, plan: Plan, timeout_s: float = 600.0) -> str:
             raise _rpc_error(addr, "LoadPlan", e) from None
     if loaded.plan.digest != plan.digest or serving.plan.digest != plan.digest:
         raise PlanError(f"the executor daemon at {addr} did not confirm the new plan: it loaded "
-                        f"{loaded.plan.digest[:19]}… and serves {serving.plan.digest[:19]}…, not {plan.digest[:19]}…")
+                        f"{loaded.plan.digest[:19]}… and serves {serving.plan.digest[:19]}…, "
+                        f"not {plan.digest[:19]}…")
     previous = f", replacing {loaded.previous_digest[:19]}…" if loaded.previous_digest else ""
     return (f"applied: the daemon at {addr} serves plan v{serving.plan.version} {plan.digest[:19]}… "
             f"(split k={serving.plan.split_k}{previous}; load {loaded.load_ns / 1e9:.1f} s, "
@@ -251,7 +252,8 @@ class _Solution:
     delta_clamped: bool
 
 
-def _delta_for(rows: list[_RowModel], eta: float, w: list[float], delta_free: bool, delta0: float) -> tuple[float, bool]:
+def _delta_for(rows: list[_RowModel], eta: float, w: list[float], delta_free: bool,
+               delta0: float) -> tuple[float, bool]:
     """Weighted least-squares δ >= 0 for a fixed η_m (relative residuals)."""
     if not delta_free:
         return delta0, False
@@ -406,7 +408,8 @@ class RecalibrationResult:
     source: str
 
 
-def fit_device(plan: Plan, device: str, rows: list, eta_fit_allowed: bool = True) -> tuple[DeviceFit, _Solution, list[_RowModel]]:
+def fit_device(plan: Plan, device: str, rows: list,
+               eta_fit_allowed: bool = True) -> tuple[DeviceFit, _Solution, list[_RowModel]]:
     """Fit δ (and η_m with enough buckets) of one device to its usable decode rows."""
     models = [_RowModel(plan, r) for r in rows]
     current = plan.calibration.for_device(device)
@@ -529,7 +532,8 @@ def recalibrate(plan: Plan, report, source: str, min_samples: int = MIN_STAGE_SA
                 stage=row.stage, device=row.device, context_min=row.context_min, context_max=row.context_max,
                 samples=row.samples, context_mean=round_sig(row.context_mean), batch_mean=round_sig(row.batch_mean),
                 measured_ms=round_sig(row.measured_mean_ms), predicted_before_ms=round_sig(row.predicted_ms),
-                predicted_after_ms=round_sig(after), error_before_pct=round_sig(_pct(row.measured_mean_ms, row.predicted_ms), 4),
+                predicted_after_ms=round_sig(after),
+                error_before_pct=round_sig(_pct(row.measured_mean_ms, row.predicted_ms), 4),
                 error_after_pct=round_sig(_pct(row.measured_mean_ms, after), 4), weight=round_sig(w, 4)))
         elif row.phase == "decode":
             status = f"too few steps (< {MIN_ROW_SAMPLES})"
@@ -565,7 +569,8 @@ def format_table(result: RecalibrationResult) -> str:
         pm = lambda se: f" ± {se:.2g}" if se is not None else ""  # noqa: E731
         eta = (f"η_m {was.eta_memory:g} -> {f.eta_memory:.4g}{pm(f.eta_memory_stderr)}" if f.eta_memory_fitted
                else f"η_m {f.eta_memory:g} (kept)")
-        lines.append(f"  {f.device:<4} δ {was.delta_ms_per_block:g} -> {f.delta_ms_per_block:.4g}{pm(f.delta_stderr_ms)} "
+        lines.append(f"  {f.device:<4} δ {was.delta_ms_per_block:g} -> "
+                     f"{f.delta_ms_per_block:.4g}{pm(f.delta_stderr_ms)} "
                      f"ms/block, {eta}; {f.buckets} buckets, {f.samples} steps; rms error "
                      f"{f.rms_error_pct_before:.1f}% -> {f.rms_error_pct_after:.1f}%, worst "
                      f"{f.max_abs_error_pct_before:.1f}% -> {f.max_abs_error_pct_after:.1f}%")

@@ -100,7 +100,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="force k units on the CPU (still scored and recorded)")
     pl.add_argument("--allow-infeasible", action="store_true", help="with --split: write the plan even if it does not fit")
     pl.add_argument("--dtype", help="weight dtype (default: the config's): bfloat16, float16, float32")
-    pl.add_argument("--parent", metavar="PLAN", help="derive from this plan: version + 1, its digest as parent, its calibration (from a plan "
+    pl.add_argument("--parent", metavar="PLAN",
+                    help="derive from this plan: version + 1, its digest as parent, its calibration (from a plan "
                          "for another machine: η and δ carry, the plan says δ was measured elsewhere)")
 
     sh = sub.add_parser("show", help="summary and search table of a plan")
@@ -116,7 +117,8 @@ def _parser() -> argparse.ArgumentParser:
     di.add_argument("b", metavar="B")
     di.add_argument("--json", action="store_true")
 
-    rc = sub.add_parser("recalibrate", help="fit δ and η_m to the executor's measurements; write the next plan version",
+    rc = sub.add_parser("recalibrate",
+                        help="fit δ and η_m to the executor's measurements; write the next plan version",
                         description="Fit the per-block overhead δ (and the memory efficiency η_m, given >= 3 context "
                                     "buckets) of every device of PLAN to the executor's measured step times, re-run "
                                     "the search with the calibrated model, write the next plan version, and print "

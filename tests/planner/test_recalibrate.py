@@ -141,7 +141,8 @@ def test_the_search_rerun_may_move_the_split(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 1
     assert f"partition.split_k: 21 -> {result.plan.partition.split_k}" in out
-    assert "calibration.cuda.delta_ms_per_block: 0 -> 8" in out and "calibration.provenance: default -> recalibrated" in out
+    assert "calibration.cuda.delta_ms_per_block: 0 -> 8" in out
+    assert "calibration.provenance: default -> recalibrated" in out
     assert "recalibration.devices[cuda].delta_ms_per_block: (absent) -> 8" in out and "plan_version: 1 -> 2" in out
 
 
