@@ -22,7 +22,7 @@ from planner.calibrate import fetch_report, read_report, recalibrate
 from planner.errors import PlanError
 from planner.machine import Calibration, DeviceCalibration
 from planner.plan import load_plan, make_plan, predict, save_plan
-from tests.planner.conftest import REPO, config_path, rel_source
+from tests.planner.conftest import LAPTOP, REPO, config_path, rel_source
 
 DEV_PLAN = REPO / "plans" / "qwen3-0.6b.helm-dev-2core.yaml"     # all on the CPU, 28 blocks
 LAPTOP_8B = REPO / "plans" / "qwen3-8b.laptop-rtx4060.yaml"      # k=21: 20 blocks cpu, 16 cuda
@@ -207,8 +207,8 @@ def test_calibration_carries_across_machines_only_where_it_should(dev_plan, lapt
 
     # another machine: η and δ carry (δ is the best prior there is), but the plan says δ came from elsewhere
     out = tmp_path / "laptop.yaml"
-    assert cli.main(["plan", str(config_path("qwen3-0.6b")), "--machine", str(REPO / "plans/machines/laptop-rtx4060-i7-13700h.yaml"),
-                     "--parent", str(v2_path), "-o", str(out)]) == 0
+    assert cli.main(["plan", str(config_path("qwen3-0.6b")), "--machine", str(LAPTOP), "--parent", str(v2_path),
+                     "-o", str(out)]) == 0
     other = load_plan(out)
     assert other.machine.name == laptop.name and other.parent_digest == v2.digest and other.plan_version == 3
     assert other.calibration.cpu.eta_memory == v2.calibration.cpu.eta_memory == pytest.approx(0.7, rel=0.02)
