@@ -212,16 +212,29 @@ class Engine:
         return plan
 
     def _run_stages(self, ids: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        x, timings = ids, []
-        for i, stage in enumerate(self.model.stages):
-            t0 = time.perf_counter()
-            x = stage.forward(x, batch)
+        """Run the stages in order; time each one (CUDA events on a GPU, the wall clock on the CPU)."""
+        x, clocks = ids, []
+        for stage in self.model.stages:
             if stage.device.type == "cuda":
-                torch.cuda.synchronize(stage.device)
-            timings.append(StageTiming(i, stage.device.type, (time.perf_counter() - t0) * 1e3))
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                x = stage.forward(x, batch)
+                end.record()
+                clocks.append((start, end))
+            else:
+                t0 = time.perf_counter()
+                x = stage.forward(x, batch)
+                clocks.append((time.perf_counter() - t0) * 1e3)
+        logits = x.float().cpu()  # waits for the last stage
+        timings = []
+        for i, (stage, clock) in enumerate(zip(self.model.stages, clocks)):
+            if isinstance(clock, tuple):
+                clock[1].synchronize()
+                clock = clock[0].elapsed_time(clock[1])
+            timings.append(StageTiming(i, stage.device.type, clock))
         self.last_step = StepRecord(batch.num_tokens, len(batch.slices),
                                     max(s.start + s.count for s in batch.slices), tuple(timings))
-        return x.float().cpu()
+        return logits
 
     def _append(self, seq: Sequence, logits: torch.Tensor) -> TokenEvent:
         token = sample(logits, seq.sampling, seq.generator)

@@ -40,3 +40,18 @@ def test_bf16_logits_on_cuda_close_to_fp32_reference(checkpoint):
     got = helm_teacher_forced_logits(path, ids, prefill=20, split=1)
     # The CUDA stage multiplies in bf16 (fp32 accumulation): looser than the CPU path's bound.
     assert (got - want).abs().max().item() < 2.0
+
+
+def test_cuda_stage_is_timed_with_events(checkpoint):
+    from executor.engine import Engine
+    from executor.loader import load_model
+    from executor.model_config import ModelConfig
+    from executor.placement import Placement
+    from executor.sampling import StopCriteria
+
+    path = checkpoint("qwen3", "fp32")
+    cfg = ModelConfig.from_dir(path)
+    engine = Engine(load_model(path, Placement.from_split(cfg.num_units, 2), cfg))
+    engine.generate([[11, 12, 13]], stop=StopCriteria(max_new_tokens=3))
+    cpu, cuda = engine.last_step.stages
+    assert (cpu.device, cuda.device) == ("cpu", "cuda") and cpu.ms > 0 and cuda.ms > 0
