@@ -11,7 +11,8 @@ the min–max spread, and the ratios of the medians.
 
 The machine may be shared: a triple of samples during which other processes kept more than
 --max-foreign-cpu cores busy (from /proc/stat) is measured again, up to --retries times; the
-`redo` column counts those. Check `uptime` before a run that matters, and repeat it.
+`redo` column counts those; a row still measured under load is marked `!` and left out of the
+summary. Check `uptime` before a run that matters, and repeat it.
 
     python tools/bench_kernels.py                              # Qwen3 0.6B/1.7B/8B, bf16/fp16/fp32
     python tools/bench_kernels.py --models qwen3-8b --dtypes bf16 --batches 1,8 --threads 2
@@ -91,10 +92,16 @@ class Row:
     read_gbps: list[float] = field(default_factory=list)
     ours_gbps: list[float] = field(default_factory=list)
     torch_gbps: list[float] = field(default_factory=list)
-    redone: int = 0
+    loaded: list[bool] = field(default_factory=list)  # per sample: others stayed busy throughout
+    redone: int = 0  # samples measured again because other processes were busy
 
-    @staticmethod
-    def med(v: list[float]) -> float:
+    def kept(self, v: list[float]) -> list[float]:
+        """The samples taken without foreign load, or all of them if there are none such."""
+        clean = [s for s, bad in zip(v, self.loaded) if not bad]
+        return clean or v
+
+    def med(self, v: list[float]) -> float:
+        v = self.kept(v)
         return statistics.median(v) if v else float("nan")
 
 
@@ -142,6 +149,7 @@ def bench_row(model, proj, n, k, dtype_name, batch, args, read_buf) -> Row:
                 break
             row.redone += 1
             time.sleep(1.0)
+        row.loaded.append(load.cores > args.max_foreign_cpu)
         row.read_gbps.append(sample[0])
         row.ours_gbps.append(sample[1])
         if sample[2] is not None:
@@ -149,36 +157,47 @@ def bench_row(model, proj, n, k, dtype_name, batch, args, read_buf) -> Row:
     return row
 
 
-def fmt_spread(v: list[float]) -> str:
+def fmt_spread(r: Row, v: list[float]) -> str:
+    v = r.kept(v)
     if not v:
         return "-"
-    return f"{Row.med(v):5.1f} ({min(v):.1f}–{max(v):.1f})"
+    return f"{statistics.median(v):5.1f} ({min(v):.1f}–{max(v):.1f})"
 
 
 HEADER = (f"{'model':<11} {'proj':<8} {'N×K':>13} {'dtype':<5} {'B':>3} {'MiB':>7}  "
           f"{'read GB/s':>19}  {'ours GB/s':>19}  {'torch GB/s':>19}  "
           f"{'ours/read':>9} {'ours/torch':>10} {'redo':>4}")
 
+CLEAN_SAMPLES = 3  # a row counts in the summary when at least this many samples ran unloaded
+
 
 def format_row(r: Row) -> str:
-    rd, us, th = Row.med(r.read_gbps), Row.med(r.ours_gbps), Row.med(r.torch_gbps)
-    ours = fmt_spread(r.ours_gbps) + ("*" if r.path == "torch" else "")
+    rd, us, th = r.med(r.read_gbps), r.med(r.ours_gbps), r.med(r.torch_gbps)
+    ours = fmt_spread(r, r.ours_gbps) + ("*" if r.path == "torch" else "")
     return (f"{r.model:<11} {r.proj:<8} {f'{r.n}×{r.k}':>13} {r.dtype:<5} {r.batch:>3} "
-            f"{r.weight_mib:7.1f}  {fmt_spread(r.read_gbps):>19}  {ours:>19}  "
-            f"{fmt_spread(r.torch_gbps):>19}  {us / rd:9.0%} {us / th:10.2f} {r.redone:4d}")
+            f"{r.weight_mib:7.1f}  {fmt_spread(r, r.read_gbps):>19}  {ours:>19}  "
+            f"{fmt_spread(r, r.torch_gbps):>19}  {us / rd:9.0%} {us / th:10.2f} {r.redone:4d}"
+            + ("" if clean(r) else " !"))
+
+
+def clean(r: Row) -> bool:
+    return r.loaded.count(False) >= min(CLEAN_SAMPLES, len(r.loaded))
 
 
 def summary(rows: list[Row]) -> list[str]:
     lines = []
     for dtype in dict.fromkeys(r.dtype for r in rows):
         for batch in dict.fromkeys(r.batch for r in rows):
-            sel = [r for r in rows if r.dtype == dtype and r.batch == batch]
+            every = [r for r in rows if r.dtype == dtype and r.batch == batch]
+            sel = [r for r in every if clean(r)]
             if not sel:
+                lines.append(f"# {dtype} B={batch}: no row measured without foreign load")
                 continue
-            ratio = [Row.med(r.ours_gbps) / Row.med(r.read_gbps) for r in sel]
-            vs_torch = [Row.med(r.ours_gbps) / Row.med(r.torch_gbps) for r in sel if r.torch_gbps]
+            ratio = [r.med(r.ours_gbps) / r.med(r.read_gbps) for r in sel]
+            vs_torch = [r.med(r.ours_gbps) / r.med(r.torch_gbps) for r in sel if r.torch_gbps]
             line = (f"# {dtype} B={batch}: ours/read min {min(ratio):.0%}, median "
-                    f"{statistics.median(ratio):.0%}, max {max(ratio):.0%} over {len(sel)} shapes")
+                    f"{statistics.median(ratio):.0%}, max {max(ratio):.0%} over {len(sel)} shapes"
+                    + (f" ({len(every) - len(sel)} loaded rows left out)" if len(every) > len(sel) else ""))
             if vs_torch:
                 line += f"; ours/torch median {statistics.median(vs_torch):.2f}"
             lines.append(line)
@@ -211,8 +230,9 @@ def main(argv: list[str] | None = None) -> int:
           f"threads {args.threads}, prefetch {K._kernels.prefetch_bytes()} B; torch "
           f"{torch.__version__} ({torch.get_num_threads()} threads); pool {args.pool_gib} GiB, "
           f"read probe {args.read_gib} GiB; load avg {os.getloadavg()[0]:.2f}")
-    print(f"# GB/s: median (min–max) of {args.repeats}; * = this batch runs in PyTorch "
-          f"(TORCH_PREFILL_MIN_B)")
+    print(f"# GB/s: median (min–max) of {args.repeats} samples, those under foreign load left out "
+          f"where others exist; * = this batch runs in PyTorch (TORCH_PREFILL_MIN_B); "
+          f"! = fewer than {CLEAN_SAMPLES} unloaded samples")
     print(HEADER)
     print("-" * len(HEADER))
     rows: list[Row] = []

@@ -7,13 +7,16 @@ passed in by the caller. A `KernelSet` binds one ISA's table of kernels; which o
 default is decided once, in `executor/kernels/__init__.py`.
 """
 from cython.parallel cimport prange
-from libc.stdint cimport uint64_t, uintptr_t
+from libc.stdint cimport int64_t, uint64_t, uintptr_t
 
 import torch
 
 cdef extern from "helm_kernels.h" nogil:
+    ctypedef struct helm_claim:
+        int64_t word
     ctypedef void (*helm_gemv_fn)(float *out, long ldo, const float *x, const void *w,
-                                  const float *bias, int B, int K, int n0, int n1) noexcept nogil
+                                  const float *bias, int B, int N, int K, int t, int nt,
+                                  helm_claim *claims) noexcept nogil
     ctypedef void (*helm_rms_norm_fn)(float *out, const float *x, const void *w, float eps, int H,
                                       long b0, long b1) noexcept nogil
     ctypedef void (*helm_silu_mul_fn)(float *out, long ldo, const float *gate, long ldg,
@@ -37,13 +40,16 @@ cdef extern from "helm_kernels.h" nogil:
     int helm_cpu_supports(const char *isa)
     long helm_prefetch_bytes
     enum: HELM_MAX_TILE_B
+    void helm_claims_init(helm_claim *claims, int n) noexcept nogil
+
+cdef object _F32 = torch.float32  # looked up once: `linear` checks it on every call
 
 # Weight dtype → index into a table's `gemv` / `rms_norm` arrays (HELM_F32, HELM_BF16, HELM_F16).
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
-# Rows per thread are a multiple of this, so that thread boundaries fall on whole register tiles.
 cdef enum:
-    ROW_ALIGN = 16
+    ROWS_PER_THREAD_MIN = 16  # below this many weight rows per thread, use fewer threads
+    MAX_THREADS = 256  # claims are kept on the stack
 
 #: Largest batch served by the GEMV register tiles in one pass over the weights.
 MAX_TILE_B = HELM_MAX_TILE_B
@@ -189,20 +195,22 @@ cdef class KernelSet:
         Larger batches go to PyTorch where TORCH_PREFILL_MIN_B says it is faster (its threads are
         torch.get_num_threads(); keep that equal to num_threads), else run here in chunks over
         L2-sized blocks of weight rows."""
-        if x.dtype is not torch.float32 or x.dim() != 2 or not x.is_contiguous():
-            raise ValueError(f"x must be a contiguous 2-D fp32 tensor, got {x.dtype} "
-                             f"shape {tuple(x.shape)}")
-        _check_cpu_tensor(x, "x")
-        cdef int B = x.shape[0]
-        cdef int K = x.shape[1]
+        xs = x.shape
+        if x.dtype is not _F32 or len(xs) != 2 or not x.is_contiguous() or not x.is_cpu:
+            raise ValueError(f"x must be a contiguous 2-D fp32 CPU tensor, got {x.dtype} "
+                             f"shape {tuple(xs)} on {x.device}")
+        cdef int B = xs[0]
+        cdef int K = xs[1]
         cdef int N = w.out_features
         if K != w.in_features:
             raise ValueError(f"x has K={K} columns, weight expects {w.in_features}")
         if out is None:
-            out = torch.empty((B, N), dtype=torch.float32)
-        elif (out.dtype is not torch.float32 or not out.is_contiguous() or out.dim() != 2
-              or out.shape[0] != B or out.shape[1] != N or not out.is_cpu):
-            raise ValueError(f"out must be a contiguous fp32 CPU tensor of shape ({B}, {N})")
+            out = torch.empty((B, N), dtype=_F32)
+        else:
+            os_ = out.shape
+            if (out.dtype is not _F32 or len(os_) != 2 or os_[0] != B or os_[1] != N
+                    or not out.is_contiguous() or not out.is_cpu):
+                raise ValueError(f"out must be a contiguous fp32 CPU tensor of shape ({B}, {N})")
         if B == 0:
             return out
         if B > HELM_MAX_TILE_B and self.torch_min_b[w.dtype_code] and B >= self.torch_min_b[w.dtype_code]:
@@ -212,18 +220,17 @@ cdef class KernelSet:
         cdef const float *xp = <const float *> <uintptr_t> x.data_ptr()
         cdef const void *wp = <const void *> w.w_ptr
         cdef const float *bp = <const float *> w.b_ptr
-        cdef int nt = _threads_for(num_threads, (N + ROW_ALIGN - 1) // ROW_ALIGN)
-        cdef int chunk = ((N + nt - 1) // nt + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
-        cdef int t, n0, n1
+        cdef int nt = _threads_for(min(num_threads, MAX_THREADS), N // ROWS_PER_THREAD_MIN)
+        cdef helm_claim claims[MAX_THREADS]
+        cdef helm_claim *cp = claims
+        cdef int t
         if nt == 1:
             with nogil:
-                fn(o, N, xp, wp, bp, B, K, 0, N)
+                fn(o, N, xp, wp, bp, B, N, K, 0, 1, NULL)
             return out
+        helm_claims_init(cp, nt)
         for t in prange(nt, schedule='static', nogil=True, num_threads=nt):
-            n0 = t * chunk
-            n1 = min(N, n0 + chunk)
-            if n0 < n1:
-                fn(o, N, xp, wp, bp, B, K, n0, n1)
+            fn(o, N, xp, wp, bp, B, N, K, t, nt, cp)
         return out
 
     def rms_norm(self, x, weight, double eps, out=None, *, int num_threads):

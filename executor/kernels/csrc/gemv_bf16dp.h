@@ -98,13 +98,16 @@ static void rows_bf16dp(float *out, long ldo, const uint16_t *xs, int K32, const
 #undef HELM_DP_CASE
 }
 
+/* helm_gemv_fn; each thread does exactly its own share (this variant ignores claims). */
 static void gemv_bf16dp(float *out, long ldo, const float *x, const void *wv, const float *bias,
-                        int B, int K, int n0, int n1) {
+                        int B, int N, int K, int t, int nt, helm_claim *claims) {
+    (void)claims;
     const uint16_t *w = (const uint16_t *)wv;
+    const int n0 = (int)((long)N * t / nt), n1 = (int)((long)N * (t + 1) / nt);
     const int K32 = K - K % 32;
     const uint16_t *xs = xs_prepare(x, B, K, K32);
     if (!xs) { /* out of memory for a few KiB of scratch: fall back to the upcasting kernel */
-        gemv_bf16(out, ldo, x, wv, bias, B, K, n0, n1);
+        gemv_bf16(out, ldo, x, wv, bias, B, N, K, t, nt, NULL);
         return;
     }
     if (B <= HELM_MAX_TILE_B) {

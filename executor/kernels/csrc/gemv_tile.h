@@ -79,22 +79,46 @@ HELM_INLINE void CAT(tile_, WNAME)(float *restrict out, long ldo, const float *r
             out[(size_t)b * ldo + n + r * seg] = s[r][b] + (bias ? bias[n + r * seg] : 0.0f);
 }
 
-/* Rows n0..n1 for a batch of B <= HELM_MAX_TILE_B: R = TILE_R(B) segments of `seg` rows walked
- * in lock-step, then the leftover rows one at a time. */
+/* Tiles j0..j1 of a share of rows n0.. walked as R segments of `seg` rows. */
+HELM_INLINE void CAT(tiles_, WNAME)(float *out, long ldo, const float *x, const float *xs, int K2,
+                                    const WT *w, const float *bias, int K, int n0, int seg, int j0,
+                                    int j1, const int R, const int B, const int U, long pf) {
+    for (int j = j0; j < j1; j++)
+        CAT(tile_, WNAME)(out, ldo, x, xs, K2, w + (size_t)(n0 + j) * K, bias, K, n0 + j, seg, R, B,
+                          U, pf);
+}
+
+/* Thread t's part of a batch of B <= HELM_MAX_TILE_B rows of x: its own share as R = TILE_R(B)
+ * segments walked in lock-step (tiles claimed from the front), its leftover rows one at a time,
+ * then tiles left in the other threads' shares (claimed from the back). Without claims: its own
+ * share only. */
 static void CAT(rows_, WNAME)(float *out, long ldo, const float *x, const float *xs, int K2,
-                              const WT *w, const float *bias, int B, int K, int n0, int n1) {
+                              const WT *w, const float *bias, int B, int N, int K, int t, int nt,
+                              helm_claim *claims) {
     const long pf = helm_prefetch_bytes / (long)sizeof(WT);
-#define HELM_ROWS_CASE(BB)                                                                       \
-    case BB: {                                                                                   \
-        const int R = TILE_R(BB);                                                                \
-        const int seg = (n1 - n0) / R;                                                           \
-        for (int j = 0; j < seg; j++)                                                            \
-            CAT(tile_, WNAME)(out, ldo, x, xs, K2, w + (size_t)(n0 + j) * K, bias, K, n0 + j, seg, \
-                              R, BB, TILE_U(BB), pf);                                            \
-        for (int n = n0 + R * seg; n < n1; n++)                                                  \
-            CAT(tile_, WNAME)(out, ldo, x, xs, K2, w + (size_t)n * K, bias, K, n, 0, 1, BB,      \
-                              TILE_U(BB), pf);                                                   \
-        break;                                                                                   \
+#define HELM_ROWS_CASE(BB)                                                                        \
+    case BB: {                                                                                    \
+        const int R = TILE_R(BB), U = TILE_U(BB);                                                 \
+        const int n0 = (int)((long)N * t / nt), n1 = (int)((long)N * (t + 1) / nt);              \
+        const int seg = (n1 - n0) / R;                                                            \
+        int j0, n;                                                                                \
+        if (!claims) {                                                                            \
+            CAT(tiles_, WNAME)(out, ldo, x, xs, K2, w, bias, K, n0, seg, 0, seg, R, BB, U, pf);   \
+        } else {                                                                                  \
+            while ((n = helm_claim_tiles(&claims[t], seg, HELM_CLAIM_OWNER_TILES, 0, &j0)) > 0)   \
+                CAT(tiles_, WNAME)(out, ldo, x, xs, K2, w, bias, K, n0, seg, j0, j0 + n, R, BB,   \
+                                   U, pf);                                                        \
+        }                                                                                         \
+        for (int r = n0 + R * seg; r < n1; r++)                                                   \
+            CAT(tile_, WNAME)(out, ldo, x, xs, K2, w + (size_t)r * K, bias, K, r, 0, 1, BB, U, pf); \
+        for (int v = 1; claims && v < nt; v++) {                                                  \
+            const int u = (t + v) % nt;                                                           \
+            const int u0 = (int)((long)N * u / nt), useg = ((int)((long)N * (u + 1) / nt) - u0) / R; \
+            while ((n = helm_claim_tiles(&claims[u], useg, 1, 1, &j0)) > 0)                       \
+                CAT(tiles_, WNAME)(out, ldo, x, xs, K2, w, bias, K, u0, useg, j0, j0 + n, R, BB,  \
+                                   U, pf);                                                        \
+        }                                                                                         \
+        break;                                                                                    \
     }
     switch (B) {
         HELM_ROWS_CASE(1)
@@ -110,10 +134,12 @@ static void CAT(rows_, WNAME)(float *out, long ldo, const float *x, const float 
 #undef HELM_ROWS_CASE
 }
 
-/* helm_gemv_fn for this dtype: batches above HELM_MAX_TILE_B run chunk by chunk over blocks of
- * weight rows small enough to stay in L2, so each weight byte comes from DRAM once. */
+/* helm_gemv_fn for this dtype. Batches above HELM_MAX_TILE_B (compute-bound: no claims) run
+ * chunk by chunk over blocks of the thread's rows small enough to stay in L2, so each weight byte
+ * comes from DRAM once. */
 static void CAT(gemv_, WNAME)(float *out, long ldo, const float *x, const void *wv,
-                              const float *bias, int B, int K, int n0, int n1) {
+                              const float *bias, int B, int N, int K, int t, int nt,
+                              helm_claim *claims) {
     const WT *w = (const WT *)wv;
     int K2 = 0;
     const float *xs = NULL;
@@ -125,17 +151,20 @@ static void CAT(gemv_, WNAME)(float *out, long ldo, const float *x, const void *
     }
 #endif
     if (B <= HELM_MAX_TILE_B) {
-        CAT(rows_, WNAME)(out, ldo, x, xs, K2, w, bias, B, K, n0, n1);
+        CAT(rows_, WNAME)(out, ldo, x, xs, K2, w, bias, B, N, K, t, nt, claims);
         return;
     }
+    const int n0 = (int)((long)N * t / nt), n1 = (int)((long)N * (t + 1) / nt);
     long block = HELM_L2_BLOCK_BYTES / ((long)K * (long)sizeof(WT));
     if (block < 8) block = 8;
     for (int nb = n0; nb < n1; nb += (int)block) {
         const int ne = (n1 - nb < block) ? n1 : nb + (int)block;
         for (int b0 = 0; b0 < B; b0 += HELM_MAX_TILE_B) {
             const int bn = (B - b0 < HELM_MAX_TILE_B) ? B - b0 : HELM_MAX_TILE_B;
-            CAT(rows_, WNAME)(out + (size_t)b0 * ldo, ldo, x + (size_t)b0 * K,
-                              xs ? xs + (size_t)b0 * K2 : NULL, K2, w, bias, bn, K, nb, ne);
+            /* rows nb..ne as a one-thread share: N = ne - nb rows from w + nb*K, out + nb */
+            CAT(rows_, WNAME)(out + (size_t)b0 * ldo + nb, ldo, x + (size_t)b0 * K, NULL, 0,
+                              w + (size_t)nb * K, bias ? bias + nb : NULL, bn, ne - nb, K, 0, 1,
+                              NULL);
         }
     }
 }

@@ -18,11 +18,28 @@ enum { HELM_F32 = 0, HELM_BF16 = 1, HELM_F16 = 2, HELM_NUM_DTYPES = 3 };
  * over each L2-sized block of weight rows, so the weights are read from DRAM once. */
 #define HELM_MAX_TILE_B 8
 
-/* out[b*ldo + n] = bias[n] + sum_k x[b*K + k] * w[n*K + k]   for 0 <= b < B, n0 <= n < n1.
+/* The unclaimed tiles [front, back) of one thread's share of a GEMV call, packed in one 64-bit
+ * word (front in the low half); one per cache line. Each thread owns rows N*t/nt .. N*(t+1)/nt and
+ * claims its tiles from the front; a thread done with its own share claims tiles of the others'
+ * from the back, so neither waits at the end for the other. HELM_CLAIM_INIT: nothing claimed. */
+typedef struct helm_claim {
+    int64_t word;
+    char pad[56];
+} __attribute__((aligned(64))) helm_claim;
+#define HELM_CLAIM_INIT ((int64_t)0x7fffffff << 32)
+
+static inline void helm_claims_init(helm_claim *claims, int n) {
+    for (int i = 0; i < n; i++) claims[i].word = HELM_CLAIM_INIT;
+}
+
+/* out[b*ldo + n] = bias[n] + sum_k x[b*K + k] * w[n*K + k]   for 0 <= b < B, 0 <= n < N,
+ * called once by each of the nt threads t of a parallel region, with claims[nt] set to
+ * HELM_CLAIM_INIT before it (or claims NULL: each thread does exactly its own share).
  *   out: [B, ldo] fp32, x: [B, K] fp32, w: [N, K] of the table slot's dtype, bias: [N] fp32 or NULL.
- * fp32 accumulation; any B >= 1, N, K >= 1. */
+ * fp32 accumulation; any B >= 1, N, K >= 1. Every row is computed by one thread in a fixed order,
+ * so the result does not depend on nt or on who claimed what. */
 typedef void (*helm_gemv_fn)(float *out, long ldo, const float *x, const void *w, const float *bias,
-                             int B, int K, int n0, int n1);
+                             int B, int N, int K, int t, int nt, helm_claim *claims);
 
 /* out[b, :] = x[b, :] * rsqrt(mean(x[b, :]^2) + eps) * w   for b0 <= b < b1;  x, out: [*, H] fp32,
  * w: [H] of the slot's dtype. */

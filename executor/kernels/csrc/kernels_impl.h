@@ -94,6 +94,35 @@ HELM_INLINE float helm_expf(float x) {
 
 /* ---- GEMV / small-batch GEMM, one instantiation per weight dtype ---- */
 
+/* Tile claims (helm_claim in helm_kernels.h). A thread's share holds `seg` tiles; back starts as
+ * the sentinel 0x7fffffff, read as seg, so the caller only has to store HELM_CLAIM_INIT. */
+#define HELM_CLAIM_SENTINEL 0x7fffffff
+
+HELM_INLINE int64_t helm_claim_pack(int32_t front, int32_t back) {
+    return (int64_t)(((uint64_t)(uint32_t)back << 32) | (uint32_t)front);
+}
+
+/* Claims up to `want` tiles from the front (owner) or the back (helper) of c's unclaimed range
+ * [front, min(back, seg)); returns how many, the first in *j0. */
+static int helm_claim_tiles(helm_claim *c, int seg, int want, int from_back, int *j0) {
+    int64_t old = __atomic_load_n(&c->word, __ATOMIC_RELAXED);
+    for (;;) {
+        const int32_t front = (int32_t)(uint32_t)old;
+        int32_t back = (int32_t)(old >> 32);
+        if (back == HELM_CLAIM_SENTINEL || back > seg) back = seg;
+        if (front >= back) return 0;
+        const int n = back - front < want ? back - front : want;
+        const int64_t neu = from_back ? helm_claim_pack(front, back - n) : helm_claim_pack(front + n, back);
+        if (__atomic_compare_exchange_n(&c->word, &old, neu, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+            *j0 = from_back ? back - n : front;
+            return n;
+        }
+    }
+}
+
+/* Tiles an owner claims at a time: a few µs of streaming, so claims cost nothing measurable. */
+#define HELM_CLAIM_OWNER_TILES 8
+
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
 #error "v_load_bf16x2 assumes little-endian bf16 pairs"
 #endif
