@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r + 1:>4} {name:>6} {bw:>9.1f} {ttft:>8.0f} {tps:>7.2f} {tps * nbytes / 1e9:>6.1f} "
                   f"{tps * nbytes / 1e9 / bw:>6.0%}")
     med = {k: [statistics.median(col) for col in zip(*v)] for k, v in rows.items()}
-    (hbw, httft, htps), (fbw, fttft, ftps) = med["helm"], med["hf"]
+    (hbw, httft, htps), (_, fttft, ftps) = med["helm"], med["hf"]
     print(f"median: HELM {htps:.2f} tok/s ({htps * nbytes / 1e9 / hbw:.0%} of read bandwidth), TTFT {httft:.0f} ms; "
           f"HF {ftps:.2f} tok/s, TTFT {fttft:.0f} ms")
     print(f"HELM/HF decode {htps / ftps:.2f}x, TTFT ratio HELM/HF {httft / fttft:.2f}")
