@@ -227,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     read_buf = torch.ones(int(args.read_gib * GIB) // 8, dtype=torch.int64)
     print(f"# kernels: ISA {K.KERNEL_ISA} (available: {', '.join(K.available_isas())}), "
-          f"threads {args.threads}, prefetch {K._kernels.prefetch_bytes()} B; torch "
+          f"threads {args.threads}, prefetch bf16/fp16/fp32 "
+          f"{'/'.join(str(K._kernels.prefetch_bytes(d)) for d in DTYPES.values())} B; torch "
           f"{torch.__version__} ({torch.get_num_threads()} threads); pool {args.pool_gib} GiB, "
           f"read probe {args.read_gib} GiB; load avg {os.getloadavg()[0]:.2f}")
     print(f"# GB/s: median (min–max) of {args.repeats} samples, those under foreign load left out "

@@ -38,7 +38,7 @@ cdef extern from "helm_kernels.h" nogil:
     const helm_kernel_table helm_table_avx2
     const helm_kernel_table helm_table_portable
     int helm_cpu_supports(const char *isa)
-    long helm_prefetch_bytes
+    long helm_prefetch_bytes[3]
     enum: HELM_MAX_TILE_B
     void helm_claims_init(helm_claim *claims, int n) noexcept nogil
 
@@ -71,17 +71,19 @@ def cpu_supports(str isa) -> bool:
     return helm_cpu_supports(isa.encode()) != 0
 
 
-def prefetch_bytes() -> int:
-    """Software-prefetch distance along each weight-row stream, in bytes (0: off)."""
-    return helm_prefetch_bytes
+def prefetch_bytes(dtype) -> int:
+    """Software-prefetch distance along each weight-row stream for this weight dtype, in bytes."""
+    return helm_prefetch_bytes[_DTYPE_CODE[dtype]]
 
 
-def set_prefetch_bytes(long n) -> None:
-    """Tuning hook for tools/bench_kernels.py; process-wide, not for use while kernels run."""
-    global helm_prefetch_bytes
+def set_prefetch_bytes(long n, dtype=None) -> None:
+    """Tuning hook for benchmarks: the distance for one weight dtype, or all (None); process-wide,
+    not for use while kernels run. 0 turns software prefetch off."""
     if n < 0:
         raise ValueError("prefetch distance must be >= 0")
-    helm_prefetch_bytes = n
+    for dt, code in _DTYPE_CODE.items():
+        if dtype is None or dt == dtype:
+            helm_prefetch_bytes[code] = n
 
 
 cdef const helm_kernel_table *_table(str isa) except NULL:

@@ -5,7 +5,7 @@
 
 #include "helm_kernels.h"
 
-long helm_prefetch_bytes = 1024;
+long helm_prefetch_bytes[HELM_NUM_DTYPES] = {1024, 2048, 2048}; /* f32, bf16, f16 */
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>

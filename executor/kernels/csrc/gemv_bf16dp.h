@@ -72,7 +72,7 @@ HELM_INLINE void tile_bf16dp(float *restrict out, long ldo, const uint16_t *rest
 
 static void rows_bf16dp(float *out, long ldo, const uint16_t *xs, int K32, const float *x,
                         const uint16_t *w, const float *bias, int B, int K, int n0, int n1) {
-    const long pf = helm_prefetch_bytes / (long)sizeof(uint16_t);
+    const long pf = helm_prefetch_bytes[HELM_BF16] / (long)sizeof(uint16_t);
 #define HELM_DP_CASE(BB)                                                                    \
     case BB: {                                                                              \
         const int R = TILE_R(BB);                                                           \

@@ -1,5 +1,5 @@
 /* gemv_tile.h — the GEMV for one weight dtype, included once per dtype by kernels_impl.h with WT
- * (element type), WNAME (suffix), LOAD_W (VL elements → vf) and SCALAR_W (one element → float)
+ * (element type), WNAME (suffix), WDTYPE (HELM_F32 / HELM_BF16 / HELM_F16), LOAD_W (VL elements → vf) and SCALAR_W (one element → float)
  * defined, and optionally LOAD_W_PAIR (2·VL elements → even-index vf, odd-index vf).
  * A thread splits its rows into R contiguous segments and a tile takes one row from each, so each
  * thread reads R independent sequential streams (measured here: 4 distant streams per thread reach
@@ -95,7 +95,7 @@ HELM_INLINE void CAT(tiles_, WNAME)(float *out, long ldo, const float *x, const 
 static void CAT(rows_, WNAME)(float *out, long ldo, const float *x, const float *xs, int K2,
                               const WT *w, const float *bias, int B, int N, int K, int t, int nt,
                               helm_claim *claims) {
-    const long pf = helm_prefetch_bytes / (long)sizeof(WT);
+    const long pf = helm_prefetch_bytes[WDTYPE] / (long)sizeof(WT);
 #define HELM_ROWS_CASE(BB)                                                                        \
     case BB: {                                                                                    \
         const int R = TILE_R(BB), U = TILE_U(BB);                                                 \

@@ -157,33 +157,39 @@ static const float *helm_deinterleave_x(const float *x, int B, int K, int K2, co
 
 #define WT float
 #define WNAME f32
+#define WDTYPE HELM_F32
 #define LOAD_W(p) v_load(p)
 #define SCALAR_W(v) (v)
 #include "gemv_tile.h"
 #undef WT
 #undef WNAME
+#undef WDTYPE
 #undef LOAD_W
 #undef SCALAR_W
 
 #define WT uint16_t
 #define WNAME bf16
+#define WDTYPE HELM_BF16
 #define LOAD_W(p) v_load_bf16(p)
 #define LOAD_W_PAIR(p, even, odd) v_load_bf16x2(p, even, odd)
 #define SCALAR_W(v) helm_bf16_f32(v)
 #include "gemv_tile.h"
 #undef WT
 #undef WNAME
+#undef WDTYPE
 #undef LOAD_W
 #undef LOAD_W_PAIR
 #undef SCALAR_W
 
 #define WT uint16_t
 #define WNAME f16
+#define WDTYPE HELM_F16
 #define LOAD_W(p) v_load_f16(p)
 #define SCALAR_W(v) helm_f16_f32(v)
 #include "gemv_tile.h"
 #undef WT
 #undef WNAME
+#undef WDTYPE
 #undef LOAD_W
 #undef SCALAR_W
 
@@ -244,7 +250,7 @@ static uint64_t read_probe(const void *p, size_t nbytes) {
     enum { S = 4 };
     const char *base = (const char *)p;
     const size_t lines = nbytes / 64, per = lines / S; /* lines per stream */
-    const long pf = helm_prefetch_bytes;
+    const long pf = helm_prefetch_bytes[HELM_F32];
     helm_line_t acc[S];
     memset(acc, 0, sizeof acc);
     for (size_t i = 0; i < per; i++)
