@@ -8,8 +8,13 @@ Activations are fp32 and every kernel accumulates in fp32. Threads are always pa
 (`num_threads`); the extension shares PyTorch's OpenMP runtime, so the two never oversubscribe
 the cores as long as they are called one after the other.
 
+Batches above MAX_TILE_B (prefill) go to PyTorch's GEMM where it measured faster here
+(TORCH_PREFILL_MIN_B: bf16 from B=9, oneDNN with AMX, x and result rounded to bf16; fp32 from
+B=32, MKL); KernelSet(isa, torch_prefill=False) keeps everything in these kernels.
+
 Importing this package without the compiled extension raises ImportError (the executor then
-falls back to its PyTorch path, `--kernels torch`).
+falls back to its PyTorch path, `--kernels torch`). The fp32 reference twins of every kernel are
+in executor/kernels/reference.py.
 
     w = prepare_linear(weight, bias)          # once, at load time
     y = linear(x, w, num_threads=n)           # x: [B, K] fp32 → y: [B, N] fp32

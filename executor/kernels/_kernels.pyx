@@ -1,10 +1,12 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """Cython layer of the CPU kernels: tensor checks, threading and per-ISA dispatch.
 
-The C kernels (csrc/) are single-threaded over a range of rows; this module splits the rows over
-OpenMP threads with `prange(..., schedule='static', nogil=True, num_threads=n)`, `n` always
-passed in by the caller. A `KernelSet` binds one ISA's table of kernels; which one is the
-default is decided once, in `executor/kernels/__init__.py`.
+The C kernels (csrc/) are single-threaded over a range of rows; this module runs them on OpenMP
+threads with `prange(..., schedule='static', nogil=True, num_threads=n)`, `n` always passed in by
+the caller. Each GEMV thread owns an equal share of the weight rows; one that finishes early
+takes tiles from the end of the others' shares (helm_claim in csrc/helm_kernels.h), so a call
+does not wait on its slowest thread. A `KernelSet` binds one ISA's table of kernels; which one is
+the default is decided once, in `executor/kernels/__init__.py`.
 """
 from cython.parallel cimport prange
 from libc.stdint cimport int64_t, uint64_t, uintptr_t

@@ -1,7 +1,8 @@
 /* gemv_bf16dp.h — bf16-weight GEMV on AVX512-BF16 (VDPBF16PS), included by kernels_impl.h in the
  * avx512bf16 unit only. x is split once per call into bf16 hi + lo parts (x ≈ hi + lo to ~16
  * mantissa bits); each product of two bf16 is exact in fp32, so the result matches the fp32
- * reference about as closely as the upcasting kernel does, with one instruction per 32 weights. */
+ * reference about as closely as the upcasting kernel does, with two instructions per 32 weights.
+ * VDPBF16PS reads subnormal bf16 (|w| < 2^-126) as zero, the one difference in results. */
 
 /* Per-thread scratch for the split x: grown on demand, kept for the thread's lifetime. */
 static __thread uint16_t *xs_buf = NULL;

@@ -89,6 +89,32 @@ def test_linear_threads_cover_every_row_once(dtype):
             assert torch.equal(out, ref), f"B={b} run {i}"
 
 
+@pytest.mark.parametrize("isa", ISAS_HERE)
+def test_weight_conversions_exact(isa):
+    """bf16/fp16 → fp32 widening in every load path (vector body, pair loads, scalar tail) is exact,
+    subnormals and extremes included: one-hot rows of x pick single weights out unchanged."""
+    ks = K.KernelSet(isa)
+    k = 67  # vector body + pairs + a scalar tail on every ISA
+    specials = {
+        torch.float16: [6e-8, -6e-8, 6.1e-5, 6.0e-5, 65504.0, -65504.0, -0.0, 1.0, 0.333, 2.0 ** -24],
+        torch.bfloat16: [1e-40, -1e-40, 1.2e-38, 3.3e38, -3.3e38, -0.0, 1.0, 0.333, 2.0 ** -126],
+    }
+    for dtype, values in specials.items():
+        v = torch.tensor(values).to(dtype)
+        weight = v[torch.arange(7 * k) % len(v)].reshape(7, k)  # [N=7, K] every special everywhere
+        prepared = K.prepare_linear(weight)
+        for b in (1, 3, 8):
+            cols = torch.tensor([(5 * i + b) % k for i in range(b)])
+            x = torch.nn.functional.one_hot(cols, k).float()  # [B, K]
+            y = ks.linear(x, prepared, num_threads=1)
+            expected = weight.float()[:, cols].t()
+            if isa == "avx512bf16" and dtype == torch.bfloat16:
+                # VDPBF16PS reads subnormal inputs as zero (DAZ); only the scalar tail keeps them.
+                flush = (expected.abs() < 2.0 ** -126) & (cols < k - k % 32)[:, None]
+                expected = torch.where(flush, torch.zeros_like(expected), expected)
+            assert torch.equal(y, expected + 0.0), f"{isa} {dtype} B={b}"  # +0.0: -0 sums to +0
+
+
 def test_linear_out_buffer_and_errors():
     weight = torch.randn(33, 17)
     prepared = K.prepare_linear(weight)
