@@ -63,7 +63,7 @@ MAX_TILE_B = HELM_MAX_TILE_B
 #:         bf16 (as PyTorch/transformers do in a bf16 model); KernelSet(..., torch_prefill=False)
 #:         keeps our fp32-exact kernels instead.
 #:   fp32: MKL's sgemm, exact fp32, overtakes ours between B=17 and B=64.
-#:   fp16: never: ours is as fast up to B=64 and within 20% at B=128, and PyTorch's fp16 result
+#:   fp16: never: PyTorch is at most 6% faster up to B=64 and 10-25% at B=128, and its result
 #:         would be rounded to fp16 (and can overflow).
 TORCH_PREFILL_MIN_B = {torch.bfloat16: HELM_MAX_TILE_B + 1, torch.float32: 32}
 
