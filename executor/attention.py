@@ -10,9 +10,16 @@ float rounding), and only one page at a time needs to be on the device.
 from __future__ import annotations
 
 import itertools
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
+
+from executor.rope import apply_rotary
+
+if TYPE_CHECKING:
+    from executor.batch import StepBatch
+    from executor.kv_cache import KVCache
+    from executor.model_config import ModelConfig
 
 # (k [H_kv, n, D], v [H_kv, n, D], position of the chunk's first key)
 KVChunk = tuple[torch.Tensor, torch.Tensor, int]
@@ -96,3 +103,36 @@ def _one_chunk(q: torch.Tensor, chunk: KVChunk, scale: float, q_positions: torch
     scores = torch.matmul(_grouped(q, k.shape[0]), k.float().transpose(1, 2)) * scale  # [H_kv, group*T, n]
     probs = torch.softmax(_mask_future(scores, q_positions, start, group), dim=-1)
     return _ungrouped(torch.matmul(probs, v.float()), T, h_q)
+
+
+class TorchAttention:
+    """A stage's self-attention in plain PyTorch (the reference path, and the one CUDA stages use):
+    q/k RMSNorm, rotary embedding, K/V appended to the paged cache, streaming attention per sequence."""
+
+    def __init__(self, config: "ModelConfig", kv: "KVCache", ops):
+        self.config, self.kv, self.ops = config, kv, ops
+        self.scale = config.head_dim ** -0.5
+
+    def __call__(self, qkv: torch.Tensor, q_norm, k_norm, layer: int, batch: "StepBatch",
+                 positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """qkv: [T, (H_q + 2·H_kv)·D] fp32 → attention output [T, H_q·D] fp32."""
+        cfg = self.config
+        T = qkv.shape[0]
+        q, k, v = qkv.split((cfg.q_dim, cfg.kv_dim, cfg.kv_dim), dim=-1)
+        q = q.reshape(T, cfg.num_heads, cfg.head_dim)  # [T, H_q, D]
+        k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)  # [T, H_kv, D]
+        v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+        if q_norm is not None:
+            q = self.ops.rms_norm(q, q_norm, cfg.rms_norm_eps)
+            k = self.ops.rms_norm(k, k_norm, cfg.rms_norm_eps)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        out = torch.empty_like(q)  # [T, H_q, D]
+        for s in batch.slices:
+            rows = slice(s.offset, s.offset + s.count)
+            self.kv.write(layer, s.seq_id, s.start, k[rows], v[rows])
+            end = s.start + s.count
+            # Decode (one query at the newest position) needs no mask: every cached key is visible.
+            q_pos = positions[rows] if s.count > 1 else None
+            out[rows] = streaming_attention(q[rows], self.kv.chunks(layer, s.seq_id, end), self.scale, q_pos)
+        return out.reshape(T, cfg.q_dim)

@@ -13,6 +13,7 @@ import logging
 import torch
 
 from executor import ops
+from executor.attention import TorchAttention, streaming_attention
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +23,9 @@ class TorchBackend:
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None):
         return ops.TorchLinear(weight, bias)
+
+    def attention(self, config, kv):
+        return TorchAttention(config, kv, self)
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -45,8 +49,50 @@ class KernelLinear:
         self.prepared = kernels.prepare_linear(weight, bias)
         self.num_threads = num_threads
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(x.contiguous(), self.prepared, num_threads=self.num_threads)
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T + b, or with `residual`: residual += x @ W.T + b in place (returned)."""
+        if residual is None:
+            return self._linear(x.contiguous(), self.prepared, num_threads=self.num_threads)
+        return self._linear(x.contiguous(), self.prepared, residual, num_threads=self.num_threads, accumulate=True)
+
+
+class KernelAttention:
+    """The CPU stage's self-attention on the kernels: q/k RMSNorm and RoPE in place on the qkv
+    projection, K/V stored straight into the sequence's pages, attention streamed over the pages
+    in C (online softmax, GQA: each K/V read once for its query heads). Prefill chunks longer than
+    KERNEL_MAX_QUERIES run PyTorch's streaming attention over the same pages instead, where
+    batched matmuls beat the kernel's per-query loop."""
+
+    #: Measured here (Qwen3-0.6B heads, bf16 KV, 2 threads; kernel vs PyTorch streaming attention):
+    #: 16 queries from position 0: 0.07 vs 0.22 ms; 32: 0.17 vs 0.30; 128: 1.9 vs 2.4; but 128
+    #: queries after 384 cached tokens: 12.1 vs 8.5 ms, and 512 after 1536: 195 vs 132 ms.
+    KERNEL_MAX_QUERIES = 32
+
+    def __init__(self, config, kv, kernels, num_threads: int):
+        self.config, self.kv, self.kernels, self.num_threads = config, kv, kernels, num_threads
+        self.layout = kernels.PagedKV(kv.num_layers, kv.num_kv_heads, kv.page_size, kv.head_dim, kv.dtype)
+        self.scale = config.head_dim ** -0.5
+
+    def __call__(self, qkv: torch.Tensor, q_norm, k_norm, layer: int, batch, positions: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """qkv: [T, (H_q + 2·H_kv)·D] fp32 (modified in place) → attention output [T, H_q·D] fp32."""
+        cfg, k = self.config, self.kernels
+        k.rope_qk_(qkv, cfg.num_heads, cfg.num_kv_heads, cos, sin, q_norm, k_norm, cfg.rms_norm_eps,
+                   num_threads=self.num_threads)
+        out = torch.empty(qkv.shape[0], cfg.q_dim)
+        for s in batch.slices:
+            rows, dst = qkv[s.offset:s.offset + s.count], out[s.offset:s.offset + s.count]
+            table = self.kv.page_table(s.seq_id)
+            k.kv_write(rows, self.layout, table, layer, s.start, cfg.num_heads)
+            if s.count <= self.KERNEL_MAX_QUERIES:
+                k.paged_attention(rows, dst, self.layout, table, layer, s.start, cfg.num_heads, self.scale,
+                                  num_threads=self.num_threads)
+            else:
+                q = rows[:, :cfg.q_dim].reshape(s.count, cfg.num_heads, cfg.head_dim)
+                chunks = self.kv.chunks(layer, s.seq_id, s.start + s.count)
+                dst.copy_(streaming_attention(q, chunks, self.scale, positions[s.offset:s.offset + s.count])
+                          .reshape(s.count, cfg.q_dim))
+        return out
 
 
 class KernelBackend:
@@ -63,6 +109,9 @@ class KernelBackend:
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None):
         return KernelLinear(self.kernels, weight, bias, self.num_threads)
+
+    def attention(self, config, kv):
+        return KernelAttention(config, kv, self.kernels, self.num_threads)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.kernels.rms_norm(x.contiguous(), weight, eps, num_threads=self.num_threads)

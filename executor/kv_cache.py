@@ -78,6 +78,7 @@ class Page:
 class SequencePages:
     pages: list[Page] = field(default_factory=list)
     length: int = 0  # tokens whose K/V are written
+    table: torch.Tensor | None = None  # page addresses for the CPU kernels; None: rebuild
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ class KVCache:
         if not 0.0 < watermark <= 1.0:
             raise ValueError(f"watermark must be in (0, 1], got {watermark}")
         self.page_size = page_size
+        self.num_layers, self.num_kv_heads, self.head_dim, self.dtype = num_layers, num_kv_heads, head_dim, dtype
         self.watermark = watermark
         self.device = torch.device(device)
         shape = (num_layers, 2, num_kv_heads, page_size, head_dim)
@@ -123,6 +125,7 @@ class KVCache:
         seq = self._seqs.setdefault(seq_id, SequencePages())
         while len(seq.pages) * self.page_size < new_length:
             seq.pages.append(self._new_page())
+            seq.table = None
 
     def free(self, seq_id) -> None:
         """Return every page of a finished or cancelled sequence at once."""
@@ -152,9 +155,28 @@ class KVCache:
             dst = page.data[layer]  # [2, H_kv, P, D]
             dst[0, :, slot:slot + take].copy_(k[done:done + take].transpose(0, 1), non_blocking=True)
             dst[1, :, slot:slot + take].copy_(v[done:done + take].transpose(0, 1), non_blocking=True)
-            page.num_tokens = max(page.num_tokens, slot + take)
             done += take
+        self.mark_written(seq_id, start, n)
+
+    def mark_written(self, seq_id, start: int, n: int) -> None:
+        """Record that positions start..start+n-1 hold K/V (written by `write` or by a kernel
+        through `page_table`)."""
+        seq = self._seqs[seq_id]
+        for i in range(start // self.page_size, -(-(start + n) // self.page_size)):
+            page = seq.pages[i]
+            page.num_tokens = max(page.num_tokens, min(self.page_size, start + n - i * self.page_size))
         seq.length = max(seq.length, start + n)
+
+    def page_table(self, seq_id) -> torch.Tensor:
+        """int64 [pages] of the sequence's page buffer addresses, oldest first, for the CPU
+        attention kernels (executor.kernels.PagedKV describes a page). Valid until the next
+        reserve or eviction; only for a cache whose pages are all in host memory."""
+        if self.device.type != "cpu":
+            raise RuntimeError("page_table is for CPU caches (the kernels read pages in host memory)")
+        seq = self._seqs[seq_id]
+        if seq.table is None:
+            seq.table = torch.tensor([p.data.data_ptr() for p in seq.pages], dtype=torch.int64)
+        return seq.table
 
     def chunks(self, layer: int, seq_id, length: int) -> Iterator[KVChunk]:
         """K/V of positions < length, page by page, oldest first, on the compute device.
@@ -225,6 +247,8 @@ class KVCache:
         if not candidates or self.host_pool is None:
             return False
         page = min(candidates, key=lambda p: p.serial)
+        for seq in self._seqs.values():  # the page's buffer moves: page tables are stale
+            seq.table = None
         host = self.host_pool.allocate()
         if self._copy_stream is not None:
             # Copy after the compute stream's writes, then free the device buffer only once the

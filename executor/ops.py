@@ -31,8 +31,12 @@ class TorchLinear:
         self.bias = bias
         self.out_features, self.in_features = weight.shape
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, K] fp32 → [T, N] fp32
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [T, K] fp32 → [T, N] fp32; with `residual` [T, N]: residual += that, returned."""
+        y = self._project(x)
+        return y if residual is None else residual.add_(y)
+
+    def _project(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if w.dtype == torch.float32:
             return F.linear(x, w, self.bias)

@@ -13,14 +13,14 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from executor.attention import streaming_attention
 from executor.batch import StepBatch
 from executor.kv_cache import KVCache
 from executor.model_config import ModelConfig
 from executor.backends import TorchBackend
-from executor.rope import apply_rotary, inverse_frequencies, rotary_tables
+from executor.rope import inverse_frequencies, rotary_tables
 
-Linear = Callable[[torch.Tensor], torch.Tensor]  # [T, K] fp32 → [T, N] fp32
+# [T, K] fp32 → [T, N] fp32; called as (x, residual) it adds into residual [T, N] in place.
+Linear = Callable[..., torch.Tensor]
 
 
 @dataclass
@@ -56,7 +56,7 @@ class Stage:
         self.backend = self.ops.name  # "helm" | "torch"
         self.first_block = max(unit_start, 1) - 1  # model layer index of blocks[0]
         self.inv_freq = inverse_frequencies(config.rope, config.head_dim).to(self.device)
-        self.scale = config.head_dim ** -0.5
+        self.attention = self.ops.attention(config, kv) if blocks else None
         self._pinned: torch.Tensor | None = None  # staging buffer for CPU → CUDA hand-off
 
     def __repr__(self) -> str:
@@ -79,6 +79,8 @@ class Stage:
             cos, sin = rotary_tables(self.inv_freq, positions)
             for i, block in enumerate(self.blocks):
                 x = self._block(x, block, i, batch, positions, cos, sin)
+            for s in batch.slices:
+                self.kv.mark_written(s.seq_id, s.start, s.count)
         if self.head is not None:
             x = x[batch.logit_rows.to(self.device)]
             x = self.head.lm_head(self.ops.rms_norm(x, self.head.norm, self.config.rms_norm_eps))
@@ -98,29 +100,9 @@ class Stage:
 
     def _block(self, x, w: BlockWeights, layer, batch, positions, cos, sin):
         cfg, ops = self.config, self.ops
-        T = x.shape[0]
         h = ops.rms_norm(x, w.input_norm, cfg.rms_norm_eps)
-        qkv = w.qkv(h)  # [T, (H_q + 2·H_kv)·D]
-        q, k, v = qkv.split((cfg.q_dim, cfg.kv_dim, cfg.kv_dim), dim=-1)
-        q = q.reshape(T, cfg.num_heads, cfg.head_dim)  # [T, H_q, D]
-        k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)  # [T, H_kv, D]
-        v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-        if w.q_norm is not None:
-            q = ops.rms_norm(q, w.q_norm, cfg.rms_norm_eps)
-            k = ops.rms_norm(k, w.k_norm, cfg.rms_norm_eps)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
-
-        attn = torch.empty_like(q)  # [T, H_q, D]
-        for s in batch.slices:
-            rows = slice(s.offset, s.offset + s.count)
-            self.kv.write(layer, s.seq_id, s.start, k[rows], v[rows])
-            end = s.start + s.count
-            # Decode (one query at the newest position) needs no mask: every cached key is visible.
-            q_pos = positions[rows] if s.count > 1 else None
-            attn[rows] = streaming_attention(q[rows], self.kv.chunks(layer, s.seq_id, end), self.scale, q_pos)
-        x = ops.add_(x, w.o(attn.reshape(T, cfg.q_dim)))
-
+        attn = self.attention(w.qkv(h), w.q_norm, w.k_norm, layer, batch, positions, cos, sin)  # [T, H_q·D]
+        x = w.o(attn, x)  # x += o(attn)
         h = ops.rms_norm(x, w.post_norm, cfg.rms_norm_eps)
         gate, up = w.gate_up(h).split(cfg.intermediate_size, dim=-1)
-        return ops.add_(x, w.down(ops.silu_mul(gate, up)))
+        return w.down(ops.silu_mul(gate, up), x)  # x += down(silu(gate) · up)

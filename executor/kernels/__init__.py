@@ -39,6 +39,7 @@ except ImportError as exc:  # not built, or built for another Python
 
 KernelSet = _kernels.KernelSet
 PreparedLinear = _kernels.PreparedLinear
+PagedKV = _kernels.PagedKV
 prepare_linear = _kernels.prepare_linear
 
 #: Every variant compiled into the extension, in order of preference: the first one this CPU can
@@ -82,8 +83,12 @@ linear = kernels.linear  # (x [B, K] fp32, w: PreparedLinear, out=None, *, num_t
 rms_norm = kernels.rms_norm  # (x [..., H] fp32, weight [H], eps, out=None, *, num_threads)
 silu_mul = kernels.silu_mul  # (gate, up, out=None, *, num_threads=1) → silu(gate) * up
 add_ = kernels.add_  # (a, b, *, num_threads=1): a += b, returns a
+rope_qk_ = kernels.rope_qk_  # (qkv, Hq, Hkv, cos, sin, q_norm=None, k_norm=None, eps, *, num_threads)
+kv_write = kernels.kv_write  # (qkv, kv: PagedKV, pages, layer, start, Hq): K/V of qkv rows → pages
+paged_attention = kernels.paged_attention  # (qkv, out, kv, pages, layer, start, Hq, scale, *, num_threads)
 
 __all__ = [
-    "ISAS", "KERNEL_ISA", "MAX_TILE_B", "TORCH_PREFILL_MIN_B", "KernelSet", "PreparedLinear", "add_", "available_isas",
-    "kernels", "linear", "prepare_linear", "rms_norm", "silu_mul",
+    "ISAS", "KERNEL_ISA", "MAX_TILE_B", "TORCH_PREFILL_MIN_B", "KernelSet", "PagedKV", "PreparedLinear", "add_",
+    "available_isas", "kernels", "kv_write", "linear", "paged_attention", "prepare_linear", "rms_norm",
+    "rope_qk_", "silu_mul",
 ]

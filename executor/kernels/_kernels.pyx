@@ -17,7 +17,7 @@ cdef extern from "helm_kernels.h" nogil:
     ctypedef struct helm_claim:
         int64_t word
     ctypedef void (*helm_gemv_fn)(float *out, long ldo, const float *x, const void *w,
-                                  const float *bias, int B, int N, int K, int t, int nt,
+                                  const float *bias, int accum, int B, int N, int K, int t, int nt,
                                   helm_claim *claims) noexcept nogil
     ctypedef void (*helm_rms_norm_fn)(float *out, const float *x, const void *w, float eps, int H,
                                       long b0, long b1) noexcept nogil
@@ -26,6 +26,22 @@ cdef extern from "helm_kernels.h" nogil:
                                       long b1) noexcept nogil
     ctypedef void (*helm_add_fn)(float *a, const float *b, long i0, long i1) noexcept nogil
     ctypedef uint64_t (*helm_read_fn)(const void *p, size_t nbytes) noexcept nogil
+    ctypedef struct helm_kv_pages:
+        const void *const *pages
+        long layer_off
+        long head_stride
+        long v_off
+        int Hkv
+        int P
+        int D
+    ctypedef void (*helm_rope_qk_fn)(float *qkv, long ld, int Hq, int Hkv, int D, const float *qn,
+                                     const float *kn, float eps, const float *cos, const float *sin,
+                                     long t0, long t1) noexcept nogil
+    ctypedef void (*helm_kv_write_fn)(const helm_kv_pages *kv, const float *qkv, long ld, int Hq,
+                                      long start, long t0, long t1) noexcept nogil
+    ctypedef void (*helm_attention_fn)(float *out, long ldo, const float *qkv, long ld, int Hq,
+                                       const helm_kv_pages *kv, long start, long T, float scale,
+                                       long item) noexcept nogil
 
     ctypedef struct helm_kernel_table:
         const char *isa
@@ -34,6 +50,9 @@ cdef extern from "helm_kernels.h" nogil:
         helm_silu_mul_fn silu_mul
         helm_add_fn add
         helm_read_fn read
+        helm_rope_qk_fn rope_qk
+        helm_kv_write_fn kv_write[3]
+        helm_attention_fn attention[3]
 
     const helm_kernel_table helm_table_avx512bf16
     const helm_kernel_table helm_table_avx512
@@ -42,6 +61,7 @@ cdef extern from "helm_kernels.h" nogil:
     int helm_cpu_supports(const char *isa)
     long helm_prefetch_bytes[3]
     enum: HELM_MAX_TILE_B
+    enum: HELM_ATT_BLOCK
     void helm_claims_init(helm_claim *claims, int n) noexcept nogil
 
 cdef object _F32 = torch.float32  # looked up once: `linear` checks it on every call
@@ -192,8 +212,10 @@ cdef class KernelSet:
         cdef int m = self.torch_min_b[_DTYPE_CODE[dtype]]
         return m != 0 and batch >= m
 
-    def linear(self, x, PreparedLinear w not None, out=None, *, int num_threads):
-        """out[B, N] = x[B, K] @ w.weight.T + w.bias, fp32 in and out, fp32 accumulation.
+    def linear(self, x, PreparedLinear w not None, out=None, *, int num_threads, bint accumulate=False):
+        """out[B, N] = x[B, K] @ w.weight.T + w.bias, fp32 in and out, fp32 accumulation; with
+        accumulate, out[B, N] += that instead (the residual add fused into the projection: out is
+        then required).
 
         Up to MAX_TILE_B rows of x share one pass over the weights (decode: DRAM-bound GEMV).
         Larger batches go to PyTorch where TORCH_PREFILL_MIN_B says it is faster (its threads are
@@ -209,6 +231,8 @@ cdef class KernelSet:
         if K != w.in_features:
             raise ValueError(f"x has K={K} columns, weight expects {w.in_features}")
         if out is None:
+            if accumulate:
+                raise ValueError("accumulate=True needs out (the tensor to add to)")
             out = torch.empty((B, N), dtype=_F32)
         else:
             os_ = out.shape
@@ -218,6 +242,8 @@ cdef class KernelSet:
         if B == 0:
             return out
         if B > HELM_MAX_TILE_B and self.torch_min_b[w.dtype_code] and B >= self.torch_min_b[w.dtype_code]:
+            if accumulate:
+                return out.add_(_torch_linear(x, w, torch.empty((B, N), dtype=_F32)))
             return _torch_linear(x, w, out)
         cdef helm_gemv_fn fn = self.t.gemv[w.dtype_code]
         cdef float *o = <float *> <uintptr_t> out.data_ptr()
@@ -227,14 +253,15 @@ cdef class KernelSet:
         cdef int nt = _threads_for(min(num_threads, MAX_THREADS), N // ROWS_PER_THREAD_MIN)
         cdef helm_claim claims[MAX_THREADS]
         cdef helm_claim *cp = claims
+        cdef int acc = accumulate
         cdef int t
         if nt == 1:
             with nogil:
-                fn(o, N, xp, wp, bp, B, N, K, 0, 1, NULL)
+                fn(o, N, xp, wp, bp, acc, B, N, K, 0, 1, NULL)
             return out
         helm_claims_init(cp, nt)
         for t in prange(nt, schedule='static', nogil=True, num_threads=nt):
-            fn(o, N, xp, wp, bp, B, N, K, t, nt, cp)
+            fn(o, N, xp, wp, bp, acc, B, N, K, t, nt, cp)
         return out
 
     def rms_norm(self, x, weight, double eps, out=None, *, int num_threads):
@@ -326,6 +353,91 @@ cdef class KernelSet:
             fn(ap, bp, min(n, t * chunk), min(n, (t + 1) * chunk))
         return a
 
+    def rope_qk_(self, qkv, int num_heads, int num_kv_heads, cos, sin, q_norm=None, k_norm=None,
+                 double eps=1e-6, *, int num_threads=1):
+        """In place on the q and k heads of qkv [T, >= (Hq + Hkv)·D] fp32 (rows may be strided,
+        each row contiguous): RMSNorm of each q head by q_norm and each k head by k_norm ([D] fp32,
+        both or neither), then the rotary rotation by cos, sin [T, D/2] fp32. Returns qkv."""
+        cdef long T, width, ld
+        T, width, ld = _rows_view(qkv, "qkv")
+        if qkv.dim() != 2:
+            raise ValueError("qkv must be 2-D [T, columns]")
+        _check_table(cos, "cos", T)
+        _check_table(sin, "sin", T)
+        if sin.shape != cos.shape:
+            raise ValueError(f"sin {tuple(sin.shape)} and cos {tuple(cos.shape)} differ in shape")
+        cdef int D = 2 * cos.shape[1]
+        if num_heads < 1 or num_kv_heads < 1 or D < 2 or width < (num_heads + num_kv_heads) * D:
+            raise ValueError(f"qkv has {width} columns, fewer than ({num_heads} + {num_kv_heads}) heads x {D}")
+        if (q_norm is None) != (k_norm is None):
+            raise ValueError("give both q_norm and k_norm, or neither")
+        cdef const float *qn = NULL
+        cdef const float *kn = NULL
+        if q_norm is not None:
+            qn = _norm_weight(q_norm, "q_norm", D)
+            kn = _norm_weight(k_norm, "k_norm", D)
+        if T == 0:
+            return qkv
+        cdef float *p = <float *> <uintptr_t> qkv.data_ptr()
+        cdef const float *c = <const float *> <uintptr_t> cos.data_ptr()
+        cdef const float *sn = <const float *> <uintptr_t> sin.data_ptr()
+        cdef helm_rope_qk_fn fn = self.t.rope_qk
+        cdef float feps = eps
+        cdef int nt = _threads_for(num_threads, T // 4)
+        cdef long chunk = (T + nt - 1) // nt
+        cdef int t
+        if nt == 1:
+            with nogil:
+                fn(p, ld, num_heads, num_kv_heads, D, qn, kn, feps, c, sn, 0, T)
+            return qkv
+        for t in prange(nt, schedule='static', nogil=True, num_threads=nt):
+            fn(p, ld, num_heads, num_kv_heads, D, qn, kn, feps, c, sn, t * chunk, min(T, (t + 1) * chunk))
+        return qkv
+
+    def kv_write(self, qkv, PagedKV kv not None, pages, int layer, long start, int num_heads):
+        """Stores the K and V heads of qkv's T rows (after the Hq q heads) as the KV of positions
+        start .. start+T-1 of `layer`, rounded to the cache dtype. pages: int64 [n] page addresses
+        (KVCache.page_table) covering those positions."""
+        cdef helm_kv_pages desc
+        cdef long T, ld
+        T, ld = kv.check(qkv, pages, layer, start, num_heads, &desc)
+        if T == 0:
+            return
+        cdef helm_kv_write_fn fn = self.t.kv_write[kv.dtype_code]
+        cdef const float *q = <const float *> <uintptr_t> qkv.data_ptr()
+        with nogil:
+            fn(&desc, q, ld, num_heads, start, 0, T)
+
+    def paged_attention(self, qkv, out, PagedKV kv not None, pages, int layer, long start,
+                        int num_heads, double scale, *, int num_threads):
+        """Causal attention of the q heads of qkv's T rows (row t at position start + t) over the
+        cached keys at positions <= start + t of `layer` (written before, see kv_write), into
+        out [T, Hq·D] fp32. GQA: q head i reads KV head i // (Hq / Hkv). Returns out."""
+        cdef helm_kv_pages desc
+        cdef long T, ld
+        T, ld = kv.check(qkv, pages, layer, start, num_heads, &desc)
+        cdef long ot, ow, ldo
+        ot, ow, ldo = _rows_view(out, "out")
+        if out.dim() != 2 or ot != T or ow != <long> num_heads * kv.head_dim:
+            raise ValueError(f"out must be [{T}, {num_heads * kv.head_dim}], got {tuple(out.shape)}")
+        if T == 0:
+            return out
+        cdef helm_attention_fn fn = self.t.attention[kv.dtype_code]
+        cdef const float *q = <const float *> <uintptr_t> qkv.data_ptr()
+        cdef float *o = <float *> <uintptr_t> out.data_ptr()
+        cdef float fscale = scale
+        cdef long items = T * kv.num_kv_heads
+        cdef int nt = _threads_for(num_threads, items)
+        cdef long i
+        if nt == 1:
+            with nogil:
+                for i in range(items):
+                    fn(o, ldo, q, ld, num_heads, &desc, start, T, fscale, i)
+            return out
+        for i in prange(items, schedule='dynamic', nogil=True, num_threads=nt):
+            fn(o, ldo, q, ld, num_heads, &desc, start, T, fscale, i)
+        return out
+
     def read_pass(self, buf, *, int num_threads) -> int:
         """Stream once over `buf` (contiguous CPU tensor) with num_threads threads, each reading
         its own contiguous part: the DRAM read-bandwidth probe. Returns a checksum."""
@@ -345,6 +457,71 @@ cdef class KernelSet:
             hi = nbytes if t == nt - 1 else lo + chunk
             total += fn(p + lo, hi - lo)
         return total
+
+
+cdef class PagedKV:
+    """The geometry of a paged KV cache (executor/kv_cache.py) for the attention kernels: each page
+    one buffer [num_layers, 2 (K, V), num_kv_heads, page_size, head_dim] of `dtype`."""
+
+    cdef readonly int num_layers, num_kv_heads, page_size, head_dim
+    cdef readonly object dtype
+    cdef int dtype_code
+
+    def __init__(self, int num_layers, int num_kv_heads, int page_size, int head_dim, dtype):
+        if min(num_layers, num_kv_heads, page_size, head_dim) < 1:
+            raise ValueError("num_layers, num_kv_heads, page_size and head_dim must be >= 1")
+        if dtype not in _DTYPE_CODE:
+            raise TypeError(f"KV dtype {dtype} is not supported (bf16, fp16, fp32)")
+        self.num_layers, self.num_kv_heads = num_layers, num_kv_heads
+        self.page_size, self.head_dim = page_size, head_dim
+        self.dtype = dtype
+        self.dtype_code = _DTYPE_CODE[dtype]
+
+    def __repr__(self):
+        return (f"PagedKV(layers={self.num_layers}, kv_heads={self.num_kv_heads}, "
+                f"page_size={self.page_size}, head_dim={self.head_dim}, dtype={self.dtype})")
+
+    cdef tuple check(self, object qkv, object pages, int layer, long start, int num_heads,
+                     helm_kv_pages *desc):
+        """Validates a kernel call's arguments, fills desc; returns (T, row stride of qkv)."""
+        cdef long T, width, ld
+        T, width, ld = _rows_view(qkv, "qkv")
+        if qkv.dim() != 2:
+            raise ValueError("qkv must be 2-D [T, columns]")
+        cdef int H = self.num_kv_heads, D = self.head_dim
+        if num_heads < H or num_heads % H:
+            raise ValueError(f"{num_heads} query heads are not a multiple of {H} KV heads")
+        if num_heads // H * (D + HELM_ATT_BLOCK) > 65536:
+            raise ValueError(f"{num_heads // H} query heads per KV head is more than the kernels support")
+        if width < <long> (num_heads + 2 * H) * D:
+            raise ValueError(f"qkv has {width} columns, expected (Hq {num_heads} + 2 x {H}) x {D}")
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
+        if start < 0:
+            raise ValueError(f"start position {start} < 0")
+        if pages.dtype is not torch.int64 or pages.dim() != 1 or not pages.is_contiguous() or not pages.is_cpu:
+            raise ValueError("pages must be a contiguous 1-D int64 CPU tensor of page addresses")
+        if pages.shape[0] * <long> self.page_size < start + T:
+            raise ValueError(f"{pages.shape[0]} pages of {self.page_size} do not cover positions < {start + T}")
+        desc.pages = <const void *const *> <uintptr_t> pages.data_ptr()
+        desc.head_stride = <long> self.page_size * D
+        desc.v_off = desc.head_stride * H
+        desc.layer_off = 2 * desc.v_off * layer
+        desc.Hkv, desc.P, desc.D = H, self.page_size, D
+        return T, ld
+
+
+cdef void _check_table(object t, str name, long rows) except *:
+    if t.dtype is not torch.float32 or t.dim() != 2 or not t.is_contiguous() or not t.is_cpu:
+        raise ValueError(f"{name} must be a contiguous 2-D fp32 CPU tensor")
+    if t.shape[0] != rows:
+        raise ValueError(f"{name} has {t.shape[0]} rows, qkv has {rows}")
+
+
+cdef const float *_norm_weight(object w, str name, int D) except NULL:
+    if w.dtype is not torch.float32 or tuple(w.shape) != (D,) or not w.is_contiguous() or not w.is_cpu:
+        raise ValueError(f"{name} must be a contiguous fp32 CPU tensor of shape ({D},)")
+    return <const float *> <uintptr_t> w.data_ptr()
 
 
 cdef object _torch_linear(object x, PreparedLinear w, object out):

@@ -35,7 +35,7 @@ static uint16_t *xs_prepare(const float *x, int B, int K, int K32) {
 /* As tile_* in gemv_tile.h: R rows `seg` rows apart, one from each of the thread's streams. */
 HELM_INLINE void tile_bf16dp(float *restrict out, long ldo, const uint16_t *restrict xs, int K32,
                              const float *restrict x, const uint16_t *restrict w,
-                             const float *restrict bias, int K, int n, long seg, const int R,
+                             const float *restrict bias, int accum, int K, int n, long seg, const int R,
                              const int B, long pf) {
     const size_t rs = (size_t)seg * (size_t)K;
     const int S = B <= 3 ? 2 : 1; /* separate hi/lo accumulators while R·B is small */
@@ -67,22 +67,25 @@ HELM_INLINE void tile_bf16dp(float *restrict out, long ldo, const uint16_t *rest
             for (int b = 0; b < B; b++) s[r][b] = s_fma(wk, x[(size_t)b * K + k], s[r][b]);
         }
     for (int r = 0; r < R; r++)
-        for (int b = 0; b < B; b++)
-            out[(size_t)b * ldo + n + r * seg] = s[r][b] + (bias ? bias[n + r * seg] : 0.0f);
+        for (int b = 0; b < B; b++) {
+            float *o = out + (size_t)b * ldo + n + r * seg;
+            const float y = s[r][b] + (bias ? bias[n + r * seg] : 0.0f);
+            *o = accum ? *o + y : y;
+        }
 }
 
 static void rows_bf16dp(float *out, long ldo, const uint16_t *xs, int K32, const float *x,
-                        const uint16_t *w, const float *bias, int B, int K, int n0, int n1) {
+                        const uint16_t *w, const float *bias, int accum, int B, int K, int n0, int n1) {
     const long pf = helm_prefetch_bytes[HELM_BF16] / (long)sizeof(uint16_t);
 #define HELM_DP_CASE(BB)                                                                    \
     case BB: {                                                                              \
         const int R = TILE_R(BB);                                                           \
         const int seg = (n1 - n0) / R;                                                      \
         for (int j = 0; j < seg; j++)                                                       \
-            tile_bf16dp(out, ldo, xs, K32, x, w + (size_t)(n0 + j) * K, bias, K, n0 + j, seg, \
+            tile_bf16dp(out, ldo, xs, K32, x, w + (size_t)(n0 + j) * K, bias, accum, K, n0 + j, seg, \
                         R, BB, pf);                                                         \
         for (int n = n0 + R * seg; n < n1; n++)                                             \
-            tile_bf16dp(out, ldo, xs, K32, x, w + (size_t)n * K, bias, K, n, 0, 1, BB, pf);  \
+            tile_bf16dp(out, ldo, xs, K32, x, w + (size_t)n * K, bias, accum, K, n, 0, 1, BB, pf);  \
         break;                                                                              \
     }
     switch (B) {
@@ -101,18 +104,18 @@ static void rows_bf16dp(float *out, long ldo, const uint16_t *xs, int K32, const
 
 /* helm_gemv_fn; each thread does exactly its own share (this variant ignores claims). */
 static void gemv_bf16dp(float *out, long ldo, const float *x, const void *wv, const float *bias,
-                        int B, int N, int K, int t, int nt, helm_claim *claims) {
+                        int accum, int B, int N, int K, int t, int nt, helm_claim *claims) {
     (void)claims;
     const uint16_t *w = (const uint16_t *)wv;
     const int n0 = (int)((long)N * t / nt), n1 = (int)((long)N * (t + 1) / nt);
     const int K32 = K - K % 32;
     const uint16_t *xs = xs_prepare(x, B, K, K32);
     if (!xs) { /* out of memory for a few KiB of scratch: fall back to the upcasting kernel */
-        gemv_bf16(out, ldo, x, wv, bias, B, N, K, t, nt, NULL);
+        gemv_bf16(out, ldo, x, wv, bias, accum, B, N, K, t, nt, NULL);
         return;
     }
     if (B <= HELM_MAX_TILE_B) {
-        rows_bf16dp(out, ldo, xs, K32, x, w, bias, B, K, n0, n1);
+        rows_bf16dp(out, ldo, xs, K32, x, w, bias, accum, B, K, n0, n1);
         return;
     }
     long block = HELM_L2_BLOCK_BYTES / ((long)K * 2);
@@ -122,7 +125,7 @@ static void gemv_bf16dp(float *out, long ldo, const float *x, const void *wv, co
         for (int b0 = 0; b0 < B; b0 += HELM_MAX_TILE_B) {
             const int bn = (B - b0 < HELM_MAX_TILE_B) ? B - b0 : HELM_MAX_TILE_B;
             rows_bf16dp(out + (size_t)b0 * ldo, ldo, xs + (size_t)b0 * 2 * K32, K32,
-                        x + (size_t)b0 * K, w, bias, bn, K, nb, ne);
+                        x + (size_t)b0 * K, w, bias, accum, bn, K, nb, ne);
         }
     }
 }

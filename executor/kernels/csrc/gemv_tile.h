@@ -5,8 +5,8 @@
  * thread reads R independent sequential streams (measured here: 4 distant streams per thread reach
  * the machine's read bandwidth, 4 adjacent rows do not). */
 
-/* out[b*ldo + n + r*seg] = bias[n + r*seg] + dot(x[b, :], w[r*seg*K : r*seg*K + K])
- *   for r < R, b < B: R weight rows `seg` rows apart, x: [B, K]. R, B, U are compile-time
+/* out[b*ldo + n + r*seg] (+)= bias[n + r*seg] + dot(x[b, :], w[r*seg*K : r*seg*K + K])
+ *   (added to what out holds when accum) for r < R, b < B: R weight rows `seg` rows apart, x: [B, K]. R, B, U are compile-time
  *   constants after inlining, so the accumulators acc[R][B][U] live in registers; U > 1 unrolls
  *   k to break the FMA dependency chains when R·B alone is too few.
  * With LOAD_W_PAIR, the first K2 columns use xs: x with each chunk of 2·VL columns stored as its
@@ -14,7 +14,7 @@
  *   weights without widening them (bf16: one shift and one mask per 2·VL weights). */
 HELM_INLINE void CAT(tile_, WNAME)(float *restrict out, long ldo, const float *restrict x,
                                    const float *restrict xs, int K2, const WT *restrict w,
-                                   const float *restrict bias, int K, int n, long seg,
+                                   const float *restrict bias, int accum, int K, int n, long seg,
                                    const int R, const int B, const int U, long pf) {
     const size_t rs = (size_t)seg * (size_t)K; /* elements between the R row streams */
     vf acc[4][HELM_MAX_TILE_B][2];
@@ -75,16 +75,19 @@ HELM_INLINE void CAT(tile_, WNAME)(float *restrict out, long ldo, const float *r
             for (int b = 0; b < B; b++) s[r][b] = s_fma(wk, x[(size_t)b * K + k], s[r][b]);
         }
     for (int r = 0; r < R; r++)
-        for (int b = 0; b < B; b++)
-            out[(size_t)b * ldo + n + r * seg] = s[r][b] + (bias ? bias[n + r * seg] : 0.0f);
+        for (int b = 0; b < B; b++) {
+            float *o = out + (size_t)b * ldo + n + r * seg;
+            const float y = s[r][b] + (bias ? bias[n + r * seg] : 0.0f);
+            *o = accum ? *o + y : y;
+        }
 }
 
 /* Tiles j0..j1 of a share of rows n0.. walked as R segments of `seg` rows. */
 HELM_INLINE void CAT(tiles_, WNAME)(float *out, long ldo, const float *x, const float *xs, int K2,
-                                    const WT *w, const float *bias, int K, int n0, int seg, int j0,
+                                    const WT *w, const float *bias, int accum, int K, int n0, int seg, int j0,
                                     int j1, const int R, const int B, const int U, long pf) {
     for (int j = j0; j < j1; j++)
-        CAT(tile_, WNAME)(out, ldo, x, xs, K2, w + (size_t)(n0 + j) * K, bias, K, n0 + j, seg, R, B,
+        CAT(tile_, WNAME)(out, ldo, x, xs, K2, w + (size_t)(n0 + j) * K, bias, accum, K, n0 + j, seg, R, B,
                           U, pf);
 }
 
@@ -93,8 +96,8 @@ HELM_INLINE void CAT(tiles_, WNAME)(float *out, long ldo, const float *x, const 
  * then tiles left in the other threads' shares (claimed from the back). Without claims: its own
  * share only. */
 static void CAT(rows_, WNAME)(float *out, long ldo, const float *x, const float *xs, int K2,
-                              const WT *w, const float *bias, int B, int N, int K, int t, int nt,
-                              helm_claim *claims) {
+                              const WT *w, const float *bias, int accum, int B, int N, int K, int t,
+                              int nt, helm_claim *claims) {
     const long pf = helm_prefetch_bytes[WDTYPE] / (long)sizeof(WT);
 #define HELM_ROWS_CASE(BB)                                                                        \
     case BB: {                                                                                    \
@@ -103,19 +106,19 @@ static void CAT(rows_, WNAME)(float *out, long ldo, const float *x, const float 
         const int seg = (n1 - n0) / R;                                                            \
         int j0, n;                                                                                \
         if (!claims) {                                                                            \
-            CAT(tiles_, WNAME)(out, ldo, x, xs, K2, w, bias, K, n0, seg, 0, seg, R, BB, U, pf);   \
+            CAT(tiles_, WNAME)(out, ldo, x, xs, K2, w, bias, accum, K, n0, seg, 0, seg, R, BB, U, pf);   \
         } else {                                                                                  \
             while ((n = helm_claim_tiles(&claims[t], seg, HELM_CLAIM_OWNER_TILES, 0, &j0)) > 0)   \
-                CAT(tiles_, WNAME)(out, ldo, x, xs, K2, w, bias, K, n0, seg, j0, j0 + n, R, BB,   \
+                CAT(tiles_, WNAME)(out, ldo, x, xs, K2, w, bias, accum, K, n0, seg, j0, j0 + n, R, BB,   \
                                    U, pf);                                                        \
         }                                                                                         \
         for (int r = n0 + R * seg; r < n1; r++)                                                   \
-            CAT(tile_, WNAME)(out, ldo, x, xs, K2, w + (size_t)r * K, bias, K, r, 0, 1, BB, U, pf); \
+            CAT(tile_, WNAME)(out, ldo, x, xs, K2, w + (size_t)r * K, bias, accum, K, r, 0, 1, BB, U, pf); \
         for (int v = 1; claims && v < nt; v++) {                                                  \
             const int u = (t + v) % nt;                                                           \
             const int u0 = (int)((long)N * u / nt), useg = ((int)((long)N * (u + 1) / nt) - u0) / R; \
             while ((n = helm_claim_tiles(&claims[u], useg, 1, 1, &j0)) > 0)                       \
-                CAT(tiles_, WNAME)(out, ldo, x, xs, K2, w, bias, K, u0, useg, j0, j0 + n, R, BB,  \
+                CAT(tiles_, WNAME)(out, ldo, x, xs, K2, w, bias, accum, K, u0, useg, j0, j0 + n, R, BB,  \
                                    U, pf);                                                        \
         }                                                                                         \
         break;                                                                                    \
@@ -138,7 +141,7 @@ static void CAT(rows_, WNAME)(float *out, long ldo, const float *x, const float 
  * chunk by chunk over blocks of the thread's rows small enough to stay in L2, so each weight byte
  * comes from DRAM once. */
 static void CAT(gemv_, WNAME)(float *out, long ldo, const float *x, const void *wv,
-                              const float *bias, int B, int N, int K, int t, int nt,
+                              const float *bias, int accum, int B, int N, int K, int t, int nt,
                               helm_claim *claims) {
     const WT *w = (const WT *)wv;
     int K2 = 0;
@@ -151,7 +154,7 @@ static void CAT(gemv_, WNAME)(float *out, long ldo, const float *x, const void *
     }
 #endif
     if (B <= HELM_MAX_TILE_B) {
-        CAT(rows_, WNAME)(out, ldo, x, xs, K2, w, bias, B, N, K, t, nt, claims);
+        CAT(rows_, WNAME)(out, ldo, x, xs, K2, w, bias, accum, B, N, K, t, nt, claims);
         return;
     }
     const int n0 = (int)((long)N * t / nt), n1 = (int)((long)N * (t + 1) / nt);
@@ -163,7 +166,7 @@ static void CAT(gemv_, WNAME)(float *out, long ldo, const float *x, const void *
             const int bn = (B - b0 < HELM_MAX_TILE_B) ? B - b0 : HELM_MAX_TILE_B;
             /* rows nb..ne as a one-thread share: N = ne - nb rows from w + nb*K, out + nb */
             CAT(rows_, WNAME)(out + (size_t)b0 * ldo + nb, ldo, x + (size_t)b0 * K, NULL, 0,
-                              w + (size_t)nb * K, bias ? bias + nb : NULL, bn, ne - nb, K, 0, 1,
+                              w + (size_t)nb * K, bias ? bias + nb : NULL, accum, bn, ne - nb, K, 0, 1,
                               NULL);
         }
     }

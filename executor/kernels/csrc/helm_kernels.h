@@ -32,14 +32,15 @@ static inline void helm_claims_init(helm_claim *claims, int n) {
     for (int i = 0; i < n; i++) claims[i].word = HELM_CLAIM_INIT;
 }
 
-/* out[b*ldo + n] = bias[n] + sum_k x[b*K + k] * w[n*K + k]   for 0 <= b < B, 0 <= n < N,
- * called once by each of the nt threads t of a parallel region, with claims[nt] set to
- * HELM_CLAIM_INIT before it (or claims NULL: each thread does exactly its own share).
+/* y = bias[n] + sum_k x[b*K + k] * w[n*K + k];  out[b*ldo + n] = accum ? out[b*ldo + n] + y : y
+ *   for 0 <= b < B, 0 <= n < N (accum: the residual add fused into the projection), called once by
+ * each of the nt threads t of a parallel region, with claims[nt] set to HELM_CLAIM_INIT before it
+ * (or claims NULL: each thread does exactly its own share).
  *   out: [B, ldo] fp32, x: [B, K] fp32, w: [N, K] of the table slot's dtype, bias: [N] fp32 or NULL.
  * fp32 accumulation; any B >= 1, N, K >= 1. Every row is computed by one thread in a fixed order,
  * so the result does not depend on nt or on who claimed what. */
 typedef void (*helm_gemv_fn)(float *out, long ldo, const float *x, const void *w, const float *bias,
-                             int B, int N, int K, int t, int nt, helm_claim *claims);
+                             int accum, int B, int N, int K, int t, int nt, helm_claim *claims);
 
 /* out[b, :] = x[b, :] * rsqrt(mean(x[b, :]^2) + eps) * w   for b0 <= b < b1;  x, out: [*, H] fp32,
  * w: [H] of the slot's dtype. */
@@ -53,6 +54,43 @@ typedef void (*helm_silu_mul_fn)(float *out, long ldo, const float *gate, long l
 /* a[i] += b[i] for i0 <= i < i1. */
 typedef void (*helm_add_fn)(float *a, const float *b, long i0, long i1);
 
+/* Keys the attention kernel scores per step of its online softmax (their G scores each stay in
+ * L1); callers bound the query heads per KV head so G * (D + HELM_ATT_BLOCK) floats fit on a stack. */
+#define HELM_ATT_BLOCK 64
+
+/* Where one layer of a sequence's paged KV cache lives (executor/kv_cache.py): page i of the
+ * sequence holds positions i*P .. i*P + P-1 and is one buffer [L, 2 (K, V), Hkv, P, D] of the
+ * table slot's dtype; the layer's K of KV head h is the [P, D] slab at
+ * pages[i] + layer_off + h*head_stride (elements), its V v_off elements further on. */
+typedef struct helm_kv_pages {
+    const void *const *pages; /* base address of each page, oldest first */
+    long layer_off;           /* layer * 2 * Hkv * P * D */
+    long head_stride;         /* P * D */
+    long v_off;               /* Hkv * P * D */
+    int Hkv, P, D;
+} helm_kv_pages;
+
+/* For query rows t0 <= t < t1 of qkv ([T, ld] fp32; q heads at column 0, k heads at Hq*D, each D
+ * wide): RMSNorm of each q head with weight qn and each k head with kn ([D] fp32; NULL: none), then
+ * the rotary rotation of every q and k head in half-split pairs (i, i + D/2):
+ *   x_i' = x_i*cos[t, i] - x_{i+D/2}*sin[t, i],  x_{i+D/2}' = x_{i+D/2}*cos[t, i] + x_i*sin[t, i]
+ * in place; cos, sin: [T, D/2] fp32. */
+typedef void (*helm_rope_qk_fn)(float *qkv, long ld, int Hq, int Hkv, int D, const float *qn,
+                                const float *kn, float eps, const float *cos, const float *sin,
+                                long t0, long t1);
+
+/* Stores the K and V of qkv rows t0 <= t < t1 (K at column Hq*D, V at (Hq + Hkv)*D) as the KV of
+ * positions start + t, converted to the slot's dtype (round to nearest even). */
+typedef void (*helm_kv_write_fn)(const helm_kv_pages *kv, const float *qkv, long ld, int Hq,
+                                 long start, long t0, long t1);
+
+/* Causal attention of one work item = (KV head h, query row t) with item = h*T + t: the Hq/Hkv
+ * query heads of h in qkv row t (position start + t) over the keys at positions <= start + t,
+ * streamed page by page with an online softmax; writes out[t*ldo + (h*G + g)*D + d], fp32. */
+typedef void (*helm_attention_fn)(float *out, long ldo, const float *qkv, long ld, int Hq,
+                                  const helm_kv_pages *kv, long start, long T, float scale,
+                                  long item);
+
 /* Reads nbytes (a multiple of 64) from p and returns a checksum: the read-bandwidth probe. */
 typedef uint64_t (*helm_read_fn)(const void *p, size_t nbytes);
 
@@ -63,6 +101,9 @@ typedef struct helm_kernel_table {
     helm_silu_mul_fn silu_mul;
     helm_add_fn add;
     helm_read_fn read;
+    helm_rope_qk_fn rope_qk;
+    helm_kv_write_fn kv_write[HELM_NUM_DTYPES];
+    helm_attention_fn attention[HELM_NUM_DTYPES];
 } helm_kernel_table;
 
 extern const helm_kernel_table helm_table_avx512bf16;

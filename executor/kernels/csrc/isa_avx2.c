@@ -28,6 +28,9 @@ static inline __attribute__((always_inline)) vf v_load_f16(const uint16_t *p) {
 }
 static inline __attribute__((always_inline)) vf v_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline __attribute__((always_inline)) vf v_add(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline __attribute__((always_inline)) vf v_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline __attribute__((always_inline)) vf v_set1(float f) { return _mm256_set1_ps(f); }
+static inline __attribute__((always_inline)) void v_store(float *p, vf v) { _mm256_storeu_ps(p, v); }
 static inline __attribute__((always_inline)) float s_fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 static inline __attribute__((always_inline)) float v_hsum(vf v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -40,6 +40,9 @@ static inline __attribute__((always_inline)) vf v_load_f16(const uint16_t *p) {
 }
 static inline __attribute__((always_inline)) vf v_fma(vf a, vf b, vf c) { return a * b + c; }
 static inline __attribute__((always_inline)) vf v_add(vf a, vf b) { return a + b; }
+static inline __attribute__((always_inline)) vf v_mul(vf a, vf b) { return a * b; }
+static inline __attribute__((always_inline)) vf v_set1(float f) { return (vf){f, f, f, f}; }
+static inline __attribute__((always_inline)) void v_store(float *p, vf v) { memcpy(p, &v, sizeof v); }
 /* Unfused, like v_fma here: setup.py builds with -ffp-contract=off, so neither becomes an FMA. */
 static inline __attribute__((always_inline)) float s_fma(float a, float b, float c) { return a * b + c; }
 static inline __attribute__((always_inline)) float v_hsum(vf v) { return (v[0] + v[1]) + (v[2] + v[3]); }

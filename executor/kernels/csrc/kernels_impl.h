@@ -2,7 +2,8 @@
  * and compiled once per instruction set by the isa_*.c files, which define that vocabulary:
  *   HELM_ISA (bare name), vf (vector of VL floats), HELM_NVREGS (vector registers),
  *   v_zero(), v_load(const float *), v_load_bf16(const uint16_t *), v_load_f16(const uint16_t *),
- *   v_fma(a, b, c) = a*b + c, v_add(a, b), v_hsum(v) → float, s_fma(a, b, c), the scalar
+ *   v_fma(a, b, c) = a*b + c, v_add(a, b), v_mul(a, b), v_set1(float), v_store(float *, v),
+ *   v_hsum(v) → float, s_fma(a, b, c), the scalar
  *   a*b + c rounded the way v_fma rounds (so a row's result does not depend on its tile), and
  *   v_load_bf16x2(p, even, odd): 2·VL bf16 → the even-index and odd-index elements as floats.
  * Element-wise kernels are plain C loops that the compiler vectorises for the unit's target. */
@@ -59,6 +60,33 @@ HELM_INLINE uint32_t helm_f32_bits(float f) {
 }
 HELM_INLINE float helm_bf16_f32(uint16_t h) { return helm_bits_f32((uint32_t)h << 16); }
 
+/* float → bf16, round to nearest even; NaN → the quiet NaN 0x7FC0 (as PyTorch converts). */
+HELM_INLINE uint16_t helm_f32_bf16(float f) {
+    const uint32_t u = helm_f32_bits(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* float → IEEE half, round to nearest even, overflow to inf, NaN → quiet NaN, without F16C; the
+ * float unit does the rounding (Maratyszcza's FP16 method, like helm_f16_f32 below): |f| scaled by
+ * 2^112 then 2^-110 saturates to inf past the half range; adding a power of two placed 13 bits above
+ * the half's last mantissa bit (2^-24 for subnormals) rounds the mantissa in one float addition,
+ * which leaves the half's exponent and mantissa in the low bits of the sum. */
+HELM_INLINE uint16_t helm_f32_f16(float f) {
+    float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
+    const uint32_t w = helm_f32_bits(f);
+    const uint32_t shl1_w = w + w;
+    const uint32_t sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xFF000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    base = helm_bits_f32((bias >> 1) + 0x07800000u) + base;
+    const uint32_t bits = helm_f32_bits(base);
+    const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
+    const uint32_t mantissa_bits = bits & 0x00000FFFu;
+    const uint32_t nonsign = exp_bits + mantissa_bits;
+    return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
 /* IEEE half → float without F16C, exact for normals, subnormals, inf and NaN (the method of
  * Maratyszcza's FP16 library: rebias the exponent with one multiply, subnormals via a magic add). */
 HELM_INLINE float helm_f16_f32(uint16_t h) {
@@ -90,6 +118,31 @@ HELM_INLINE float helm_expf(float x) {
     const int32_t ni = (int32_t)n;
     const int32_t n1 = ni >> 1, n2 = ni - n1;
     return p * helm_bits_f32((uint32_t)(n1 + 127) << 23) * helm_bits_f32((uint32_t)(n2 + 127) << 23);
+}
+
+/* max(init, x[0..n)) and sum(x[0..n)) in 16 independent lanes, so the loops vectorise without
+ * -ffast-math (the sum's order is fixed: lane j sums x[j], x[j+16], ...; then lanes in order). */
+HELM_INLINE float helm_max(const float *x, int n, float init) {
+    float part[16];
+    for (int j = 0; j < 16; j++) part[j] = init;
+    int i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int j = 0; j < 16; j++) part[j] = x[i + j] > part[j] ? x[i + j] : part[j];
+    float m = init;
+    for (int j = 0; j < 16; j++) m = part[j] > m ? part[j] : m;
+    for (; i < n; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+HELM_INLINE float helm_sum(const float *x, int n) {
+    float part[16] = {0};
+    int i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int j = 0; j < 16; j++) part[j] += x[i + j];
+    float s = 0.0f;
+    for (int j = 0; j < 16; j++) s += part[j];
+    for (; i < n; i++) s += x[i];
+    return s;
 }
 
 /* ---- GEMV / small-batch GEMM, one instantiation per weight dtype ---- */
@@ -200,6 +253,78 @@ static const float *helm_deinterleave_x(const float *x, int B, int K, int K2, co
 #define HELM_GEMV_BF16 gemv_bf16
 #endif
 
+/* ---- KV write and paged attention, one instantiation per KV dtype ---- */
+
+#define WT float
+#define WNAME f32
+#define LOAD_W(p) v_load(p)
+#define SCALAR_W(v) (v)
+#define STORE_W(f) (f)
+#include "attention.h"
+#undef WT
+#undef WNAME
+#undef LOAD_W
+#undef SCALAR_W
+#undef STORE_W
+
+#define WT uint16_t
+#define WNAME bf16
+#define LOAD_W(p) v_load_bf16(p)
+#define SCALAR_W(v) helm_bf16_f32(v)
+#define STORE_W(f) helm_f32_bf16(f)
+#include "attention.h"
+#undef WT
+#undef WNAME
+#undef LOAD_W
+#undef SCALAR_W
+#undef STORE_W
+
+#define WT uint16_t
+#define WNAME f16
+#define LOAD_W(p) v_load_f16(p)
+#define SCALAR_W(v) helm_f16_f32(v)
+#define STORE_W(f) helm_f32_f16(f)
+#include "attention.h"
+#undef WT
+#undef WNAME
+#undef LOAD_W
+#undef SCALAR_W
+#undef STORE_W
+
+/* ---- q/k RMSNorm + rotary embedding ---- */
+
+/* x[0..D) *= rsqrt(mean(x^2) + eps) * w, summed in 16 partial sums as the rms_norm kernels do. */
+HELM_INLINE void helm_head_norm(float *restrict x, const float *restrict w, float eps, int D) {
+    float part[16] = {0};
+    int i = 0;
+    for (; i + 16 <= D; i += 16)
+        for (int j = 0; j < 16; j++) part[j] += x[i + j] * x[i + j];
+    float ss = 0.0f;
+    for (int j = 0; j < 16; j++) ss += part[j];
+    for (; i < D; i++) ss += x[i] * x[i];
+    const float scale = 1.0f / sqrtf(ss / (float)D + eps);
+    for (i = 0; i < D; i++) x[i] = (x[i] * scale) * w[i];
+}
+
+static void rope_qk(float *qkv, long ld, int Hq, int Hkv, int D, const float *qn, const float *kn,
+                    float eps, const float *cos, const float *sin, long t0, long t1) {
+    const int half = D / 2;
+    for (long t = t0; t < t1; t++) {
+        const float *restrict c = cos + t * half, *restrict s = sin + t * half;
+        for (int hd = 0; hd < Hq + Hkv; hd++) {
+            float *restrict x = qkv + t * ld + (long)hd * D;
+            const float *w = hd < Hq ? qn : kn;
+            if (w) helm_head_norm(x, w, eps, D);
+            /* The products are rounded separately, as in PyTorch's x1*c - x2*s (no FMA contraction). */
+            for (int i = 0; i < half; i++) {
+                const float a = x[i], b = x[i + half];
+                x[i] = a * c[i] - b * s[i];
+                x[i + half] = b * c[i] + a * s[i];
+            }
+        }
+    }
+}
+
 /* ---- RMSNorm ---- */
 
 #define HELM_DEFINE_RMS_NORM(WNAME_, WT_, SCALAR_W_)                                          \
@@ -279,4 +404,7 @@ const helm_kernel_table CAT(helm_table_, HELM_ISA) = {
     silu_mul,
     add,
     read_probe,
+    rope_qk,
+    {kv_write_f32, kv_write_bf16, kv_write_f16},
+    {attention_f32, attention_bf16, attention_f16},
 };

@@ -13,6 +13,9 @@ static inline __attribute__((always_inline)) vf v_load_f16(const uint16_t *p) {
 }
 static inline __attribute__((always_inline)) vf v_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline __attribute__((always_inline)) vf v_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline __attribute__((always_inline)) vf v_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline __attribute__((always_inline)) vf v_set1(float f) { return _mm512_set1_ps(f); }
+static inline __attribute__((always_inline)) void v_store(float *p, vf v) { _mm512_storeu_ps(p, v); }
 static inline __attribute__((always_inline)) float v_hsum(vf v) { return _mm512_reduce_add_ps(v); }
 static inline __attribute__((always_inline)) float s_fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 /* 32 bf16 → evens and odds as floats: a bf16 is the top half of its float, so a shift (even,
