@@ -21,7 +21,8 @@ extension = Extension(
     "executor.kernels._kernels",
     sources=[os.path.join(KERNELS, "_kernels.pyx")]
     + [os.path.join(CSRC, name) for name in (
-        "cpu_features.c", "isa_avx512bf16.c", "isa_avx512.c", "isa_avx2.c", "isa_portable.c")],
+        "cpu_features.c", "decode_blocks.c", "isa_avx512bf16.c", "isa_avx512.c", "isa_avx2.c",
+        "isa_portable.c")],
     include_dirs=[CSRC],
     depends=[os.path.join(CSRC, name) for name in sorted(os.listdir(CSRC)) if name.endswith(".h")],
     # -fno-math-errno lets sqrtf inline; -ffp-contract=off: FMAs only where the kernels ask for

@@ -27,6 +27,9 @@ class TorchBackend:
     def attention(self, config, kv):
         return TorchAttention(config, kv, self)
 
+    def fused_blocks(self, config, blocks, kv) -> None:
+        return None  # op by op
+
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return ops.rms_norm(x, weight, eps)
@@ -95,6 +98,35 @@ class KernelAttention:
         return out
 
 
+class FusedBlocks:
+    """Steps of few tokens through all of a CPU stage's blocks in one kernel call
+    (executor.kernels.BlockStack): the op-by-op kernel path, bit for bit, without Python and
+    parallel-region start-up between the ops (at batch 1 those cost more than the small ops'
+    arithmetic). Taken for decode and short chunks: up to `max_rows` tokens, where every projection
+    stays in our GEMV (bf16 from 9 rows goes to oneDNN) and every sequence's queries go to the
+    attention kernel."""
+
+    def __init__(self, kernels, config, blocks, kv, num_threads: int):
+        self.kv = kv
+        layout = kernels.PagedKV(kv.num_layers, kv.num_kv_heads, kv.page_size, kv.head_dim, kv.dtype)
+        spec = [(b.input_norm, b.qkv.prepared, b.q_norm, b.k_norm, b.o.prepared, b.post_norm,
+                 b.gate_up.prepared, b.down.prepared) for b in blocks]
+        self.stack = kernels.BlockStack(kernels.kernels, spec, layout, config.num_heads, config.hidden_size,
+                                        config.intermediate_size, config.rms_norm_eps, config.head_dim ** -0.5,
+                                        num_threads=num_threads)
+        dtypes = {linear.dtype for b in spec for linear in (b[1], b[4], b[6], b[7])}
+        limit = KernelAttention.KERNEL_MAX_QUERIES
+        self.max_rows = next((r - 1 for r in range(1, limit + 1)
+                              if any(kernels.kernels.uses_torch(dt, r) for dt in dtypes)), limit)
+
+    def accepts(self, batch) -> bool:
+        return batch.num_tokens <= self.max_rows
+
+    def __call__(self, x: torch.Tensor, batch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        seqs = [(s.offset, s.count, s.start, self.kv.page_table(s.seq_id)) for s in batch.slices]
+        return self.stack(x.contiguous(), cos, sin, seqs)
+
+
 class KernelBackend:
     """CPU only. Threads: passed explicitly to every kernel (default: torch's thread count)."""
 
@@ -112,6 +144,9 @@ class KernelBackend:
 
     def attention(self, config, kv):
         return KernelAttention(config, kv, self.kernels, self.num_threads)
+
+    def fused_blocks(self, config, blocks, kv) -> FusedBlocks:
+        return FusedBlocks(self.kernels, config, blocks, kv, self.num_threads)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.kernels.rms_norm(x.contiguous(), weight, eps, num_threads=self.num_threads)

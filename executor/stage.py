@@ -57,6 +57,7 @@ class Stage:
         self.first_block = max(unit_start, 1) - 1  # model layer index of blocks[0]
         self.inv_freq = inverse_frequencies(config.rope, config.head_dim).to(self.device)
         self.attention = self.ops.attention(config, kv) if blocks else None
+        self.fused = self.ops.fused_blocks(config, blocks, kv) if blocks else None  # None: op by op
         self._pinned: torch.Tensor | None = None  # staging buffer for CPU → CUDA hand-off
 
     def __repr__(self) -> str:
@@ -77,8 +78,11 @@ class Stage:
                 self.kv.reserve(s.seq_id, s.start + s.count)
             positions = batch.positions.to(self.device)
             cos, sin = rotary_tables(self.inv_freq, positions)
-            for i, block in enumerate(self.blocks):
-                x = self._block(x, block, i, batch, positions, cos, sin)
+            if self.fused is not None and self.fused.accepts(batch):
+                x = self.fused(x, batch, cos, sin)
+            else:
+                for i, block in enumerate(self.blocks):
+                    x = self._block(x, block, i, batch, positions, cos, sin)
             for s in batch.slices:
                 self.kv.mark_written(s.seq_id, s.start, s.count)
         if self.head is not None:

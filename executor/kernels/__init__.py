@@ -40,6 +40,7 @@ except ImportError as exc:  # not built, or built for another Python
 KernelSet = _kernels.KernelSet
 PreparedLinear = _kernels.PreparedLinear
 PagedKV = _kernels.PagedKV
+BlockStack = _kernels.BlockStack  # (kernels, blocks, kv, Hq, H, I, eps, scale, *, num_threads)
 prepare_linear = _kernels.prepare_linear
 
 #: Every variant compiled into the extension, in order of preference: the first one this CPU can
@@ -88,7 +89,7 @@ kv_write = kernels.kv_write  # (qkv, kv: PagedKV, pages, layer, start, Hq): K/V 
 paged_attention = kernels.paged_attention  # (qkv, out, kv, pages, layer, start, Hq, scale, *, num_threads)
 
 __all__ = [
-    "ISAS", "KERNEL_ISA", "MAX_TILE_B", "TORCH_PREFILL_MIN_B", "KernelSet", "PagedKV", "PreparedLinear", "add_",
+    "ISAS", "KERNEL_ISA", "MAX_TILE_B", "TORCH_PREFILL_MIN_B", "BlockStack", "KernelSet", "PagedKV", "PreparedLinear", "add_",
     "available_isas", "kernels", "kv_write", "linear", "paged_attention", "prepare_linear", "rms_norm",
     "rope_qk_", "silu_mul",
 ]

@@ -564,3 +564,183 @@ cdef tuple _rows_view(object t, str name):
         raise ValueError(f"{name} must be contiguous when it has more than 2 dimensions")
     n = t.shape[t.dim() - 1]
     return (t.numel() // n if n else 0), n, n
+
+
+# ---- the fused decode step of a CPU stage (csrc/decode_blocks.c) ----
+
+from libc.stdlib cimport calloc, free
+
+cdef extern from "decode_blocks.h" nogil:
+    ctypedef struct helm_linear_desc:
+        const void *w
+        const float *bias
+        int N, K, dtype
+    ctypedef struct helm_block_desc:
+        const float *input_norm
+        const float *post_norm
+        const float *q_norm
+        const float *k_norm
+        helm_linear_desc qkv, o, gate_up, down
+    ctypedef struct helm_stack_desc:
+        int H, Hq, Hkv, D, I, P, kv_dtype
+        float eps, scale
+    ctypedef struct helm_seq_desc:
+        long offset, count, start
+        const void *const *pages
+    ctypedef struct helm_step_buffers:
+        float *x
+        float *h
+        float *qkv
+        float *attn
+        float *gu
+        float *act
+    void helm_decode_blocks(const helm_kernel_table *tab, const helm_stack_desc *m,
+                            const helm_block_desc *blocks, int nblocks, const helm_seq_desc *seqs,
+                            int nseq, int T, const float *cos, const float *sin,
+                            const helm_step_buffers *buf, int num_threads, helm_claim *claims,
+                            long *counters)
+
+
+cdef helm_linear_desc _linear_desc(PreparedLinear w, int n, int k, str name) except *:
+    if w.out_features != n or w.in_features != k:
+        raise ValueError(f"{name} weight is [{w.out_features}, {w.in_features}], expected [{n}, {k}]")
+    cdef helm_linear_desc d
+    d.w = <const void *> w.w_ptr
+    d.bias = <const float *> w.b_ptr
+    d.N, d.K, d.dtype = n, k, w.dtype_code
+    return d
+
+
+cdef class BlockStack:
+    """The decoder blocks of one CPU stage run as one call per step (csrc/decode_blocks.c): the same
+    kernels as the op-by-op path, bit-identical results, no Python between them.
+
+    blocks: one tuple per block, (input_norm, qkv, q_norm, k_norm, o, post_norm, gate_up, down), the
+    norms [H] / [D] fp32 tensors (q_norm, k_norm None where the model has none), the projections
+    PreparedLinear. kv: the stage's KV cache geometry; block i uses its layer i."""
+
+    cdef const helm_kernel_table *t
+    cdef helm_block_desc *blocks
+    cdef int nblocks
+    cdef helm_stack_desc m
+    cdef readonly int num_threads
+    cdef readonly PagedKV kv
+    cdef helm_claim *claims
+    cdef long *counters
+    cdef object keep  # the tensors and weights the descriptors point into
+
+    def __cinit__(self):
+        self.blocks = NULL
+        self.claims = NULL
+        self.counters = NULL
+
+    def __init__(self, KernelSet kernels not None, list blocks, PagedKV kv not None, int num_heads,
+                 int hidden_size, int intermediate_size, double eps, double scale, *, int num_threads):
+        if not blocks:
+            raise ValueError("a BlockStack needs at least one block")
+        if len(blocks) > kv.num_layers:
+            raise ValueError(f"{len(blocks)} blocks but the KV cache has {kv.num_layers} layers")
+        if not 1 <= num_threads <= MAX_THREADS:
+            raise ValueError(f"num_threads must be in [1, {MAX_THREADS}]")
+        cdef int Hkv = kv.num_kv_heads, D = kv.head_dim
+        if num_heads % Hkv or num_heads // Hkv * (D + HELM_ATT_BLOCK) > 65536:
+            raise ValueError(f"{num_heads} query heads do not fit {Hkv} KV heads")
+        self.t = kernels.t
+        self.kv = kv
+        self.num_threads = num_threads
+        self.m.H, self.m.Hq, self.m.Hkv, self.m.D = hidden_size, num_heads, Hkv, D
+        self.m.I, self.m.P, self.m.kv_dtype = intermediate_size, kv.page_size, kv.dtype_code
+        self.m.eps, self.m.scale = eps, scale
+        self.nblocks = len(blocks)
+        self.blocks = <helm_block_desc *> calloc(self.nblocks, sizeof(helm_block_desc))
+        self.claims = <helm_claim *> calloc(self.nblocks * 4 * num_threads, sizeof(helm_claim))
+        self.counters = <long *> calloc(self.nblocks, sizeof(long))
+        if self.blocks == NULL or self.claims == NULL or self.counters == NULL:
+            raise MemoryError()
+        cdef int H = hidden_size, I = intermediate_size, qd = num_heads * D
+        cdef helm_block_desc *b
+        for i, (inorm, qkv, qn, kn, o, pnorm, gate_up, down) in enumerate(blocks):
+            b = &self.blocks[i]
+            b.input_norm = _norm_weight(inorm, f"block {i} input_norm", H)
+            b.post_norm = _norm_weight(pnorm, f"block {i} post_norm", H)
+            if (qn is None) != (kn is None):
+                raise ValueError(f"block {i}: q_norm and k_norm must both be given or both be None")
+            b.q_norm = _norm_weight(qn, f"block {i} q_norm", D) if qn is not None else NULL
+            b.k_norm = _norm_weight(kn, f"block {i} k_norm", D) if kn is not None else NULL
+            b.qkv = _linear_desc(qkv, qd + 2 * Hkv * D, H, f"block {i} qkv")
+            b.o = _linear_desc(o, H, qd, f"block {i} o")
+            b.gate_up = _linear_desc(gate_up, 2 * I, H, f"block {i} gate_up")
+            b.down = _linear_desc(down, H, I, f"block {i} down")
+        self.keep = blocks
+
+    def __dealloc__(self):
+        free(self.blocks)
+        free(self.claims)
+        free(self.counters)
+
+    def __repr__(self):
+        return f"BlockStack({self.nblocks} blocks, {self.kv!r}, threads={self.num_threads})"
+
+    def __call__(self, x, cos, sin, list seqs):
+        """x [T, H] fp32 contiguous, updated in place and returned: the stack's blocks applied to
+        the step's T tokens. seqs: (row offset, count, start position, page table) per sequence,
+        covering the rows in order; the K/V of each token is written to its pages."""
+        if x.dtype is not _F32 or x.dim() != 2 or not x.is_contiguous() or not x.is_cpu:
+            raise ValueError("x must be a contiguous 2-D fp32 CPU tensor")
+        cdef int T = x.shape[0]
+        if x.shape[1] != self.m.H:
+            raise ValueError(f"x has {x.shape[1]} columns, the blocks expect {self.m.H}")
+        _check_table(cos, "cos", T)
+        _check_table(sin, "sin", T)
+        if sin.shape != cos.shape or cos.shape[1] * 2 != self.m.D:
+            raise ValueError(f"cos and sin must be [{T}, {self.m.D // 2}]")
+        cdef int nseq = len(seqs)
+        if T == 0 or nseq == 0:
+            return x
+        cdef helm_seq_desc *sd = <helm_seq_desc *> calloc(nseq, sizeof(helm_seq_desc))
+        if sd == NULL:
+            raise MemoryError()
+        cdef long row = 0
+        cdef int i
+        try:
+            for i, (offset, count, start, pages) in enumerate(seqs):
+                if offset != row or count < 1 or start < 0:
+                    raise ValueError(f"sequence {i}: rows {offset}+{count} at position {start} do not "
+                                     f"continue from row {row}")
+                if (pages.dtype is not torch.int64 or pages.dim() != 1 or not pages.is_contiguous()
+                        or not pages.is_cpu):
+                    raise ValueError("page tables must be contiguous 1-D int64 CPU tensors")
+                if pages.shape[0] * <long> self.m.P < start + count:
+                    raise ValueError(f"sequence {i}: {pages.shape[0]} pages do not cover positions < {start + count}")
+                sd[i].offset, sd[i].count, sd[i].start = offset, count, start
+                sd[i].pages = <const void *const *> <uintptr_t> pages.data_ptr()
+                row += count
+            if row != T:
+                raise ValueError(f"the sequences cover {row} rows, x has {T}")
+            h = torch.empty((T, self.m.H), dtype=_F32)
+            qkv = torch.empty((T, (self.m.Hq + 2 * self.m.Hkv) * self.m.D), dtype=_F32)
+            attn = torch.empty((T, self.m.Hq * self.m.D), dtype=_F32)
+            gu = torch.empty((T, 2 * self.m.I), dtype=_F32)
+            act = torch.empty((T, self.m.I), dtype=_F32)
+            self._run(x, h, qkv, attn, gu, act, cos, sin, sd, nseq, T)
+        finally:
+            free(sd)
+        return x
+
+    cdef void _run(self, x, h, qkv, attn, gu, act, cos, sin, helm_seq_desc *sd, int nseq, int T):
+        cdef helm_step_buffers buf
+        buf.x = <float *> <uintptr_t> x.data_ptr()
+        buf.h = <float *> <uintptr_t> h.data_ptr()
+        buf.qkv = <float *> <uintptr_t> qkv.data_ptr()
+        buf.attn = <float *> <uintptr_t> attn.data_ptr()
+        buf.gu = <float *> <uintptr_t> gu.data_ptr()
+        buf.act = <float *> <uintptr_t> act.data_ptr()
+        cdef const float *c = <const float *> <uintptr_t> cos.data_ptr()
+        cdef const float *s = <const float *> <uintptr_t> sin.data_ptr()
+        helm_claims_init(self.claims, self.nblocks * 4 * self.num_threads)
+        cdef int i
+        for i in range(self.nblocks):
+            self.counters[i] = 0
+        with nogil:
+            helm_decode_blocks(self.t, &self.m, self.blocks, self.nblocks, sd, nseq, T, c, s, &buf,
+                               self.num_threads, self.claims, self.counters)

@@ -1,0 +1,80 @@
+"""The fused decode step (executor.backends.FusedBlocks over kernels.BlockStack) against the
+op-by-op kernel path it replaces: the same kernels in the same order, so logits must be
+bit-identical, for every family, dtype, page layout and batch shape it accepts."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executor.backends import FusedBlocks, resolve_backend
+from executor.engine import Engine
+from executor.loader import load_model
+from executor.model_config import ModelConfig
+from executor.placement import Placement
+from executor.sampling import SamplingParams, StopCriteria
+from tests.executor.helpers import helm_teacher_forced_logits, prompt_ids
+
+pytestmark = pytest.mark.skipif(resolve_backend("auto") != "helm", reason="CPU kernels not built")
+
+
+def _op_by_op(monkeypatch):
+    monkeypatch.setattr(FusedBlocks, "accepts", lambda self, batch: False)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_fused_logits_equal_op_by_op(checkpoint, arch, dtype, monkeypatch):
+    """Prefill (fused for fp32 up to 31 rows; bf16 prefill goes to oneDNN, op by op) then 20
+    decode steps over 16-token pages: every logit the same bits."""
+    path = checkpoint(arch, dtype)
+    ids = prompt_ids(40, 1024, seed=3)
+    calls = []
+    real_call = FusedBlocks.__call__
+    monkeypatch.setattr(FusedBlocks, "__call__", lambda self, *a: calls.append(1) or real_call(self, *a))
+    fused = helm_teacher_forced_logits(path, ids, prefill=20)
+    assert len(calls) >= 20, "the fused path did not run"
+    _op_by_op(monkeypatch)
+    reference = helm_teacher_forced_logits(path, ids, prefill=20)
+    assert torch.equal(fused, reference)
+
+
+def _engine_run(path, prompts, page_size, device_kv_pages=None, split=None):
+    cfg = ModelConfig.from_dir(path)
+    placement = Placement.from_split(cfg.num_units, cfg.num_units if split is None else split,
+                                     page_size_tokens=page_size, device_kv_pages=device_kv_pages)
+    engine = Engine(load_model(path, placement, cfg, backend="helm"))
+    seqs = engine.generate(prompts, SamplingParams(temperature=0.8, seed=11),
+                           StopCriteria(max_new_tokens=12, ignore_eos=True))
+    return [s.output_ids for s in seqs]
+
+
+@pytest.mark.parametrize("page_size,device_kv_pages,split", [(4, None, None), (3, 6, 2)])
+def test_fused_batched_decode_equals_op_by_op(checkpoint, monkeypatch, page_size, device_kv_pages, split):
+    """Three sequences of different lengths decoded together (one fused call per step, work items
+    from every sequence), seeded sampling; and a split with a bounded KV pool, whose evictions move
+    pages (the page tables are rebuilt)."""
+    path = checkpoint("qwen3", "bf16")
+    prompts = [prompt_ids(n, 1024, seed=n) for n in (3, 9, 6)]
+    fused = _engine_run(path, prompts, page_size, device_kv_pages, split)
+    _op_by_op(monkeypatch)
+    assert fused == _engine_run(path, prompts, page_size, device_kv_pages, split)
+
+
+def test_block_stack_rejects_bad_arguments(checkpoint):
+    path = checkpoint("qwen3")
+    cfg = ModelConfig.from_dir(path)
+    model = load_model(path, Placement.from_split(cfg.num_units, cfg.num_units), cfg, backend="helm")
+    stack = model.stages[0].fused.stack
+    cos = sin = torch.zeros(1, cfg.head_dim // 2)
+    table = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="columns"):
+        stack(torch.zeros(1, cfg.hidden_size + 1), cos, sin, [(0, 1, 0, table)])
+    with pytest.raises(ValueError, match="do not cover"):
+        stack(torch.zeros(1, cfg.hidden_size), cos, sin, [(0, 1, 600, table)])
+    with pytest.raises(ValueError, match="cover 1 rows"):
+        stack(torch.zeros(2, cfg.hidden_size), torch.zeros(2, cfg.head_dim // 2),
+              torch.zeros(2, cfg.head_dim // 2), [(0, 1, 0, table)])
+    with pytest.raises(ValueError, match="continue from row"):
+        stack(torch.zeros(1, cfg.hidden_size), cos, sin, [(1, 1, 0, table)])
+    with pytest.raises(ValueError, match="int64"):
+        stack(torch.zeros(1, cfg.hidden_size), cos, sin, [(0, 1, 0, table.int())])
