@@ -62,14 +62,19 @@ class KernelLinear:
 class KernelAttention:
     """The CPU stage's self-attention on the kernels: q/k RMSNorm and RoPE in place on the qkv
     projection, K/V stored straight into the sequence's pages, attention streamed over the pages
-    in C (online softmax, GQA: each K/V read once for its query heads). Prefill chunks longer than
-    KERNEL_MAX_QUERIES run PyTorch's streaming attention over the same pages instead, where
-    batched matmuls beat the kernel's per-query loop."""
+    in C (online softmax, GQA: each K/V read once for its query heads). A prefill chunk of more
+    than KERNEL_MAX_QUERIES tokens that continues a cached prefix runs PyTorch's streaming
+    attention over the same pages instead, where batched matmuls beat the kernel's per-query loop.
 
-    #: Measured here (Qwen3-0.6B heads, bf16 KV, 2 threads; kernel vs PyTorch streaming attention):
-    #: 16 queries from position 0: 0.07 vs 0.22 ms; 32: 0.17 vs 0.30; 128: 1.9 vs 2.4; but 128
-    #: queries after 384 cached tokens: 12.1 vs 8.5 ms, and 512 after 1536: 195 vs 132 ms.
+    Measured here (Qwen3-0.6B heads, bf16 KV, 2 threads; kernel vs PyTorch streaming attention):
+    16 queries from position 0: 0.07 vs 0.22 ms; 32: 0.17 vs 0.30; 128: 1.9 vs 2.4; 512: 28.9 vs
+    31.9; but 128 queries after 384 cached tokens: 12.1 vs 8.5 ms, 512 after 1536: 195 vs 132 ms."""
+
     KERNEL_MAX_QUERIES = 32
+
+    @classmethod
+    def uses_kernel(cls, start: int, count: int) -> bool:
+        return count <= cls.KERNEL_MAX_QUERIES or start == 0
 
     def __init__(self, config, kv, kernels, num_threads: int):
         self.config, self.kv, self.kernels, self.num_threads = config, kv, kernels, num_threads
@@ -87,7 +92,7 @@ class KernelAttention:
             rows, dst = qkv[s.offset:s.offset + s.count], out[s.offset:s.offset + s.count]
             table = self.kv.page_table(s.seq_id)
             k.kv_write(rows, self.layout, table, layer, s.start, cfg.num_heads)
-            if s.count <= self.KERNEL_MAX_QUERIES:
+            if self.uses_kernel(s.start, s.count):
                 k.paged_attention(rows, dst, self.layout, table, layer, s.start, cfg.num_heads, self.scale,
                                   num_threads=self.num_threads)
             else:

@@ -91,6 +91,11 @@ typedef void (*helm_attention_fn)(float *out, long ldo, const float *qkv, long l
                                   const helm_kv_pages *kv, long start, long T, float scale,
                                   long item);
 
+/* dst[i] = bf16(src[i]) (round to nearest even) / dst[i] = float(src[i]) for i0 <= i < i1: the
+ * activation conversions around a bf16 GEMM handed to PyTorch. */
+typedef void (*helm_to_bf16_fn)(uint16_t *dst, const float *src, long i0, long i1);
+typedef void (*helm_from_bf16_fn)(float *dst, const uint16_t *src, long i0, long i1);
+
 /* Reads nbytes (a multiple of 64) from p and returns a checksum: the read-bandwidth probe. */
 typedef uint64_t (*helm_read_fn)(const void *p, size_t nbytes);
 
@@ -104,6 +109,8 @@ typedef struct helm_kernel_table {
     helm_rope_qk_fn rope_qk;
     helm_kv_write_fn kv_write[HELM_NUM_DTYPES];
     helm_attention_fn attention[HELM_NUM_DTYPES];
+    helm_to_bf16_fn to_bf16;
+    helm_from_bf16_fn from_bf16;
 } helm_kernel_table;
 
 extern const helm_kernel_table helm_table_avx512bf16;

@@ -364,6 +364,14 @@ static void add(float *a, const float *b, long i0, long i1) {
     for (long i = i0; i < i1; i++) a[i] += b[i];
 }
 
+static void to_bf16(uint16_t *dst, const float *src, long i0, long i1) {
+    for (long i = i0; i < i1; i++) dst[i] = helm_f32_bf16(src[i]);
+}
+
+static void from_bf16(float *dst, const uint16_t *src, long i0, long i1) {
+    for (long i = i0; i < i1; i++) dst[i] = helm_bf16_f32(src[i]);
+}
+
 /* ---- read-bandwidth probe: the best streaming read this unit can issue ---- */
 
 /* Sums nbytes as 64-bit words, reading 4 distant sequential streams (the four quarters of the
@@ -407,4 +415,6 @@ const helm_kernel_table CAT(helm_table_, HELM_ISA) = {
     rope_qk,
     {kv_write_f32, kv_write_bf16, kv_write_f16},
     {attention_f32, attention_bf16, attention_f16},
+    to_bf16,
+    from_bf16,
 };
