@@ -177,10 +177,11 @@ def resolve_backend(backend: str = "auto") -> str:
     return "helm"
 
 
-def make_backend(name: str, device: torch.device):
-    """The backend object for a stage on `device` (CUDA stages always use PyTorch)."""
+def make_backend(name: str, device: torch.device, num_threads: int | None = None):
+    """The backend object for a stage on `device` (CUDA stages always use PyTorch); num_threads:
+    the kernels' threads (None: torch's current count)."""
     if device.type != "cpu" or name == "torch":
         return TorchBackend()
     if name == "helm":
-        return KernelBackend()
+        return KernelBackend(num_threads)
     raise ValueError(f"unknown kernel backend {name!r}")

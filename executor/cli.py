@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--timeout", type=float, help="deadline in seconds (with --addr)")
     gen.add_argument("--page-size", type=int, help="KV page size in tokens (default: plan's, else 512)")
     gen.add_argument("--device-kv-pages", type=int, help="KV pages the GPU-side stage may hold (default: plan's, else unbounded)")
+    gen.add_argument("--threads", type=int, help="CPU-stage threads (default: the plan's profiled cores, else torch's)")
     gen.add_argument("--kernels", choices=("auto", "helm", "torch"), default="auto",
                      help="CPU-stage kernels: helm (Cython SIMD), torch (reference), auto (helm when built)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -64,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--drain-timeout", type=float, default=30.0,
                      help="seconds requests in flight may take to finish after SIGTERM (then aborted)")
     srv.add_argument("--kernels", choices=("auto", "helm", "torch"), default="auto", help="CPU-stage kernels")
-    srv.add_argument("--threads", type=int, help="torch/kernel threads (default: torch's)")
+    srv.add_argument("--threads", type=int, help="CPU-stage threads, for every plan (default: each plan's profiled cores)")
     srv.add_argument("-v", "--verbose", action="store_true", help="debug logs")
 
     rep = sub.add_parser("report", help="measured vs predicted step time from a running daemon")
@@ -109,6 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def _placement(args, config):
     from executor.placement import Placement
 
@@ -120,9 +127,9 @@ def _placement(args, config):
     if args.plan:
         from executor.plan_io import placement_from_plan
 
-        return placement_from_plan(args.plan, args.model, config, **kv)
+        return placement_from_plan(args.plan, args.model, config, cpu_threads=args.threads, **kv)
     split = config.num_units if args.split is None else args.split
-    return Placement.from_split(config.num_units, split, **kv)
+    return Placement.from_split(config.num_units, split, **kv).with_threads(args.threads)
 
 
 def _generate(args) -> int:
@@ -170,6 +177,7 @@ def _generate(args) -> int:
         "load_s": load_s,
         "split_k": placement.split_k,
         "kernels": kernel_isa(model),
+        "cpu_threads": placement.cpu_threads or _torch_threads(),
         "stages": [repr(s) for s in model.stages],
     }
     if args.json:

@@ -43,6 +43,10 @@ def load_model(model_dir: str | Path, placement: Placement, config: ModelConfig 
     config = config or ModelConfig.from_dir(model_dir)
     if placement.num_units != config.num_units:
         raise ValueError(f"placement has {placement.num_units} units, the model has {config.num_units}")
+    if placement.cpu_threads is not None:
+        # One OpenMP pool: PyTorch's ops (prefill GEMMs, the CUDA stage's host work) get the same
+        # thread count as the kernels, so the two never oversubscribe the cores.
+        torch.set_num_threads(placement.cpu_threads)
     reader = CheckpointReader(model_dir)
     try:
         stages = [_load_stage(reader, config, spec, placement, backend) for spec in placement.stages]
@@ -59,7 +63,7 @@ def _load_stage(reader: CheckpointReader, cfg: ModelConfig, spec: StageSpec, pla
                  spec.unit_start, spec.unit_end - 1)
     wdtype, f32 = cfg.dtype, torch.float32
     H, V, D, I = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.intermediate_size
-    ops = make_backend(backend, device)
+    ops = make_backend(backend, device, placement.cpu_threads)
 
     def get(name, shape, dtype=wdtype):
         return reader.get(name, shape, dtype, device)

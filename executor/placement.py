@@ -7,7 +7,9 @@ execution (hand-off, device and host KV pools) is exercised everywhere.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import os
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -28,6 +30,7 @@ class Placement:
     page_size_tokens: int = 512
     watermark: float = 0.8  # fraction of the device KV pool in use before eviction starts
     device_kv_pages: int | None = None  # KV pages the GPU-side stage may hold; None: unbounded
+    cpu_threads: int | None = None  # threads of the CPU stages' kernels (and torch); None: torch's count
 
     @property
     def split_k(self) -> int:
@@ -68,6 +71,33 @@ class Placement:
             raise PlacementError(f"KV eviction watermark must be in (0, 1], got {self.watermark}")
         if self.device_kv_pages is not None and self.device_kv_pages < 1:
             raise PlacementError(f"device KV pages must be >= 1, got {self.device_kv_pages}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise PlacementError(f"CPU threads must be >= 1, got {self.cpu_threads}")
+
+    def with_threads(self, requested: int | None) -> "Placement":
+        """This placement with `requested` CPU threads (None keeps the current choice), never more
+        than the CPUs this process may run on: more threads than cores only make OpenMP spin."""
+        threads = requested if requested is not None else self.cpu_threads
+        if threads is None:
+            return self
+        if threads < 1:
+            raise PlacementError(f"CPU threads must be >= 1, got {threads}")
+        usable = usable_cpus()
+        if threads > usable:
+            log.warning("%d CPU threads requested, this process may use %d CPUs: using %d", threads, usable, usable)
+            threads = usable
+        return replace(self, cpu_threads=threads)
+
+
+log = logging.getLogger(__name__)
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, which containers and taskset narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def resolve_device(planned: str) -> torch.device:

@@ -38,7 +38,10 @@ def load_checked_plan(plan_path_or_text, model_dir: str | Path, config: ModelCon
 
 
 def placement_from_plan(plan_path_or_text, model_dir: str | Path, config: ModelConfig,
-                        page_size_tokens: int | None = None, device_kv_pages: int | None = None) -> Placement:
+                        page_size_tokens: int | None = None, device_kv_pages: int | None = None,
+                        cpu_threads: int | None = None) -> Placement:
+    """The plan's stages and KV settings; CPU threads: `cpu_threads` if given, else the cores the
+    plan's machine profile measured with (its bandwidth figures assume that many)."""
     plan = load_checked_plan(plan_path_or_text, model_dir, config)
     kv = plan.kv
     if device_kv_pages is None and kv.offload:
@@ -52,4 +55,4 @@ def placement_from_plan(plan_path_or_text, model_dir: str | Path, config: ModelC
         device_kv_pages=device_kv_pages,
     )
     placement.validate()
-    return placement
+    return placement.with_threads(cpu_threads or plan.machine.cpu.cores)

@@ -35,11 +35,12 @@ def checkpoint(tmp_path_factory):
     return build
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(autouse=True)
 def _one_torch_thread():
     """Run the suite's tiny models on one thread: their ops are far too small to gain from a
     second one, and OpenMP spin-waiting on a busy 2-core machine made them ~10x slower. Kernel
-    tests that exercise several threads pass num_threads explicitly."""
+    tests that exercise several threads pass num_threads explicitly. Reset before every test:
+    loading a plan sets torch's threads to the plan's CPU threads."""
     import torch
 
     previous = torch.get_num_threads()

@@ -50,7 +50,8 @@ class _Serving:
 
 
 class Daemon:
-    def __init__(self, model_dir: str | Path, max_batch: int = 64, max_queue: int = 64, backend: str = "auto"):
+    def __init__(self, model_dir: str | Path, max_batch: int = 64, max_queue: int = 64, backend: str = "auto",
+                 threads: int | None = None):
         from executor.tokenizer import Tokenizer
 
         if max_batch < 1 or max_queue < 0:
@@ -59,6 +60,7 @@ class Daemon:
         self.config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None
         self.max_batch, self.max_queue, self.backend = max_batch, max_queue, backend
+        self.threads = threads  # CPU-stage threads for every plan; None: each plan's profiled cores
         self.context_tokens = self.config.max_position_embeddings
         self.state = "loading"  # loading | serving | draining
         self.on_state_change = lambda state: None  # health checking hooks in here
@@ -87,7 +89,7 @@ class Daemon:
             else:
                 where = source.yaml if source.yaml.endswith("\n") else source.yaml + "\n"  # YAML text, not a path
             plan = load_checked_plan(where, self.model_dir, self.config)
-            placement = placement_from_plan(where, self.model_dir, self.config)
+            placement = placement_from_plan(where, self.model_dir, self.config, cpu_threads=self.threads)
             model = load_model(self.model_dir, placement, self.config, backend=self.backend)
             engine = Engine(model, max_running=self.max_batch)
             t1 = time.perf_counter()
@@ -118,7 +120,7 @@ class Daemon:
                 self._set_state("serving")
             log.info("plan loaded", extra={"fields": {
                 "plan_version": plan.plan_version, "digest": plan.digest, "split_k": plan.partition.split_k,
-                "source": source.label, "kernels": isa, "load_s": round(t1 - t0, 3), "warmup_s": round(t2 - t1, 3),
+                "source": source.label, "kernels": isa, "cpu_threads": placement.cpu_threads, "load_s": round(t1 - t0, 3), "warmup_s": round(t2 - t1, 3),
                 "previous_digest": previous.summary.digest if previous else None}})
             return LoadResult(summary, previous.summary.digest if previous else None, t1 - t0, t2 - t1)
 

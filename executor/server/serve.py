@@ -93,15 +93,14 @@ def start_server(daemon, host: str, port: int, max_workers: int):
 
 
 def serve(args) -> int:
-    import torch
-
     from executor.errors import HelmError
     from executor.server.daemon import Daemon
     from executor.server.messages import PlanSource
 
     configure_logging(args.verbose)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.threads is not None and args.threads < 1:
+        log.error("cannot start", extra={"fields": {"error": f"--threads must be >= 1, got {args.threads}"}})
+        return 2
     stop = threading.Event()
 
     def on_signal(signum, frame):
@@ -117,13 +116,14 @@ def serve(args) -> int:
 
     try:
         model_dir = args.model or model_dir_of_plan(args.plan)
-        daemon = Daemon(model_dir, max_batch=args.max_batch, max_queue=args.max_queue, backend=args.kernels)
+        daemon = Daemon(model_dir, max_batch=args.max_batch, max_queue=args.max_queue, backend=args.kernels,
+                        threads=args.threads)
         server, port = start_server(daemon, args.host, args.port, args.max_batch + args.max_queue + 16)
     except (HelmError, OSError, RuntimeError, ValueError) as e:
         log.error("cannot start", extra={"fields": {"error": str(e)}})
         return 2
     log.info("listening", extra={"fields": {"host": args.host, "port": port, "pid": os.getpid(),
-                                            "model": str(model_dir), "torch_threads": torch.get_num_threads()}})
+                                            "model": str(model_dir), "threads": args.threads or "per plan"}})
     if args.plan:
         try:
             daemon.load_plan(PlanSource(path=args.plan))

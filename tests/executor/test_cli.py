@@ -169,3 +169,24 @@ def test_invalid_plan_names_the_field(checkpoint, capsys, tmp_path):
     (tmp_path / "bad.yaml").write_text(text)
     expect_error(capsys, ["--model", str(path), "--plan", str(tmp_path / "bad.yaml"), *IDS], "page_size_tokens")
     expect_error(capsys, ["--model", str(path), "--plan", str(tmp_path / "missing.yaml"), *IDS], "plan")
+
+
+def test_cpu_threads_come_from_the_plan_unless_overridden(checkpoint, capsys, tmp_path):
+    """The CPU stage runs with the plan's profiled core count (capped at the CPUs this process
+    may use); --threads overrides it; the count reaches the kernels and torch."""
+    from executor.placement import usable_cpus
+    from planner.machine import placeholder_machine
+    from planner.plan import plan_for_split, save_plan
+
+    path = checkpoint("qwen3", "bf16")
+    plan = plan_for_split(str(path), split_k=6, machine=placeholder_machine(cores=64))
+    plan_file = tmp_path / "plan.yaml"
+    save_plan(plan, plan_file)
+    common = ["--model", str(path), "--prompt-ids", "11,12", "--max-new-tokens", "2", "--json"]
+    code, out, err = run(capsys, *common, "--plan", str(plan_file))
+    assert code == 0, err
+    assert json.loads(out)["cpu_threads"] == min(64, usable_cpus())
+    code, out, err = run(capsys, *common, "--plan", str(plan_file), "--threads", "1")
+    assert code == 0, err
+    assert json.loads(out)["cpu_threads"] == 1 and torch.get_num_threads() == 1
+    expect_error(capsys, [*common, "--threads", "0"], "threads must be >= 1")
