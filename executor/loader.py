@@ -68,6 +68,17 @@ def _load_stage(reader: CheckpointReader, cfg: ModelConfig, spec: StageSpec, pla
     def get(name, shape, dtype=wdtype):
         return reader.get(name, shape, dtype, device)
 
+    def fused(parts, dtype=wdtype):
+        """Tensors [(name, shape)] stacked along dim 0, each read into its rows of one buffer."""
+        if device.type != "cpu":
+            return torch.cat([get(name, shape, dtype) for name, shape in parts])
+        out = torch.empty((sum(shape[0] for _, shape in parts), *parts[0][1][1:]), dtype=dtype)
+        row = 0
+        for name, shape in parts:
+            reader.get(name, shape, dtype, device, out=out[row:row + shape[0]])
+            row += shape[0]
+        return out
+
     embedding = None
     if spec.unit_start == 0:
         embedding = get("model.embed_tokens.weight", (V, H))
@@ -75,19 +86,15 @@ def _load_stage(reader: CheckpointReader, cfg: ModelConfig, spec: StageSpec, pla
     blocks = []
     for layer in range(max(spec.unit_start, 1) - 1, min(spec.unit_end, cfg.num_layers + 1) - 1):
         p = f"model.layers.{layer}."
-        qkv = torch.cat([
-            get(p + "self_attn.q_proj.weight", (cfg.q_dim, H)),
-            get(p + "self_attn.k_proj.weight", (cfg.kv_dim, H)),
-            get(p + "self_attn.v_proj.weight", (cfg.kv_dim, H)),
-        ])
+        qkv = fused([(p + "self_attn.q_proj.weight", (cfg.q_dim, H)),
+                     (p + "self_attn.k_proj.weight", (cfg.kv_dim, H)),
+                     (p + "self_attn.v_proj.weight", (cfg.kv_dim, H))])
         qkv_bias = None
         if cfg.attention_bias:
-            qkv_bias = torch.cat([
-                get(p + "self_attn.q_proj.bias", (cfg.q_dim,), f32),
-                get(p + "self_attn.k_proj.bias", (cfg.kv_dim,), f32),
-                get(p + "self_attn.v_proj.bias", (cfg.kv_dim,), f32),
-            ])
-        gate_up = torch.cat([get(p + "mlp.gate_proj.weight", (I, H)), get(p + "mlp.up_proj.weight", (I, H))])
+            qkv_bias = fused([(p + "self_attn.q_proj.bias", (cfg.q_dim,)),
+                              (p + "self_attn.k_proj.bias", (cfg.kv_dim,)),
+                              (p + "self_attn.v_proj.bias", (cfg.kv_dim,))], f32)
+        gate_up = fused([(p + "mlp.gate_proj.weight", (I, H)), (p + "mlp.up_proj.weight", (I, H))])
         blocks.append(BlockWeights(
             input_norm=get(p + "input_layernorm.weight", (H,), f32),
             qkv=ops.linear(qkv, qkv_bias),

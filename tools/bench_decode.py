@@ -49,6 +49,50 @@ def read_gbps(threads: int, nbytes: int = 2 << 30) -> float:
     return best
 
 
+RSS_CHILD = r"""
+import json, resource, sys
+import torch
+from executor.engine import Engine
+from executor.loader import load_model
+from executor.model_config import ModelConfig
+from executor.placement import Placement
+from executor.sampling import StopCriteria
+from tools.bench_decode import weight_bytes_per_token
+
+model_dir, prompt_tokens, new_tokens, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+torch.set_num_threads(threads)
+config = ModelConfig.from_dir(model_dir)
+baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+model = load_model(model_dir, Placement.from_split(config.num_units, config.num_units), config)
+engine = Engine(model, eos_token_ids=())
+prompt = [1000 + (i * 7919) % 50000 % (config.vocab_size - 1000) for i in range(prompt_tokens)]
+engine.add_request(prompt, stop=StopCriteria(max_new_tokens=new_tokens, ignore_eos=True))
+kv_bytes = 0
+while engine.has_work():
+    engine.step()
+    kv_bytes = max(kv_bytes, sum(s.kv.device_pool.used_pages * s.kv.device_pool.page_bytes
+                                 for s in model.stages if s.kv is not None))
+emb = model.stages[0].embedding
+weights = weight_bytes_per_token(model)
+if emb is not None and all(emb.data_ptr() != s.head.lm_head.weight.data_ptr() for s in model.stages if s.head):
+    weights += emb.numel() * emb.element_size()
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"baseline": baseline, "peak": peak, "weights": weights, "kv": kv_bytes}))
+"""
+
+
+def peak_rss(model_dir: str, prompt_tokens: int, new_tokens: int, threads: int) -> dict:
+    """Peak RSS of a HELM decode run alone, in a fresh process: growth over the process's
+    baseline (Python, torch, the executor imported) next to weights + KV pages allocated."""
+    import json
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", RSS_CHILD, model_dir, str(prompt_tokens), str(new_tokens),
+                          str(threads)], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def run_helm(model, prompt: list[int], new_tokens: int) -> tuple[float, float]:
     from executor.engine import Engine
     from executor.sampling import StopCriteria
@@ -89,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"building {args.size} (bf16, random weights) in {args.model}", file=sys.stderr)
         make_model(None, args.size, "bf16", 0, args.model)
+    rss = peak_rss(args.model, args.prompt_tokens, args.new_tokens, args.threads)
 
     from transformers import AutoModelForCausalLM
 
@@ -122,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"median: HELM {htps:.2f} tok/s ({htps * nbytes / 1e9 / hbw:.0%} of read bandwidth), TTFT {httft:.0f} ms; "
           f"HF {ftps:.2f} tok/s, TTFT {fttft:.0f} ms")
     print(f"HELM/HF decode {htps / ftps:.2f}x, TTFT ratio HELM/HF {httft / fttft:.2f}")
+    grown, budget = rss["peak"] - rss["baseline"], rss["weights"] + rss["kv"]
+    print(f"peak RSS of a HELM decode run (own process): +{grown / 2**20:.0f} MiB over its baseline for "
+          f"{rss['weights'] / 2**20:.0f} MiB of weights + {rss['kv'] / 2**20:.0f} MiB of KV pages "
+          f"= {grown / budget:.1%} of weights + KV (target <= 110%)")
     return 0
 
 
