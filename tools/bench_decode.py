@@ -18,6 +18,10 @@ from pathlib import Path
 
 import torch
 
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as `python tools/bench_decode.py`
+    sys.path.insert(0, str(REPO))
+
 
 def weight_bytes_per_token(model) -> int:
     """Bytes of weights a decode step reads: every block and the output projection (the embedding
@@ -89,7 +93,7 @@ def peak_rss(model_dir: str, prompt_tokens: int, new_tokens: int, threads: int) 
 
     out = subprocess.run([sys.executable, "-c", RSS_CHILD, model_dir, str(prompt_tokens), str(new_tokens),
                           str(threads)], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parent.parent)
+                         cwd=REPO)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

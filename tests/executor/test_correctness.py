@@ -97,3 +97,16 @@ def test_chunked_prefill_equals_one_shot_prefill(checkpoint):
     one_shot, _ = helm_generate(path, [prompt], max_new_tokens=8)
     chunked, _ = helm_generate(path, [prompt], max_new_tokens=8, prefill_chunk=7, page_size=8)
     assert chunked == one_shot
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("chunk", [512, 40])
+def test_long_prompt_matches_transformers(checkpoint, backend, chunk):
+    """A 90-token prompt: with the kernels, one-shot prefill runs the attention kernel from
+    position 0; chunks of 40 the kernel, then PyTorch's streaming attention over cached pages,
+    then the kernel (the last 10): every route gives transformers' greedy tokens."""
+    path = checkpoint("llama", "fp32")
+    prompt = prompt_ids(90, 256, seed=9)
+    want = hf_greedy(path, prompt, 12)
+    got, _ = helm_generate(path, [prompt], max_new_tokens=12, backend=backend, prefill_chunk=chunk, page_size=16)
+    assert got[0] == want
