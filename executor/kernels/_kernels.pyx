@@ -528,7 +528,7 @@ cdef class PagedKV:
         cdef int H = self.num_kv_heads, D = self.head_dim
         if num_heads < H or num_heads % H:
             raise ValueError(f"{num_heads} query heads are not a multiple of {H} KV heads")
-        if num_heads // H * (D + HELM_ATT_BLOCK) > 65536:
+        if num_heads // H * (D + HELM_ATT_BLOCK) > 8192:
             raise ValueError(f"{num_heads // H} query heads per KV head is more than the kernels support")
         if width < <long> (num_heads + 2 * H) * D:
             raise ValueError(f"qkv has {width} columns, expected (Hq {num_heads} + 2 x {H}) x {D}")
@@ -665,7 +665,7 @@ cdef class BlockStack:
         if not 1 <= num_threads <= MAX_THREADS:
             raise ValueError(f"num_threads must be in [1, {MAX_THREADS}]")
         cdef int Hkv = kv.num_kv_heads, D = kv.head_dim
-        if num_heads % Hkv or num_heads // Hkv * (D + HELM_ATT_BLOCK) > 65536:
+        if num_heads % Hkv or num_heads // Hkv * (D + HELM_ATT_BLOCK) > 8192:
             raise ValueError(f"{num_heads} query heads do not fit {Hkv} KV heads")
         self.t = kernels.t
         self.kv = kv

@@ -55,7 +55,8 @@ typedef void (*helm_silu_mul_fn)(float *out, long ldo, const float *gate, long l
 typedef void (*helm_add_fn)(float *a, const float *b, long i0, long i1);
 
 /* Keys the attention kernel scores per step of its online softmax (their G scores each stay in
- * L1); callers bound the query heads per KV head so G * (D + HELM_ATT_BLOCK) floats fit on a stack. */
+ * L1); callers bound the query heads per KV head to G * (D + HELM_ATT_BLOCK) <= 8192 floats:
+ * an item keeps G * D floats per extra lane on its (OpenMP thread's) stack. */
 #define HELM_ATT_BLOCK 64
 
 /* Where one layer of a sequence's paged KV cache lives (executor/kv_cache.py): page i of the
