@@ -6,13 +6,20 @@ For k units on the CPU (units 0..k-1) and the rest on the GPU:
     T_stage   = Σ_units (T_proj + T_attn) + n_blocks · δ_device
     T_proj    = max(F_proj / (P·η_c), W_param / (M·η_m))
     T_attn    = max(F_attn / (P·η_c), W_kv / (M̂·η_m))
-    M̂         = α·B_L3 + (1−α)·M,  α = min(1, C_L3 / W_kv)   (CPU; the GPU reads KV at HBM speed)
+    M̂         = α·B_L3 + (1−α)·M,  α = min(1, C_L3 / W_step)  (CPU; the GPU reads KV at HBM speed)
     T_comm    = ℓ_h2d + W_act / B_h2d                        (0 for a single-device plan)
 
 F and W come from the traced IR (planner/trace.py), M, P, C_L3, B_L3, ℓ and B from the machine
 profile, η and δ from the calibration. Two additions DESIGN §5 leaves open, both documented in
 the plan: with KV offload, pages parked on the host are streamed back over the link every step
 (added to the GPU's KV read time); TTFT is the same roofline for a prefill of the prompt.
+
+One departure from DESIGN §5, where α = min(1, C_L3 / W_kv) with W_kv one block's KV: a block's
+KV is read again only one step later, after every other weight and KV byte of the stage has
+streamed through the cache, so what can stay in L3 is set by W_step, the bytes the whole stage
+reads per step. Measured on helm-dev-2core (300 MiB L3, a 1.2 GB Qwen3-0.6B stage): decode steps
+grew with context as if the KV came from DRAM, while the per-block rule priced it at L3 speed
+(tools/bench_prediction.py: +46% error at 4096 tokens).
 """
 from __future__ import annotations
 
@@ -57,11 +64,12 @@ def _ms(flops: float, gflops: float, nbytes: float, gibps: float, cal: DeviceCal
     return 1e3 * max(compute, memory)
 
 
-def kv_read_gibps(rates: DeviceRates, kv_bytes: float) -> float:
-    """M̂: L3-blended bandwidth for reading `kv_bytes` of one block's KV (CPU only)."""
-    if rates.cache_bytes <= 0 or kv_bytes <= 0:
+def kv_read_gibps(rates: DeviceRates, step_bytes: float) -> float:
+    """M̂: the L3-blended bandwidth of KV reads on a stage that streams `step_bytes` (weights + KV)
+    per step: the fraction of its reads the cache can hold from one step to the next."""
+    if rates.cache_bytes <= 0 or step_bytes <= 0:
         return rates.mem_gibps
-    alpha = min(1.0, rates.cache_bytes / kv_bytes)
+    alpha = min(1.0, rates.cache_bytes / step_bytes)
     return alpha * rates.cache_gibps + (1 - alpha) * rates.mem_gibps
 
 
@@ -73,15 +81,17 @@ def weight_read_bytes(unit: UnitIR, tokens: int) -> int:
 
 
 def unit_decode_ms(unit: UnitIR, rates: DeviceRates, batch: int, context: int,
-                   streamed_kv_fraction: float = 0.0, link_gibps: float = 0.0) -> tuple[float, float]:
-    """(T_proj, T_attn) in ms for one decode step of `batch` sequences at context `context`."""
+                   streamed_kv_fraction: float = 0.0, link_gibps: float = 0.0,
+                   stage_step_bytes: float = 0.0) -> tuple[float, float]:
+    """(T_proj, T_attn) in ms for one decode step of `batch` sequences at context `context`;
+    stage_step_bytes: what the unit's whole stage reads per step (sets the L3 share of KV reads)."""
     cal = rates.calibration
     t_proj = _ms(batch * unit.proj_flops_per_token, rates.decode_gflops,
                  weight_read_bytes(unit, batch), rates.mem_gibps, cal)
     kv = batch * unit.kv_bytes_per_token * context
     flops = batch * unit.attn_flops_per_context_token * context
     local = kv * (1 - streamed_kv_fraction)
-    t_attn = _ms(flops, rates.decode_gflops, local, kv_read_gibps(rates, local), cal)
+    t_attn = _ms(flops, rates.decode_gflops, local, kv_read_gibps(rates, max(stage_step_bytes, local)), cal)
     if streamed_kv_fraction and kv:
         t_attn = max(t_attn, _ms(0, 1, local, rates.mem_gibps, cal)
                      + 1e3 * kv * streamed_kv_fraction / (link_gibps * GIB))
@@ -226,9 +236,11 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
             continue
         rates = device_rates(machine, device, calibration)
         proj = attn = prefill = 0.0
+        step_bytes = (sum(weight_read_bytes(u, batch) for u in units[start:end])
+                      + batch * context * (gpu_kv_tok if device == "cuda" else cpu_kv_tok))
         for u in units[start:end]:
-            p, a = unit_decode_ms(u, rates, batch, context,
-                                  streamed if device == "cuda" else 0.0, link.h2d_gibps if link else 0.0)
+            p, a = unit_decode_ms(u, rates, batch, context, streamed if device == "cuda" else 0.0,
+                                  link.h2d_gibps if link else 0.0, step_bytes)
             proj += p
             attn += a
             prefill += unit_prefill_ms(u, rates, batch, prompt)

@@ -40,7 +40,7 @@ def test_plan_writes_a_valid_plan_and_a_summary(tmp_path, capsys):
 def test_show_prints_summary_and_every_candidate(capsys):
     code, out, _ = run(capsys, "show", PLAN_8B)
     assert code == 0
-    assert "split     k=21 of 38 units" in out and "predicted 192.387 ms/token" in out
+    assert "split     k=21 of 38 units" in out and "predicted 193.441 ms/token" in out
     rows = [line for line in out.splitlines() if re.match(r"^[ *]\s*\d+\s+(yes|no) ", line)]
     assert len(rows) == 39
     assert "*  21  yes" in out
