@@ -1,4 +1,4 @@
-"""Recalibration (DESIGN §8): fit the cost model's δ and η_m per device to the executor's
+"""Recalibration (DESIGN §8): fit the cost model's δ and η_kv per device to the executor's
 measured step times, and write the next version of the plan.
 
 Input is the daemon's measurement report (schemas/report.schema.json), from a file or live over
@@ -9,14 +9,21 @@ residuals of the fit, the refreshed prediction and the search re-run, which may 
 
 The model fitted to each device's decode rows is DESIGN §8's
 
-    T̂(row) = T_roofline(row; η_m) + n_blocks · δ  (+ T_comm for the stage that receives the hidden state)
+    T̂(row) = T_roofline(row; η_kv) + n_blocks · δ  (+ T_comm for the stage that receives the hidden state)
 
-where T_roofline is planner.cost evaluated at the row's mean context and batch (and scaled by the
+with η_kv the efficiency of KV reads relative to the weight reads' η_m (planner/cost.py: the
+attention term reads W_kv at M̂·η_m·η_kv). η_m itself is not fitted: with one split measured, a
+uniform inefficiency of the weight reads adds the same time to every block, exactly what δ
+describes, so δ absorbs it; what only a KV-specific factor can describe is how time grows with
+context (DESIGN §8 fits one η_m for both: on helm-dev the two reads ran at ~90% and ~40% of the
+profiled bandwidth, which one factor cannot follow).
+
+T_roofline is planner.cost evaluated at the row's mean context and batch (and scaled by the
 ratio of the report's own roofline prediction to that value, so a row whose steps had varying
 batch or context is anchored to what the executor predicted for exactly those steps). δ enters
-linearly; η_m (only when the device has at least MIN_BUCKETS_FOR_ETA context buckets: the
-growth of time with context is what separates η_m from δ) by a 1-D search on a log grid refined
-by golden section, with δ >= 0 solved in closed form for each η_m (variable projection). η_m is
+linearly; η_kv (only when the device has at least MIN_BUCKETS_FOR_ETA context buckets: the
+growth of time with context is what separates η_kv from δ) by a 1-D search on a log grid refined
+by golden section, with δ >= 0 solved in closed form for each η_kv (variable projection). η_kv is
 kept (δ fitted alone) when the buckets do not pin it to ±ETA_MAX_REL_STDERR: it is told apart
 from δ only by how time grows with context, and where the KV read is a small part of the step
 the two are collinear. The loss is the sum of squared *relative* errors (every bucket counts the
@@ -47,19 +54,19 @@ from planner.units import round_sig
 
 MIN_ROW_SAMPLES = 5           # decode steps a report row needs to enter the fit
 MIN_STAGE_SAMPLES = 20        # decode steps (in usable rows) every stage needs: fewer is "too few samples"
-MIN_BUCKETS_FOR_ETA = 3       # context buckets a device needs before η_m is fitted
-ETA_MIN, ETA_MAX = 0.02, 4.0  # η_m search interval (the plan schema allows (0, 4])
-ETA_GRID_POINTS = 97          # log-spaced starting grid for η_m, then golden section
+MIN_BUCKETS_FOR_ETA = 3       # context buckets a device needs before η_kv is fitted
+ETA_MIN, ETA_MAX = 0.02, 4.0  # η_kv search interval (the plan schema allows (0, 4])
+ETA_GRID_POINTS = 97          # log-spaced starting grid for η_kv, then golden section
 HUBER_K = 1.345               # Huber threshold in robust standard deviations (95% efficiency)
 BISQUARE_C = 4.685            # Tukey bisquare cut-off after the Huber start: rows beyond it get weight 0
 SIGMA_FLOOR = 0.005           # robust scale floor (0.5% relative error): exact data is not "all outliers"
 MAX_IRLS_ITERATIONS = 30
-NOMINAL_NOISE = 0.01          # relative noise of a bucket mean assumed at least when judging η_m's precision
-ETA_MAX_REL_STDERR = 0.10     # η_m is fitted only if the buckets pin it to ±10% (else δ alone, η_m kept)
+NOMINAL_NOISE = 0.01          # relative noise of a bucket mean assumed at least when judging η_kv's precision
+ETA_MAX_REL_STDERR = 0.10     # η_kv is fitted only if the buckets pin it to ±10% (else δ alone, η_kv kept)
 TARGET_ERROR_PCT = 5.0        # per-bucket error the calibrated model should reach (issue 6); notes say when not
 
 METHOD = (f"robust least squares per device on decode rows: minimise Σ ρ((measured - T̂)/measured) with "
-          f"T̂ = T_roofline(η_m) + n_blocks·δ (+ link); δ >= 0 in closed form; η_m by log-grid + golden section "
+          f"T̂ = T_roofline(η_kv) + n_blocks·δ (+ link); δ >= 0 in closed form; η_kv by log-grid + golden section "
           f"when >= {MIN_BUCKETS_FOR_ETA} context buckets pin it to ±{ETA_MAX_REL_STDERR:.0%} (else kept); IRLS, "
           f"Huber k={HUBER_K} then Tukey bisquare c={BISQUARE_C}, MAD scale; rows need >= {MIN_ROW_SAMPLES} steps")
 
@@ -186,7 +193,7 @@ def check_report(plan: Plan, report, label: str = "the report") -> None:
                         "send it requests first")
 
 
-# ---- the cost model of one report row, as a function of η_m ------------------------------------
+# ---- the cost model of one report row, as a function of η_kv ------------------------------------
 
 def _with(calibration: Calibration, device: str, **values) -> Calibration:
     dev = replace(calibration.for_device(device), **values)
@@ -212,7 +219,7 @@ def _stage_roofline_ms(plan: Plan, calibration: Calibration, stage: int, phase: 
 
 
 class _RowModel:
-    """One report row and T_roofline(η_m) for it, anchored to the report's own roofline prediction."""
+    """One report row and T_roofline(η_kv) for it, anchored to the report's own roofline prediction."""
 
     def __init__(self, plan: Plan, row):
         self.row = row
@@ -221,14 +228,14 @@ class _RowModel:
         self.measured = row.measured_mean_ms
         self._plan = plan
         self._cal = plan.calibration
-        base = self._raw(self._cal.for_device(row.device).eta_memory)
+        base = self._raw(self._cal.for_device(row.device).eta_kv)
         # The report's roofline is the mean over the row's steps; the model at the mean context
         # and batch differs from it only where the roofline bends within the bucket.
         self.ratio = row.predicted_roofline_ms / base if base > 0 and row.predicted_roofline_ms > 0 else 1.0
         self._cache: dict[float, float] = {}
 
     def _raw(self, eta: float) -> float:
-        cal = _with(self._cal, self.device, eta_memory=eta)
+        cal = _with(self._cal, self.device, eta_kv=eta)
         r = self.row
         return _stage_roofline_ms(self._plan, cal, r.stage, r.phase, r.context_mean, r.batch_mean, r.tokens_mean)
 
@@ -254,7 +261,7 @@ class _Solution:
 
 def _delta_for(rows: list[_RowModel], eta: float, w: list[float], delta_free: bool,
                delta0: float) -> tuple[float, bool]:
-    """Weighted least-squares δ >= 0 for a fixed η_m (relative residuals)."""
+    """Weighted least-squares δ >= 0 for a fixed η_kv (relative residuals)."""
     if not delta_free:
         return delta0, False
     num = den = 0.0
@@ -311,7 +318,7 @@ def _robust_weights(res: list[float], bisquare: bool) -> list[float]:
 def _solve(rows: list[_RowModel], fit_eta: bool, eta0: float, delta_free: bool, delta0: float) -> _Solution:
     """IRLS around the variable-projection fit: Huber weights to convergence (a safe start), then
     Tukey's bisquare, which gives a grossly disturbed bucket no weight at all (Huber only caps it,
-    and with δ and η_m nearly collinear even a capped outlier moves them)."""
+    and with δ and η_kv nearly collinear even a capped outlier moves them)."""
     w = [1.0] * len(rows)
     eta = eta0
     for bisquare in (False, True):
@@ -333,7 +340,7 @@ def _solve(rows: list[_RowModel], fit_eta: bool, eta0: float, delta_free: bool, 
 
 def _stderrs(rows: list[_RowModel], sol: _Solution, fit_eta: bool, delta_free: bool,
              min_sigma: float = 0.0) -> tuple[float | None, float | None]:
-    """Standard errors of (δ, η_m) from the weighted Jacobian of the relative residuals, at the
+    """Standard errors of (δ, η_kv) from the weighted Jacobian of the relative residuals, at the
     residuals' own scale (or `min_sigma` if larger). None where not estimable."""
     params = []
     if delta_free and not sol.delta_clamped:
@@ -361,7 +368,7 @@ def _stderrs(rows: list[_RowModel], sol: _Solution, fit_eta: bool, delta_free: b
         inv = [[1 / jtj[0][0]]]
     else:
         det = jtj[0][0] * jtj[1][1] - jtj[0][1] * jtj[1][0]
-        if det <= 1e-12 * jtj[0][0] * jtj[1][1]:   # collinear: η_m and δ explain the same thing
+        if det <= 1e-12 * jtj[0][0] * jtj[1][1]:   # collinear: η_kv and δ explain the same thing
             return math.inf, math.inf
         inv = [[jtj[1][1] / det, -jtj[0][1] / det], [-jtj[1][0] / det, jtj[0][0] / det]]
     se = {name: math.sqrt(max(sigma2 * inv[i][i], 0.0)) for i, name in enumerate(params)}
@@ -410,32 +417,32 @@ class RecalibrationResult:
 
 def fit_device(plan: Plan, device: str, rows: list,
                eta_fit_allowed: bool = True) -> tuple[DeviceFit, _Solution, list[_RowModel]]:
-    """Fit δ (and η_m with enough buckets) of one device to its usable decode rows."""
+    """Fit δ (and η_kv with enough buckets) of one device to its usable decode rows."""
     models = [_RowModel(plan, r) for r in rows]
     current = plan.calibration.for_device(device)
     buckets = len({r.context_min for r in rows})
     fit_eta = eta_fit_allowed and buckets >= MIN_BUCKETS_FOR_ETA
     delta_free = any(m.blocks for m in models)
     notes = []
-    sol = _solve(models, fit_eta, current.eta_memory, delta_free, current.delta_ms_per_block)
+    sol = _solve(models, fit_eta, current.eta_kv, delta_free, current.delta_ms_per_block)
     if fit_eta:
-        # η_m is told apart from δ only by how the step time grows with context (the KV read);
+        # η_kv is told apart from δ only by how the step time grows with context (the KV read);
         # where that is a small or compute-bound part of the step, the two are collinear and
-        # η_m would be noise: keep it, fit δ alone.
+        # η_kv would be noise: keep it, fit δ alone.
         _, se = _stderrs(models, sol, True, delta_free, NOMINAL_NOISE)
         if se is None or not math.isfinite(se) or se / sol.eta > ETA_MAX_REL_STDERR:
             spread = "cannot be told apart from δ" if se is None or not math.isfinite(se) \
                 else f"would be ±{se / sol.eta * 100:.0f}%"
-            notes.append(f"η_m kept at {current.eta_memory:g}: these buckets do not pin it down ({spread}; the "
+            notes.append(f"η_kv kept at {current.eta_kv:g}: these buckets do not pin it down ({spread}; the "
                          "KV read is too small a part of the step, or compute-bound)")
             fit_eta = False
-            sol = _solve(models, False, current.eta_memory, delta_free, current.delta_ms_per_block)
+            sol = _solve(models, False, current.eta_kv, delta_free, current.delta_ms_per_block)
     se_delta, se_eta = _stderrs(models, sol, fit_eta, delta_free)
     if not fit_eta and buckets < MIN_BUCKETS_FOR_ETA:
-        notes.append(f"η_m kept at {current.eta_memory:g}: {buckets} context bucket{'s' if buckets != 1 else ''}, "
+        notes.append(f"η_kv kept at {current.eta_kv:g}: {buckets} context bucket{'s' if buckets != 1 else ''}, "
                      f"it needs >= {MIN_BUCKETS_FOR_ETA}")
     elif fit_eta and min(abs(math.log(sol.eta / ETA_MIN)), abs(math.log(ETA_MAX / sol.eta))) < 0.01:
-        notes.append(f"η_m ran to the end of its range ({sol.eta:.3g}): the roofline's shape does not match "
+        notes.append(f"η_kv ran to the end of its range ({sol.eta:.3g}): the roofline's shape does not match "
                      "these measurements")
     if not delta_free:
         notes.append("the stage has no transformer blocks: δ does not apply")
@@ -452,7 +459,7 @@ def fit_device(plan: Plan, device: str, rows: list,
         high = sum(e for _, e in ordered[-half:]) / half
         if high - low > TARGET_ERROR_PCT:
             notes.append(f"residuals grow with context ({low:+.1f}% short, {high:+.1f}% long): attention costs "
-                         "more per KV byte than the memory roofline allows; one η_m cannot fit weight and KV reads")
+                         "more per KV byte than the memory roofline allows; one η_kv cannot fit weight and KV reads")
         elif low - high > TARGET_ERROR_PCT:
             notes.append(f"residuals shrink with context ({low:+.1f}% short, {high:+.1f}% long): the KV term is "
                          "over-predicted relative to the weight reads")
@@ -464,8 +471,8 @@ def fit_device(plan: Plan, device: str, rows: list,
     fit = DeviceFit(
         device=device, delta_ms_per_block=round_sig(sol.delta),
         delta_stderr_ms=round_sig(se_delta) if se_delta is not None and math.isfinite(se_delta) else None,
-        eta_memory=round_sig(sol.eta), eta_memory_fitted=fit_eta,
-        eta_memory_stderr=round_sig(se_eta) if se_eta is not None and math.isfinite(se_eta) else None,
+        eta_kv=round_sig(sol.eta), eta_kv_fitted=fit_eta,
+        eta_kv_stderr=round_sig(se_eta) if se_eta is not None and math.isfinite(se_eta) else None,
         note="; ".join(notes), buckets=buckets, samples=sum(r.samples for r in rows),
         rms_error_pct_before=round_sig(_rms(before), 4), rms_error_pct_after=round_sig(_rms(after), 4),
         max_abs_error_pct_before=round_sig(max(abs(x) for x in before), 4),
@@ -508,8 +515,8 @@ def recalibrate(plan: Plan, report, source: str, min_samples: int = MIN_STAGE_SA
     for device, rows in devices.items():
         fit, sol, _ = fit_device(plan, device, rows)
         fits.append(fit)
-        solutions[device] = (fit.eta_memory, fit.delta_ms_per_block)
-        calibration = _with(calibration, device, eta_memory=fit.eta_memory, delta_ms_per_block=fit.delta_ms_per_block)
+        solutions[device] = (fit.eta_kv, fit.delta_ms_per_block)
+        calibration = _with(calibration, device, eta_kv=fit.eta_kv, delta_ms_per_block=fit.delta_ms_per_block)
     calibration = replace(calibration, provenance="recalibrated", samples=max(f.samples for f in fits))  # steps
 
     weights = {}
@@ -522,7 +529,7 @@ def recalibrate(plan: Plan, report, source: str, min_samples: int = MIN_STAGE_SA
 
     table, residuals = [], []
     for row in report.rows:
-        eta, delta = solutions.get(row.device, (calibration.for_device(row.device).eta_memory,
+        eta, delta = solutions.get(row.device, (calibration.for_device(row.device).eta_kv,
                                                 calibration.for_device(row.device).delta_ms_per_block))
         after = _RowModel(plan, row).predict(eta, delta)
         if _key(row) in weights:
@@ -567,8 +574,8 @@ def format_table(result: RecalibrationResult) -> str:
     for f in result.fits:
         was = old.calibration.for_device(f.device)
         pm = lambda se: f" ± {se:.2g}" if se is not None else ""  # noqa: E731
-        eta = (f"η_m {was.eta_memory:g} -> {f.eta_memory:.4g}{pm(f.eta_memory_stderr)}" if f.eta_memory_fitted
-               else f"η_m {f.eta_memory:g} (kept)")
+        eta = (f"η_kv {was.eta_kv:g} -> {f.eta_kv:.4g}{pm(f.eta_kv_stderr)}" if f.eta_kv_fitted
+               else f"η_kv {f.eta_kv:g} (kept)")
         lines.append(f"  {f.device:<4} δ {was.delta_ms_per_block:g} -> "
                      f"{f.delta_ms_per_block:.4g}{pm(f.delta_stderr_ms)} "
                      f"ms/block, {eta}; {f.buckets} buckets, {f.samples} steps; rms error "

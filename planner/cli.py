@@ -118,8 +118,8 @@ def _parser() -> argparse.ArgumentParser:
     di.add_argument("--json", action="store_true")
 
     rc = sub.add_parser("recalibrate",
-                        help="fit δ and η_m to the executor's measurements; write the next plan version",
-                        description="Fit the per-block overhead δ (and the memory efficiency η_m, given >= 3 context "
+                        help="fit δ and η_kv to the executor's measurements; write the next plan version",
+                        description="Fit the per-block overhead δ (and the KV-read efficiency η_kv, given >= 3 context "
                                     "buckets) of every device of PLAN to the executor's measured step times, re-run "
                                     "the search with the calibrated model, write the next plan version, and print "
                                     "measured vs predicted per stage and context bucket, before and after.")

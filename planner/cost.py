@@ -5,7 +5,7 @@ For k units on the CPU (units 0..k-1) and the rest on the GPU:
     T_plan(k) = T_cpu(units < k) + T_gpu(units >= k) + T_comm
     T_stage   = Σ_units (T_proj + T_attn) + n_blocks · δ_device
     T_proj    = max(F_proj / (P·η_c), W_param / (M·η_m))
-    T_attn    = max(F_attn / (P·η_c), W_kv / (M̂·η_m))
+    T_attn    = max(F_attn / (P·η_c), W_kv / (M̂·η_m·η_kv))
     M̂         = α·B_L3 + (1−α)·M,  α = min(1, C_L3 / W_step)  (CPU; the GPU reads KV at HBM speed)
     T_comm    = ℓ_h2d + W_act / B_h2d                        (0 for a single-device plan)
 
@@ -91,9 +91,11 @@ def unit_decode_ms(unit: UnitIR, rates: DeviceRates, batch: int, context: int,
     kv = batch * unit.kv_bytes_per_token * context
     flops = batch * unit.attn_flops_per_context_token * context
     local = kv * (1 - streamed_kv_fraction)
-    t_attn = _ms(flops, rates.decode_gflops, local, kv_read_gibps(rates, max(stage_step_bytes, local)), cal)
+    # η_kv: the attention kernels stream KV less efficiently than the GEMVs stream weights
+    t_attn = _ms(flops, rates.decode_gflops, local,
+                 kv_read_gibps(rates, max(stage_step_bytes, local)) * cal.eta_kv, cal)
     if streamed_kv_fraction and kv:
-        t_attn = max(t_attn, _ms(0, 1, local, rates.mem_gibps, cal)
+        t_attn = max(t_attn, _ms(0, 1, local, rates.mem_gibps * cal.eta_kv, cal)
                      + 1e3 * kv * streamed_kv_fraction / (link_gibps * GIB))
     return t_proj, t_attn
 

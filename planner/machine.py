@@ -58,6 +58,8 @@ class DeviceCalibration:
     eta_compute: float = 1.0             # η_c: achieved / measured FLOP rate
     eta_memory: float = 1.0              # η_m: achieved / measured bandwidth
     delta_ms_per_block: float = 0.0      # δ: fixed overhead per transformer block per step
+    eta_kv: float = 1.0                  # η_kv: KV reads' efficiency on top of η_m (attention kernels
+                                         # stream KV slower than GEMVs stream weights); recalibration fits it
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,8 @@ def format_summary(plan: Plan) -> str:
                  f"{kv.host_pages} host page(s), {kv.cpu_pages} CPU-stage page(s) of {fmt_bytes(kv.cpu_page_bytes)}")
     c = plan.calibration
     lines.append(f"calib     {c.provenance}, {c.samples} samples: δ cpu {c.cpu.delta_ms_per_block:g} ms, "
-                 f"cuda {c.cuda.delta_ms_per_block:g} ms per block; η_m cpu {c.cpu.eta_memory:g}, cuda {c.cuda.eta_memory:g}")
+                 f"cuda {c.cuda.delta_ms_per_block:g} ms per block; η_m cpu {c.cpu.eta_memory:g}, cuda {c.cuda.eta_memory:g}; "
+                 f"η_kv cpu {c.cpu.eta_kv:g}, cuda {c.cuda.eta_kv:g}")
     r = plan.recalibration
     if r is not None:
         fits = ", ".join(f"{d.device} rms error {d.rms_error_pct_before:.1f}% -> {d.rms_error_pct_after:.1f}%"

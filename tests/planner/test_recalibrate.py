@@ -1,10 +1,10 @@
-"""helm-plan recalibrate: the fit recovers a known δ and η_m from synthetic reports, the next plan
+"""helm-plan recalibrate: the fit recovers a known δ and η_kv from synthetic reports, the next plan
 version is right and deterministic, calibration carries across machines only where it should,
 bad input writes nothing, and (end to end) a real daemon's report is fitted and applied.
 
 Synthetic reports go through the executor's own Recorder, so they are exactly what the daemon
 writes: each step's "measured" time is the cost model under a known true calibration, times
-(1 + noise). There is no GPU here: δ and η_m for cuda are only ever fitted from such reports.
+(1 + noise). There is no GPU here: δ and η_kv for cuda are only ever fitted from such reports.
 """
 from __future__ import annotations
 
@@ -54,11 +54,11 @@ def synthetic_report(plan, truth: Calibration, contexts, steps: int = 64, noise:
 def assert_recovered(result, truth: Calibration):
     for fit in result.fits:
         want = truth.for_device(fit.device)
-        assert fit.eta_memory_fitted, fit.note
+        assert fit.eta_kv_fitted, fit.note
         assert fit.delta_ms_per_block == pytest.approx(want.delta_ms_per_block, rel=RECOVERY_TOLERANCE), fit
-        assert fit.eta_memory == pytest.approx(want.eta_memory, rel=RECOVERY_TOLERANCE), fit
+        assert fit.eta_kv == pytest.approx(want.eta_kv, rel=RECOVERY_TOLERANCE), fit
         cal = result.plan.calibration.for_device(fit.device)
-        assert (cal.delta_ms_per_block, cal.eta_memory) == (fit.delta_ms_per_block, fit.eta_memory)
+        assert (cal.delta_ms_per_block, cal.eta_kv) == (fit.delta_ms_per_block, fit.eta_kv)
 
 
 @pytest.fixture(scope="module")
@@ -76,19 +76,19 @@ def split_plan(laptop):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_recovers_delta_and_eta_per_device_within_2_percent(split_plan, seed):
-    truth = Calibration(cpu=DeviceCalibration(eta_memory=0.9, delta_ms_per_block=0.8),
-                        cuda=DeviceCalibration(eta_memory=0.85, delta_ms_per_block=0.14))
+    truth = Calibration(cpu=DeviceCalibration(eta_kv=0.9, delta_ms_per_block=0.8),
+                        cuda=DeviceCalibration(eta_kv=0.85, delta_ms_per_block=0.14))
     result = recalibrate(split_plan, synthetic_report(split_plan, truth, LONG, seed=seed), "synthetic")
     assert [f.device for f in result.fits] == ["cpu", "cuda"]
     assert_recovered(result, truth)
     for fit in result.fits:
         assert fit.buckets == 9 and fit.samples == 9 * 64
         assert fit.rms_error_pct_after < 0.5 < fit.rms_error_pct_before
-        assert fit.delta_stderr_ms is not None and fit.eta_memory_stderr is not None
+        assert fit.delta_stderr_ms is not None and fit.eta_kv_stderr is not None
 
 
 def test_recovers_the_cpu_calibration_of_an_all_cpu_plan(dev_plan):
-    truth = Calibration(cpu=DeviceCalibration(eta_memory=0.7, delta_ms_per_block=1.0))
+    truth = Calibration(cpu=DeviceCalibration(eta_kv=0.7, delta_ms_per_block=1.0))
     result = recalibrate(dev_plan, synthetic_report(dev_plan, truth, LONG, seed=3), "synthetic")
     assert_recovered(result, truth)
     assert result.plan.calibration.cuda == dev_plan.calibration.cuda      # no cuda stage: untouched
@@ -96,8 +96,8 @@ def test_recovers_the_cpu_calibration_of_an_all_cpu_plan(dev_plan):
 
 def test_a_disturbed_bucket_is_left_out(split_plan):
     """Another process slowed one bucket by 30%: bisquare weights give it no say."""
-    truth = Calibration(cpu=DeviceCalibration(eta_memory=0.9, delta_ms_per_block=0.8),
-                        cuda=DeviceCalibration(eta_memory=0.85, delta_ms_per_block=0.14))
+    truth = Calibration(cpu=DeviceCalibration(eta_kv=0.9, delta_ms_per_block=0.8),
+                        cuda=DeviceCalibration(eta_kv=0.85, delta_ms_per_block=0.14))
     result = recalibrate(split_plan, synthetic_report(split_plan, truth, LONG, seed=4, disturb={1024: 0.3}),
                          "synthetic")
     assert_recovered(result, truth)
@@ -109,21 +109,21 @@ def test_a_disturbed_bucket_is_left_out(split_plan):
 
 
 def test_fewer_than_three_buckets_fit_delta_alone(dev_plan):
-    truth = Calibration(cpu=DeviceCalibration(eta_memory=1.0, delta_ms_per_block=0.5))
+    truth = Calibration(cpu=DeviceCalibration(eta_kv=1.0, delta_ms_per_block=0.5))
     result = recalibrate(dev_plan, synthetic_report(dev_plan, truth, [512, 1024]), "synthetic")
     (fit,) = result.fits
-    assert not fit.eta_memory_fitted and fit.eta_memory == 1.0 and "needs >= 3" in fit.note
+    assert not fit.eta_kv_fitted and fit.eta_kv == 1.0 and "needs >= 3" in fit.note
     assert fit.delta_ms_per_block == pytest.approx(0.5, rel=RECOVERY_TOLERANCE)
 
 
 def test_eta_is_kept_where_the_buckets_cannot_tell_it_from_delta():
     """The laptop's CPU reads 4k contexts of KV from L3 at compute-bound speed: how time grows
-    with context says nothing about η_m, so any η_m fits with a matching δ. It is kept, δ fitted."""
+    with context says nothing about η_kv, so any η_kv fits with a matching δ. It is kept, δ fitted."""
     plan = load_plan(LAPTOP_8B)
     truth = Calibration(cpu=DeviceCalibration(delta_ms_per_block=0.8), cuda=DeviceCalibration(delta_ms_per_block=0.14))
     result = recalibrate(plan, synthetic_report(plan, truth, SHORT, noise=0.0), "synthetic")
     cpu = result.fits[0]
-    assert cpu.device == "cpu" and not cpu.eta_memory_fitted and "do not pin it down" in cpu.note
+    assert cpu.device == "cpu" and not cpu.eta_kv_fitted and "do not pin it down" in cpu.note
     assert cpu.delta_ms_per_block == pytest.approx(0.8, rel=RECOVERY_TOLERANCE)
 
 
@@ -154,7 +154,7 @@ def write_report(report, path: Path) -> Path:
 
 
 def test_writes_the_next_version_deterministically(dev_plan, tmp_path, capsys):
-    truth = Calibration(cpu=DeviceCalibration(eta_memory=0.7, delta_ms_per_block=1.0))
+    truth = Calibration(cpu=DeviceCalibration(eta_kv=0.7, delta_ms_per_block=1.0))
     report_path = write_report(synthetic_report(dev_plan, truth, LONG, seed=5), tmp_path / "report.json")
     assert read_report(report_path).rows[0].samples == 64
     outs = [tmp_path / "a" / "v2.yaml", tmp_path / "b" / "v2.yaml"]
@@ -170,22 +170,22 @@ def test_writes_the_next_version_deterministically(dev_plan, tmp_path, capsys):
     assert (rec.measured_plan_digest, rec.measured_plan_version, rec.measured_split_k) == (dev_plan.digest, 1, 30)
     assert rec.executor.source == f"report {report_path}" and rec.executor.kernel_isa == "helm-synthetic"
     assert not rec.delta_from_other_machine and len(rec.residuals) == 9
-    assert v2.prediction.ms_per_token > dev_plan.prediction.ms_per_token     # δ > 0, η_m < 1: slower
+    assert v2.prediction.ms_per_token > dev_plan.prediction.ms_per_token     # δ > 0, η_kv < 1: slower
     header = outs[0].read_text().splitlines()
     assert header[3].startswith("# Calibrated from 576 decode steps of plan v1 measured on helm-dev-2core")
     # the table: every bucket before and after, prefill shown but not fitted
-    assert re.search(r"cpu  δ 0 -> 0\.99\d* ± [0-9.]+ ms/block, η_m 1 -> 0\.699\d* ± ", stdout), stdout
+    assert re.search(r"cpu  δ 0 -> 0\.99\d* ± [0-9.]+ ms/block, η_kv 1 -> 0\.699\d* ± ", stdout), stdout
     assert stdout.count("  decode  ") == 2 * 9 and "prefill" in stdout and "not fitted" in stdout
     assert f"wrote {outs[0]}: plan v2" in stdout
     # and again: v3 from a report of v2
-    truth3 = Calibration(cpu=DeviceCalibration(eta_memory=0.75, delta_ms_per_block=0.9))
+    truth3 = Calibration(cpu=DeviceCalibration(eta_kv=0.75, delta_ms_per_block=0.9))
     report3 = write_report(synthetic_report(v2, truth3, LONG, seed=6), tmp_path / "report3.json")
     v3_path = tmp_path / "v3.yaml"
     assert cli.main(["recalibrate", str(outs[0]), "--report", str(report3), "-o", str(v3_path)]) == 0
     v3 = load_plan(v3_path)
     assert v3.plan_version == 3 and v3.parent_digest == v2.digest
     assert v3.calibration.cpu.delta_ms_per_block == pytest.approx(0.9, rel=RECOVERY_TOLERANCE)
-    assert re.search(r"η_m 0\.69\d* -> 0\.7[45]", capsys.readouterr().out)   # starts from v2's calibration
+    assert re.search(r"η_kv 0\.69\d* -> 0\.7[45]", capsys.readouterr().out)   # starts from v2's calibration
     assert cli.main(["validate", str(v3_path)]) == 0
 
 
@@ -195,7 +195,7 @@ def test_plans_without_recalibration_keep_their_bytes(dev_plan):
 
 
 def test_calibration_carries_across_machines_only_where_it_should(dev_plan, laptop, tmp_path, capsys):
-    truth = Calibration(cpu=DeviceCalibration(eta_memory=0.7, delta_ms_per_block=1.0))
+    truth = Calibration(cpu=DeviceCalibration(eta_kv=0.7, delta_ms_per_block=1.0))
     v2 = recalibrate(dev_plan, synthetic_report(dev_plan, truth, LONG), "synthetic").plan
     v2_path = tmp_path / "v2.yaml"
     save_plan(v2, v2_path)
@@ -211,7 +211,7 @@ def test_calibration_carries_across_machines_only_where_it_should(dev_plan, lapt
                      "-o", str(out)]) == 0
     other = load_plan(out)
     assert other.machine.name == laptop.name and other.parent_digest == v2.digest and other.plan_version == 3
-    assert other.calibration.cpu.eta_memory == v2.calibration.cpu.eta_memory == pytest.approx(0.7, rel=0.02)
+    assert other.calibration.cpu.eta_kv == v2.calibration.cpu.eta_kv == pytest.approx(0.7, rel=0.02)
     assert other.calibration.cpu.delta_ms_per_block == v2.calibration.cpu.delta_ms_per_block
     assert other.recalibration.delta_from_other_machine and other.recalibration.machine == "helm-dev-2core"
     assert "δ was measured on helm-dev-2core, not on laptop-rtx4060-i7-13700h: recalibrate" in out.read_text()
@@ -219,8 +219,8 @@ def test_calibration_carries_across_machines_only_where_it_should(dev_plan, lapt
     assert cli.main(["show", str(out)]) == 0
     assert "δ came from helm-dev-2core, not this machine" in capsys.readouterr().out
     # recalibrating on the laptop makes δ its own again
-    truth_laptop = Calibration(cpu=DeviceCalibration(eta_memory=0.6, delta_ms_per_block=0.3),
-                               cuda=DeviceCalibration(eta_memory=0.8, delta_ms_per_block=0.2))
+    truth_laptop = Calibration(cpu=DeviceCalibration(eta_kv=0.6, delta_ms_per_block=0.3),
+                               cuda=DeviceCalibration(eta_kv=0.8, delta_ms_per_block=0.2))
     mine = recalibrate(other, synthetic_report(other, truth_laptop, LONG), "synthetic").plan
     assert not mine.recalibration.delta_from_other_machine and mine.recalibration.machine == laptop.name
 
@@ -229,7 +229,7 @@ def test_calibration_carries_across_machines_only_where_it_should(dev_plan, lapt
 
 @pytest.fixture(scope="module")
 def good_report_data(dev_plan):
-    truth = Calibration(cpu=DeviceCalibration(eta_memory=0.8, delta_ms_per_block=0.5))
+    truth = Calibration(cpu=DeviceCalibration(eta_kv=0.8, delta_ms_per_block=0.5))
     return synthetic_report(dev_plan, truth, SHORT, steps=8).to_dict()
 
 
