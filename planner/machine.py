@@ -66,7 +66,7 @@ class DeviceCalibration:
 class Calibration:
     cpu: DeviceCalibration = field(default_factory=DeviceCalibration)
     cuda: DeviceCalibration = field(default_factory=DeviceCalibration)
-    provenance: str = "default"          # "default" | "manual" | "recalibrated"
+    provenance: str = "default"          # "default" | "manual" | "profiled" (η_kv probed) | "recalibrated"
     samples: int = 0                     # executor measurements the values were fitted to
 
     def for_device(self, device: str) -> DeviceCalibration:

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from planner.machine import (MACHINE_SCHEMA_VERSION, Calibration, CpuProfile, GpuProfile,
+from planner.machine import (MACHINE_SCHEMA_VERSION, Calibration, CpuProfile, DeviceCalibration, GpuProfile,
                              LinkProfile, MachineProfile)
 from planner.units import GIB, MIB, fmt_bytes, round_sig
 
@@ -156,6 +156,50 @@ def measure_read_bandwidth(buffer_bytes: int, runs: int, min_seconds: float = 0.
         progress(f"{label} read {fmt_bytes(nbytes)} run {r + 1}/{runs}: {results[-1]:.2f} GiB/s")
     del buf, mats
     return round_sig(statistics.median(results), 4), results
+
+
+def measure_kv_read_gibps(buffer_bytes: int, runs: int, threads: int,
+                          progress: Progress = _quiet) -> float | None:
+    """GiB/s at which the executor's CPU attention kernel streams a cold bf16 KV cache: one decode
+    query at context 4096 per layer, as many layers as fill buffer_bytes (Qwen3-like heads: 16
+    query, 8 KV, 128 wide; 512-token pages), median of `runs` passes over all layers. None when
+    the kernels are not built.
+
+    Why a probe of our own kernel, not only of the memory: attention reads KV in short runs per
+    head and page, and computes a softmax as it goes; measured here it streamed KV at about half
+    the GEMV's rate (DRAM figure above). The ratio becomes the plans' default η_kv."""
+    try:
+        import torch
+
+        from executor import kernels
+    except ImportError:
+        progress("KV read: CPU kernels not built; η_kv left at 1")
+        return None
+    hq, hkv, d, p, pages = 16, 8, 128, 512, 8  # context 8 x 512 = 4096
+    layers = max(1, buffer_bytes // (pages * 2 * hkv * p * d * 2))
+    page_elems = layers * 2 * hkv * p * d
+    buf = torch.empty(pages * page_elems, dtype=torch.bfloat16)
+    buf.fill_(0.01)  # write every page (untouched pages would read the zero page from cache)
+    base = buf.data_ptr()
+    table = torch.tensor([base + i * page_elems * 2 for i in range(pages)], dtype=torch.int64)
+    layout = kernels.PagedKV(layers, hkv, p, d, torch.bfloat16)
+    qkv = torch.randn(1, (hq + 2 * hkv) * d)
+    out = torch.empty(1, hq * d)
+    context = pages * p
+
+    def one_pass() -> float:
+        t0 = time.perf_counter()
+        for layer in range(layers):
+            kernels.paged_attention(qkv, out, layout, table, layer, context - 1, hq, d ** -0.5, num_threads=threads)
+        return time.perf_counter() - t0
+
+    one_pass()  # warm-up
+    results = []
+    for r in range(runs):
+        results.append(buf.numel() * 2 / one_pass() / GIB)
+        progress(f"KV read (attention kernel) {fmt_bytes(buf.numel() * 2)} run {r + 1}/{runs}: {results[-1]:.2f} GiB/s")
+    del buf
+    return round_sig(statistics.median(results), 4)
 
 
 def measure_cpu_gflops(n: int = 1024, min_seconds: float = 0.3) -> float:
@@ -310,6 +354,12 @@ def _profile(quick, name, progress, threads, facts, gpu_probe, started) -> Machi
         l3_source = "measured"
     gflops = measure_cpu_gflops(min_seconds=0.15 if quick else 0.6)
     progress(f"CPU fp32 GEMM: {gflops:.0f} GFLOP/s")
+    kv_gibps = measure_kv_read_gibps(buffer_bytes, 3 if quick else 5, threads, progress)
+    calibration = Calibration()
+    if kv_gibps is not None:
+        # The cost model reads KV at M̂·η_m·η_kv: the probe's cold-cache rate relative to DRAM's.
+        calibration = Calibration(cpu=DeviceCalibration(eta_kv=round_sig(min(1.0, kv_gibps / dram), 3)),
+                                  provenance="profiled")
     measured = gpu_probe(quick, progress)
     gpu, link = measured if measured else (None, None)
     seconds = time.perf_counter() - started
@@ -331,4 +381,4 @@ def _profile(quick, name, progress, threads, facts, gpu_probe, started) -> Machi
         notes=f"measured by helm-plan profile{' --quick' if quick else ''} with {threads} threads.{load}",
         tool_version=__version__, measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         profile_seconds=round_sig(seconds, 3), quick=quick, cpu=cpu, gpu=gpu, link=link,
-        calibration=Calibration())
+        calibration=calibration)

@@ -28,9 +28,10 @@ def test_laptop_and_dev_plans_differ_exactly_where_they_should(capsys):
     a, b = load_plan(LAPTOP_8B), load_plan(DEV_8B)
     changes = diff_plans(a, b)
     sections = {c.section for c in changes}
-    # same model, same workload, same (default) calibration, same trace; different machine, hence
-    # a different budget, split, KV placement, prediction and search table
-    assert sections == {"machine", "limits", "partition", "kv", "prediction", "search"}
+    # same model, same workload, same trace; different machine, hence a different budget, split,
+    # KV placement, prediction and search table, and the dev profile's measured η_kv (the laptop's
+    # profile was entered by hand: default calibration)
+    assert sections == {"machine", "limits", "partition", "kv", "prediction", "search", "calibration"}
     by_path = {c.path: c for c in changes}
     assert (by_path["partition.split_k"].a, by_path["partition.split_k"].b) == (21, 38)
     assert by_path["partition.stages[cuda]"].b_present is False
@@ -38,7 +39,10 @@ def test_laptop_and_dev_plans_differ_exactly_where_they_should(capsys):
     assert by_path["machine.gpu"].b is None and by_path["machine.gpu"].a["name"].startswith("NVIDIA")
     assert by_path["machine.cpu.dram_read_gibps"].a == 45.0
     assert "prediction.ms_per_token" in by_path and "prediction.stages[cuda]" in by_path
-    assert not any(p.startswith(("model", "workload", "calibration", "ir", "digest")) for p in by_path)
+    assert not any(p.startswith(("model", "workload", "ir", "digest")) for p in by_path)
+    calibration = {p for p in by_path if p.startswith("calibration")}
+    assert calibration == {"calibration.cpu.eta_kv", "calibration.provenance"}
+    assert by_path["calibration.provenance"].b == "profiled" and by_path["calibration.cpu.eta_kv"].a == 1.0
 
     assert cli.main(["diff", str(LAPTOP_8B), str(DEV_8B)]) == 1
     out = capsys.readouterr().out

@@ -41,6 +41,10 @@ def test_quick_profile_is_fast_valid_and_reports_progress():
     assert len(m.cpu.dram_read_gibps_runs) == 3 and m.cpu.dram_read_gibps > 0 and m.cpu.compute_gflops > 0
     assert m.cpu.l3_read_source.startswith("estimated")
     assert any("DRAM read" in msg and "run 3/3" in msg for msg in messages)
+    # the attention kernel's cold KV rate, relative to DRAM's, is the plans' default η_kv
+    assert any("KV read (attention kernel)" in msg and "run 3/3" in msg for msg in messages)
+    assert m.calibration.provenance == "profiled" and 0 < m.calibration.cpu.eta_kv <= 1
+    assert m.calibration.cuda.eta_kv == 1.0
     assert load_machine(machine_to_yaml(m)) == m
 
 

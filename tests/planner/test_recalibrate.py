@@ -109,10 +109,11 @@ def test_a_disturbed_bucket_is_left_out(split_plan):
 
 
 def test_fewer_than_three_buckets_fit_delta_alone(dev_plan):
-    truth = Calibration(cpu=DeviceCalibration(eta_kv=1.0, delta_ms_per_block=0.5))
+    kept = dev_plan.calibration.cpu.eta_kv  # the profile's measured η_kv
+    truth = Calibration(cpu=DeviceCalibration(eta_kv=kept, delta_ms_per_block=0.5))
     result = recalibrate(dev_plan, synthetic_report(dev_plan, truth, [512, 1024]), "synthetic")
     (fit,) = result.fits
-    assert not fit.eta_kv_fitted and fit.eta_kv == 1.0 and "needs >= 3" in fit.note
+    assert not fit.eta_kv_fitted and fit.eta_kv == kept and "needs >= 3" in fit.note
     assert fit.delta_ms_per_block == pytest.approx(0.5, rel=RECOVERY_TOLERANCE)
 
 
@@ -174,7 +175,7 @@ def test_writes_the_next_version_deterministically(dev_plan, tmp_path, capsys):
     header = outs[0].read_text().splitlines()
     assert header[3].startswith("# Calibrated from 576 decode steps of plan v1 measured on helm-dev-2core")
     # the table: every bucket before and after, prefill shown but not fitted
-    assert re.search(r"cpu  δ 0 -> 0\.99\d* ± [0-9.]+ ms/block, η_kv 1 -> 0\.699\d* ± ", stdout), stdout
+    assert re.search(r"cpu  δ 0 -> 0\.99\d* ± [0-9.]+ ms/block, η_kv [0-9.]+ -> 0\.699\d* ± ", stdout), stdout
     assert stdout.count("  decode  ") == 2 * 9 and "prefill" in stdout and "not fitted" in stdout
     assert f"wrote {outs[0]}: plan v2" in stdout
     # and again: v3 from a report of v2
