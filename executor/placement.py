@@ -15,6 +15,8 @@ import torch
 
 from executor.errors import PlacementError
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class StageSpec:
@@ -80,16 +82,13 @@ class Placement:
         threads = requested if requested is not None else self.cpu_threads
         if threads is None:
             return self
-        if threads < 1:
-            raise PlacementError(f"CPU threads must be >= 1, got {threads}")
         usable = usable_cpus()
         if threads > usable:
             log.warning("%d CPU threads requested, this process may use %d CPUs: using %d", threads, usable, usable)
             threads = usable
-        return replace(self, cpu_threads=threads)
-
-
-log = logging.getLogger(__name__)
+        placement = replace(self, cpu_threads=threads)
+        placement.validate()
+        return placement
 
 
 def usable_cpus() -> int:

@@ -51,6 +51,7 @@ from planner.errors import PlanError
 from planner.machine import Calibration
 from planner.plan import DeviceFit, FitResidual, MeasurementSource, Plan, Recalibration, replan
 from planner.units import round_sig
+from planner.yamlio import read_text_file
 
 MIN_ROW_SAMPLES = 5           # decode steps a report row needs to enter the fit
 MIN_STAGE_SAMPLES = 20        # decode steps (in usable rows) every stage needs: fewer is "too few samples"
@@ -79,12 +80,7 @@ def read_report(path: str | Path):
     from executor.report import PlanSummary, Report, ReportRow, validate_report
 
     path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise PlanError(f"report not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise PlanError(f"cannot read report {path}: {e}") from None
+    text = read_text_file(path, "report")
     if not text.strip():
         raise PlanError(f"report {path} is empty (write one with `helm-executor report --addr HOST:PORT -o {path}`)")
     try:

@@ -69,17 +69,22 @@ def dump_yaml(data: dict, header: list[str] | None = None) -> str:
     return "\n".join(lines) + ("\n" if lines else "") + body
 
 
+def read_text_file(path: Path, kind: str) -> str:
+    """The file's text; PlanError "<kind> not found" / "cannot read <kind>" otherwise."""
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        raise PlanError(f"{kind} not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise PlanError(f"cannot read {kind} {path}: {e}") from None
+
+
 def read_yaml(path_or_text: str | Path, kind: str) -> tuple[Any, str]:
     """(parsed data, label for messages) from a path, or from YAML text (a str with a newline)."""
     if isinstance(path_or_text, Path) or "\n" not in str(path_or_text):
         path = Path(path_or_text)
         label = f"{kind} {path}"
-        try:
-            text = path.read_text()
-        except FileNotFoundError:
-            raise PlanError(f"{kind} not found: {path}") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise PlanError(f"cannot read {kind} {path}: {e}") from None
+        text = read_text_file(path, kind)
     else:
         text, label = str(path_or_text), kind
     try:

@@ -145,7 +145,7 @@ HELM_INLINE float helm_sum(const float *x, int n) {
     return s;
 }
 
-/* ---- GEMV / small-batch GEMM, one instantiation per weight dtype ---- */
+/* ---- GEMV / small-batch GEMM and paged attention, one instantiation per weight dtype ---- */
 
 /* Tile claims (helm_claim in helm_kernels.h). A thread's share holds `seg` tiles; back starts as
  * the sentinel 0x7fffffff, read as seg, so the caller only has to store HELM_CLAIM_INIT. */
@@ -208,17 +208,22 @@ static const float *helm_deinterleave_x(const float *x, int B, int K, int K2, co
     return helm_xs_buf;
 }
 
+/* One instantiation of the GEMV (gemv_tile.h) and of the KV write and paged attention
+ * (attention.h) per weight / KV dtype; STORE_W rounds a float to the dtype (nearest even). */
 #define WT float
 #define WNAME f32
 #define WDTYPE HELM_F32
 #define LOAD_W(p) v_load(p)
 #define SCALAR_W(v) (v)
+#define STORE_W(f) (f)
 #include "gemv_tile.h"
+#include "attention.h"
 #undef WT
 #undef WNAME
 #undef WDTYPE
 #undef LOAD_W
 #undef SCALAR_W
+#undef STORE_W
 
 #define WT uint16_t
 #define WNAME bf16
@@ -226,25 +231,31 @@ static const float *helm_deinterleave_x(const float *x, int B, int K, int K2, co
 #define LOAD_W(p) v_load_bf16(p)
 #define LOAD_W_PAIR(p, even, odd) v_load_bf16x2(p, even, odd)
 #define SCALAR_W(v) helm_bf16_f32(v)
+#define STORE_W(f) helm_f32_bf16(f)
 #include "gemv_tile.h"
+#include "attention.h"
 #undef WT
 #undef WNAME
 #undef WDTYPE
 #undef LOAD_W
 #undef LOAD_W_PAIR
 #undef SCALAR_W
+#undef STORE_W
 
 #define WT uint16_t
 #define WNAME f16
 #define WDTYPE HELM_F16
 #define LOAD_W(p) v_load_f16(p)
 #define SCALAR_W(v) helm_f16_f32(v)
+#define STORE_W(f) helm_f32_f16(f)
 #include "gemv_tile.h"
+#include "attention.h"
 #undef WT
 #undef WNAME
 #undef WDTYPE
 #undef LOAD_W
 #undef SCALAR_W
+#undef STORE_W
 
 #ifdef HELM_BF16_DP
 #include "gemv_bf16dp.h"
@@ -252,78 +263,6 @@ static const float *helm_deinterleave_x(const float *x, int B, int K, int K2, co
 #else
 #define HELM_GEMV_BF16 gemv_bf16
 #endif
-
-/* ---- KV write and paged attention, one instantiation per KV dtype ---- */
-
-#define WT float
-#define WNAME f32
-#define LOAD_W(p) v_load(p)
-#define SCALAR_W(v) (v)
-#define STORE_W(f) (f)
-#include "attention.h"
-#undef WT
-#undef WNAME
-#undef LOAD_W
-#undef SCALAR_W
-#undef STORE_W
-
-#define WT uint16_t
-#define WNAME bf16
-#define LOAD_W(p) v_load_bf16(p)
-#define SCALAR_W(v) helm_bf16_f32(v)
-#define STORE_W(f) helm_f32_bf16(f)
-#include "attention.h"
-#undef WT
-#undef WNAME
-#undef LOAD_W
-#undef SCALAR_W
-#undef STORE_W
-
-#define WT uint16_t
-#define WNAME f16
-#define LOAD_W(p) v_load_f16(p)
-#define SCALAR_W(v) helm_f16_f32(v)
-#define STORE_W(f) helm_f32_f16(f)
-#include "attention.h"
-#undef WT
-#undef WNAME
-#undef LOAD_W
-#undef SCALAR_W
-#undef STORE_W
-
-/* ---- q/k RMSNorm + rotary embedding ---- */
-
-/* x[0..D) *= rsqrt(mean(x^2) + eps) * w, summed in 16 partial sums as the rms_norm kernels do. */
-HELM_INLINE void helm_head_norm(float *restrict x, const float *restrict w, float eps, int D) {
-    float part[16] = {0};
-    int i = 0;
-    for (; i + 16 <= D; i += 16)
-        for (int j = 0; j < 16; j++) part[j] += x[i + j] * x[i + j];
-    float ss = 0.0f;
-    for (int j = 0; j < 16; j++) ss += part[j];
-    for (; i < D; i++) ss += x[i] * x[i];
-    const float scale = 1.0f / sqrtf(ss / (float)D + eps);
-    for (i = 0; i < D; i++) x[i] = (x[i] * scale) * w[i];
-}
-
-static void rope_qk(float *qkv, long ld, int Hq, int Hkv, int D, const float *qn, const float *kn,
-                    float eps, const float *cos, const float *sin, long t0, long t1) {
-    const int half = D / 2;
-    for (long t = t0; t < t1; t++) {
-        const float *restrict c = cos + t * half, *restrict s = sin + t * half;
-        for (int hd = 0; hd < Hq + Hkv; hd++) {
-            float *restrict x = qkv + t * ld + (long)hd * D;
-            const float *w = hd < Hq ? qn : kn;
-            if (w) helm_head_norm(x, w, eps, D);
-            /* The products are rounded separately, as in PyTorch's x1*c - x2*s (no FMA contraction). */
-            for (int i = 0; i < half; i++) {
-                const float a = x[i], b = x[i + half];
-                x[i] = a * c[i] - b * s[i];
-                x[i + half] = b * c[i] + a * s[i];
-            }
-        }
-    }
-}
 
 /* ---- RMSNorm ---- */
 
@@ -348,6 +287,27 @@ static void rope_qk(float *qkv, long ld, int Hq, int Hkv, int D, const float *qn
 HELM_DEFINE_RMS_NORM(f32, float, )
 HELM_DEFINE_RMS_NORM(bf16, uint16_t, helm_bf16_f32)
 HELM_DEFINE_RMS_NORM(f16, uint16_t, helm_f16_f32)
+
+/* ---- q/k RMSNorm + rotary embedding ---- */
+
+static void rope_qk(float *qkv, long ld, int Hq, int Hkv, int D, const float *qn, const float *kn,
+                    float eps, const float *cos, const float *sin, long t0, long t1) {
+    const int half = D / 2;
+    for (long t = t0; t < t1; t++) {
+        const float *restrict c = cos + t * half, *restrict s = sin + t * half;
+        for (int hd = 0; hd < Hq + Hkv; hd++) {
+            float *restrict x = qkv + t * ld + (long)hd * D;
+            const float *w = hd < Hq ? qn : kn;
+            if (w) rms_norm_f32(x, x, w, eps, D, 0, 1); /* in place: one row of D */
+            /* The products are rounded separately, as in PyTorch's x1*c - x2*s (no FMA contraction). */
+            for (int i = 0; i < half; i++) {
+                const float a = x[i], b = x[i + half];
+                x[i] = a * c[i] - b * s[i];
+                x[i + half] = b * c[i] + a * s[i];
+            }
+        }
+    }
+}
 
 /* ---- SiLU·mul, residual add ---- */
 
