@@ -12,11 +12,13 @@ The model fitted to each device's decode rows is DESIGN §8's
     T̂(row) = T_roofline(row; η_kv) + n_blocks · δ  (+ T_comm for the stage that receives the hidden state)
 
 with η_kv the efficiency of KV reads relative to the weight reads' η_m (planner/cost.py: the
-attention term reads W_kv at M̂·η_m·η_kv). η_m itself is not fitted: with one split measured, a
-uniform inefficiency of the weight reads adds the same time to every block, exactly what δ
-describes, so δ absorbs it; what only a KV-specific factor can describe is how time grows with
-context (DESIGN §8 fits one η_m for both: on helm-dev the two reads ran at ~90% and ~40% of the
-profiled bandwidth, which one factor cannot follow).
+attention term reads W_kv at M̂·η_m·η_kv). With one split measured, a uniform inefficiency of the
+weight reads adds the same time to every block, exactly what δ describes, so δ absorbs it; what
+only a KV-specific factor can describe is how time grows with context (DESIGN §8 fits one η_m for
+both: on helm-dev the two reads ran at ~90% and ~40% of the profiled bandwidth, which one factor
+cannot follow). η_m is fitted only where δ cannot describe the level: when the model without any
+overhead already over-predicts (δ would be negative: the profile caught the machine in a slow
+moment), δ is held at 0 and η_m raised by the factor that fits, in closed form like δ.
 
 T_roofline is planner.cost evaluated at the row's mean context and batch (and scaled by the
 ratio of the report's own roofline prediction to that value, so a row whose steps had varying
@@ -43,6 +45,7 @@ import math
 import re
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -57,6 +60,7 @@ MIN_ROW_SAMPLES = 5           # decode steps a report row needs to enter the fit
 MIN_STAGE_SAMPLES = 20        # decode steps (in usable rows) every stage needs: fewer is "too few samples"
 MIN_BUCKETS_FOR_ETA = 3       # context buckets a device needs before η_kv is fitted
 ETA_MIN, ETA_MAX = 0.02, 4.0  # η_kv search interval (the plan schema allows (0, 4])
+ETA_M_MAX = 4.0               # η_m ceiling when fitted (machine schema: (0, 4])
 ETA_GRID_POINTS = 97          # log-spaced starting grid for η_kv, then golden section
 HUBER_K = 1.345               # Huber threshold in robust standard deviations (95% efficiency)
 BISQUARE_C = 4.685            # Tukey bisquare cut-off after the Huber start: rows beyond it get weight 0
@@ -67,7 +71,8 @@ ETA_MAX_REL_STDERR = 0.10     # η_kv is fitted only if the buckets pin it to ±
 TARGET_ERROR_PCT = 5.0        # per-bucket error the calibrated model should reach (issue 6); notes say when not
 
 METHOD = (f"robust least squares per device on decode rows: minimise Σ ρ((measured - T̂)/measured) with "
-          f"T̂ = T_roofline(η_kv) + n_blocks·δ (+ link); δ >= 0 in closed form; η_kv by log-grid + golden section "
+          f"T̂ = T_roofline(η_kv) + n_blocks·δ (+ link); δ >= 0 in closed form (where it would be < 0: δ = 0 "
+          f"and the η_m that fits, also in closed form); η_kv by log-grid + golden section "
           f"when >= {MIN_BUCKETS_FOR_ETA} context buckets pin it to ±{ETA_MAX_REL_STDERR:.0%} (else kept); IRLS, "
           f"Huber k={HUBER_K} then Tukey bisquare c={BISQUARE_C}, MAD scale; rows need >= {MIN_ROW_SAMPLES} steps")
 
@@ -197,10 +202,10 @@ def _with(calibration: Calibration, device: str, **values) -> Calibration:
 
 
 def _stage_roofline_ms(plan: Plan, calibration: Calibration, stage: int, phase: str,
-                       context: float, batch: float, tokens: float) -> float:
-    """What the executor's Recorder predicts for one step before n_blocks·δ: the stage's decode
-    roofline at (context, batch) — or its prefill roofline for `tokens` prompt tokens — plus the
-    link term on the stage that receives the hidden state."""
+                       context: float, batch: float, tokens: float) -> tuple[float, float]:
+    """What the executor's Recorder predicts for one step before n_blocks·δ, as (the stage's own
+    roofline, the link term): the stage's decode roofline at (context, batch) — or its prefill
+    roofline for `tokens` prompt tokens — and the link on the stage that receives the hidden state."""
     decode = phase == "decode"
     cost = evaluate_split(plan.partition.split_k, plan.ir.units, plan.ir.shared_weights, plan.machine,
                           batch=batch if decode else 1, context=context if decode else max(context, 1.0),
@@ -210,12 +215,16 @@ def _stage_roofline_ms(plan: Plan, calibration: Calibration, stage: int, phase: 
                           host_budget_bytes=plan.limits.host_budget_bytes, calibration=calibration)
     s = cost.stages[stage]
     if decode:
-        return s.roofline_ms + (cost.comm_ms if stage else 0.0)
-    return s.prefill_ms - s.overhead_ms + (cost.comm_prefill_ms if stage else 0.0)
+        return s.roofline_ms, (cost.comm_ms if stage else 0.0)
+    return s.prefill_ms - s.overhead_ms, (cost.comm_prefill_ms if stage else 0.0)
 
 
 class _RowModel:
-    """One report row and T_roofline(η_kv) for it, anchored to the report's own roofline prediction."""
+    """One report row and T_roofline(η_kv, η_m) for it, anchored to the report's own roofline prediction.
+
+    η_m enters as `scale` = η_m(measured plan) / η_m: the stage's roofline (not the link) times
+    scale. That is exact where the stage's step is bound by its reads, as decode steps are; the
+    table and the written plan's prediction use the cost model itself at the fitted η_m."""
 
     def __init__(self, plan: Plan, row):
         self.row = row
@@ -224,24 +233,38 @@ class _RowModel:
         self.measured = row.measured_mean_ms
         self._plan = plan
         self._cal = plan.calibration
-        base = self._raw(self._cal.for_device(row.device).eta_kv)
+        self.eta_m0 = self._cal.for_device(row.device).eta_memory
+        stage, link = self._raw(self._cal.for_device(row.device).eta_kv, self.eta_m0)
         # The report's roofline is the mean over the row's steps; the model at the mean context
         # and batch differs from it only where the roofline bends within the bucket.
+        base = stage + link
         self.ratio = row.predicted_roofline_ms / base if base > 0 and row.predicted_roofline_ms > 0 else 1.0
-        self._cache: dict[float, float] = {}
+        self._cache: dict[tuple[float, float], tuple[float, float]] = {}
 
-    def _raw(self, eta: float) -> float:
-        cal = _with(self._cal, self.device, eta_kv=eta)
+    def _raw(self, eta: float, eta_m: float) -> tuple[float, float]:
+        cal = _with(self._cal, self.device, eta_kv=eta, eta_memory=eta_m)
         r = self.row
         return _stage_roofline_ms(self._plan, cal, r.stage, r.phase, r.context_mean, r.batch_mean, r.tokens_mean)
 
-    def roofline(self, eta: float) -> float:
-        if eta not in self._cache:
-            self._cache[eta] = self.ratio * self._raw(eta)
-        return self._cache[eta]
+    def parts(self, eta: float, eta_m: float | None = None) -> tuple[float, float]:
+        """(stage roofline, link) in ms at η_kv = eta and η_m (default: the measured plan's)."""
+        key = (eta, self.eta_m0 if eta_m is None else eta_m)
+        if key not in self._cache:
+            stage, link = self._raw(*key)
+            self._cache[key] = (self.ratio * stage, self.ratio * link)
+        return self._cache[key]
 
-    def predict(self, eta: float, delta: float) -> float:
-        return self.roofline(eta) + self.blocks * delta
+    def roofline(self, eta: float, scale: float = 1.0) -> float:
+        stage, link = self.parts(eta)
+        return scale * stage + link
+
+    def predict(self, eta: float, delta: float, scale: float = 1.0) -> float:
+        return self.roofline(eta, scale) + self.blocks * delta
+
+    def predict_at(self, eta: float, delta: float, eta_m: float) -> float:
+        """The cost model itself at (η_kv, δ, η_m): what the written plan predicts for this row."""
+        stage, link = self.parts(eta, eta_m)
+        return stage + link + self.blocks * delta
 
 
 # ---- the fit -----------------------------------------------------------------------------------
@@ -250,30 +273,43 @@ class _RowModel:
 class _Solution:
     delta: float
     eta: float
+    scale: float                     # η_m(measured plan) / η_m: 1 unless δ was held at 0
     weights: tuple[float, ...]       # robust weights of the final iteration (bisquare; 0: left out)
     residuals: tuple[float, ...]     # relative: (measured - T̂) / measured
-    delta_clamped: bool
+    delta_clamped: bool              # δ < 0 wanted: held at 0, η_m fitted instead (`scale`)
 
 
-def _delta_for(rows: list[_RowModel], eta: float, w: list[float], delta_free: bool,
-               delta0: float) -> tuple[float, bool]:
-    """Weighted least-squares δ >= 0 for a fixed η_kv (relative residuals)."""
+def _level_for(rows: list[_RowModel], eta: float, w: list[float], delta_free: bool,
+               delta0: float) -> tuple[float, float, bool]:
+    """The level of the prediction for a fixed η_kv, in closed form (weighted least squares on
+    relative residuals): δ >= 0, or — where the model without any overhead already over-predicts
+    — δ = 0 and η_m raised by the factor that fits (the profile caught the machine reading slower
+    than it does now). Returns (δ, scale = η_m(old)/η_m(new), δ held at 0)."""
     if not delta_free:
-        return delta0, False
+        return delta0, 1.0, False
     num = den = 0.0
     for r, wi in zip(rows, w):
         v = wi / r.measured ** 2
         num += v * r.blocks * (r.measured - r.roofline(eta))
         den += v * r.blocks ** 2
     if den <= 0:
-        return delta0, False
-    delta = num / den
-    return (delta, False) if delta >= 0 else (0.0, True)
+        return delta0, 1.0, False
+    if num >= 0:
+        return num / den, 1.0, False
+    num = den = 0.0
+    for r, wi in zip(rows, w):
+        v = wi / r.measured ** 2
+        stage, link = r.parts(eta)
+        num += v * stage * (r.measured - link)
+        den += v * stage * stage
+    scale = num / den if den > 0 else 1.0
+    lowest = min(r.eta_m0 for r in rows) / ETA_M_MAX
+    return 0.0, min(1.0, max(scale, lowest)), True
 
 
 def _loss(rows: list[_RowModel], eta: float, w: list[float], delta_free: bool, delta0: float) -> float:
-    delta, _ = _delta_for(rows, eta, w, delta_free, delta0)
-    return sum(wi * ((r.measured - r.predict(eta, delta)) / r.measured) ** 2 for r, wi in zip(rows, w))
+    delta, scale, _ = _level_for(rows, eta, w, delta_free, delta0)
+    return sum(wi * ((r.measured - r.predict(eta, delta, scale)) / r.measured) ** 2 for r, wi in zip(rows, w))
 
 
 def _argmin_log(f: Callable[[float], float], lo: float, hi: float) -> float:
@@ -321,54 +357,59 @@ def _solve(rows: list[_RowModel], fit_eta: bool, eta0: float, delta_free: bool, 
         for _ in range(MAX_IRLS_ITERATIONS):
             if fit_eta:
                 eta = _argmin_log(lambda e: _loss(rows, e, w, delta_free, delta0), ETA_MIN, ETA_MAX)
-            delta, _ = _delta_for(rows, eta, w, delta_free, delta0)
-            new_w = _robust_weights([(r.measured - r.predict(eta, delta)) / r.measured for r in rows], bisquare)
+            delta, scale, _ = _level_for(rows, eta, w, delta_free, delta0)
+            new_w = _robust_weights([(r.measured - r.predict(eta, delta, scale)) / r.measured for r in rows],
+                                    bisquare)
             done = max(abs(a - b) for a, b in zip(w, new_w)) < 1e-6
             w = new_w
             if done:
                 break
     if fit_eta:
         eta = _argmin_log(lambda e: _loss(rows, e, w, delta_free, delta0), ETA_MIN, ETA_MAX)
-    delta, clamped = _delta_for(rows, eta, w, delta_free, delta0)
-    res = tuple((r.measured - r.predict(eta, delta)) / r.measured for r in rows)
-    return _Solution(delta, eta, tuple(w), res, clamped)
+    delta, scale, clamped = _level_for(rows, eta, w, delta_free, delta0)
+    res = tuple((r.measured - r.predict(eta, delta, scale)) / r.measured for r in rows)
+    return _Solution(delta, eta, scale, tuple(w), res, clamped)
 
 
 def _stderrs(rows: list[_RowModel], sol: _Solution, fit_eta: bool, delta_free: bool,
-             min_sigma: float = 0.0) -> tuple[float | None, float | None]:
-    """Standard errors of (δ, η_kv) from the weighted Jacobian of the relative residuals, at the
-    residuals' own scale (or `min_sigma` if larger). None where not estimable."""
+             min_sigma: float = 0.0) -> dict[str, float]:
+    """Standard errors of the fitted parameters — "delta" (δ, or "scale" where δ was held at 0
+    and η_m fitted) and "eta" (η_kv) — from the weighted Jacobian of the relative residuals, at
+    the residuals' own scale (or `min_sigma` if larger). Missing where not estimable; inf where
+    the two cannot be told apart."""
     params = []
-    if delta_free and not sol.delta_clamped:
-        params.append("delta")
+    if delta_free:
+        params.append("scale" if sol.delta_clamped else "delta")
     if fit_eta:
         params.append("eta")
     dof = sum(1 for w in sol.weights if w > 0) - len(params)
     if not params or dof <= 0:
-        return None, None
+        return {}
     h = sol.eta * 1e-4
     jac = []
     for r in rows:
         g = []
         if "delta" in params:
             g.append(r.blocks / r.measured)
+        if "scale" in params:
+            g.append(r.parts(sol.eta)[0] / r.measured)
         if "eta" in params:
-            g.append((r.predict(sol.eta + h, sol.delta) - r.predict(sol.eta - h, sol.delta)) / (2 * h) / r.measured)
+            g.append((r.predict(sol.eta + h, sol.delta, sol.scale) - r.predict(sol.eta - h, sol.delta, sol.scale))
+                     / (2 * h) / r.measured)
         jac.append(g)
     p = len(params)
     jtj = [[sum(w * jac[i][a] * jac[i][b] for i, w in enumerate(sol.weights)) for b in range(p)] for a in range(p)]
     sigma2 = max(sum(w * x * x for w, x in zip(sol.weights, sol.residuals)) / dof, min_sigma ** 2)
     if p == 1:
         if jtj[0][0] <= 0:
-            return (math.inf, None) if params[0] == "delta" else (None, math.inf)
+            return {params[0]: math.inf}
         inv = [[1 / jtj[0][0]]]
     else:
         det = jtj[0][0] * jtj[1][1] - jtj[0][1] * jtj[1][0]
-        if det <= 1e-12 * jtj[0][0] * jtj[1][1]:   # collinear: η_kv and δ explain the same thing
-            return math.inf, math.inf
+        if det <= 1e-12 * jtj[0][0] * jtj[1][1]:   # collinear: η_kv and the level explain the same thing
+            return {name: math.inf for name in params}
         inv = [[jtj[1][1] / det, -jtj[0][1] / det], [-jtj[1][0] / det, jtj[0][0] / det]]
-    se = {name: math.sqrt(max(sigma2 * inv[i][i], 0.0)) for i, name in enumerate(params)}
-    return se.get("delta"), se.get("eta")
+    return {name: math.sqrt(max(sigma2 * inv[i][i], 0.0)) for i, name in enumerate(params)}
 
 
 def _rms(xs: list[float]) -> float:
@@ -425,7 +466,7 @@ def fit_device(plan: Plan, device: str, rows: list,
         # η_kv is told apart from δ only by how the step time grows with context (the KV read);
         # where that is a small or compute-bound part of the step, the two are collinear and
         # η_kv would be noise: keep it, fit δ alone.
-        _, se = _stderrs(models, sol, True, delta_free, NOMINAL_NOISE)
+        se = _stderrs(models, sol, True, delta_free, NOMINAL_NOISE).get("eta")
         if se is None or not math.isfinite(se) or se / sol.eta > ETA_MAX_REL_STDERR:
             spread = "cannot be told apart from δ" if se is None or not math.isfinite(se) \
                 else f"would be ±{se / sol.eta * 100:.0f}%"
@@ -433,7 +474,10 @@ def fit_device(plan: Plan, device: str, rows: list,
                          "KV read is too small a part of the step, or compute-bound)")
             fit_eta = False
             sol = _solve(models, False, current.eta_kv, delta_free, current.delta_ms_per_block)
-    se_delta, se_eta = _stderrs(models, sol, fit_eta, delta_free)
+    se = _stderrs(models, sol, fit_eta, delta_free)
+    eta_m = round_sig(current.eta_memory / sol.scale) if sol.delta_clamped else current.eta_memory
+    # the scale's standard error, as one of η_m = η_m(old) / scale
+    se_eta_m = se["scale"] * current.eta_memory / sol.scale ** 2 if "scale" in se else None
     if not fit_eta and buckets < MIN_BUCKETS_FOR_ETA:
         notes.append(f"η_kv kept at {current.eta_kv:g}: {buckets} context bucket{'s' if buckets != 1 else ''}, "
                      f"it needs >= {MIN_BUCKETS_FOR_ETA}")
@@ -443,9 +487,10 @@ def fit_device(plan: Plan, device: str, rows: list,
     if not delta_free:
         notes.append("the stage has no transformer blocks: δ does not apply")
     elif sol.delta_clamped:
-        notes.append("δ held at 0: the model without overhead already over-predicts")
+        notes.append(f"δ held at 0 and η_m fitted ({current.eta_memory:g} -> {eta_m:g}): the model without "
+                     "any overhead already over-predicts, so this machine reads faster than its profile measured")
     before = [_pct(m.measured, m.row.predicted_ms) for m in models]
-    after = [_pct(m.measured, m.predict(sol.eta, sol.delta)) for m in models]
+    after = [_pct(m.measured, m.predict_at(sol.eta, sol.delta, eta_m)) for m in models]
     worst = max(abs(x) for x in after)
     kept = [(m.row.context_mean, e) for m, e, w in zip(models, after, sol.weights) if w > 0]
     if worst > TARGET_ERROR_PCT and len(kept) >= 3:
@@ -465,15 +510,18 @@ def fit_device(plan: Plan, device: str, rows: list,
     if any(w == 0 for w in sol.weights):
         notes.append(f"{sum(1 for w in sol.weights if w == 0)} bucket(s) left out as outliers")
     fit = DeviceFit(
-        device=device, delta_ms_per_block=round_sig(sol.delta),
-        delta_stderr_ms=round_sig(se_delta) if se_delta is not None and math.isfinite(se_delta) else None,
-        eta_kv=round_sig(sol.eta), eta_kv_fitted=fit_eta,
-        eta_kv_stderr=round_sig(se_eta) if se_eta is not None and math.isfinite(se_eta) else None,
+        device=device, delta_ms_per_block=round_sig(sol.delta), delta_stderr_ms=_finite(se.get("delta")),
+        eta_kv=round_sig(sol.eta), eta_kv_fitted=fit_eta, eta_kv_stderr=_finite(se.get("eta")),
+        eta_memory=eta_m, eta_memory_fitted=sol.delta_clamped, eta_memory_stderr=_finite(se_eta_m),
         note="; ".join(notes), buckets=buckets, samples=sum(r.samples for r in rows),
         rms_error_pct_before=round_sig(_rms(before), 4), rms_error_pct_after=round_sig(_rms(after), 4),
         max_abs_error_pct_before=round_sig(max(abs(x) for x in before), 4),
         max_abs_error_pct_after=round_sig(worst, 4))
     return fit, sol, models
+
+
+def _finite(x: float | None) -> float | None:
+    return round_sig(x) if x is not None and math.isfinite(x) else None
 
 
 def usable_rows(plan: Plan, report, min_samples: int = MIN_STAGE_SAMPLES, label: str = "the report") -> dict[int, list]:
@@ -511,23 +559,23 @@ def recalibrate(plan: Plan, report, source: str, min_samples: int = MIN_STAGE_SA
     for device, rows in devices.items():
         fit, sol, _ = fit_device(plan, device, rows)
         fits.append(fit)
-        solutions[device] = (fit.eta_kv, fit.delta_ms_per_block)
-        calibration = _with(calibration, device, eta_kv=fit.eta_kv, delta_ms_per_block=fit.delta_ms_per_block)
+        solutions[device] = (fit.eta_kv, fit.delta_ms_per_block, fit.eta_memory)
+        calibration = _with(calibration, device, eta_kv=fit.eta_kv, delta_ms_per_block=fit.delta_ms_per_block,
+                            eta_memory=fit.eta_memory)
     calibration = replace(calibration, provenance="recalibrated", samples=max(f.samples for f in fits))  # steps
 
     weights = {}
     for device, rows in devices.items():
-        models = [_RowModel(plan, r) for r in rows]
-        eta, delta = solutions[device]
-        sol = _solve(models, False, eta, False, delta)  # final weights at the stored (rounded) values
-        for r, w in zip(rows, sol.weights):
+        # final weights at the stored (rounded) values
+        res = [(m.measured - m.predict_at(*solutions[device])) / m.measured for m in map(partial(_RowModel, plan), rows)]
+        for r, w in zip(rows, _robust_weights(res, bisquare=True)):
             weights[_key(r)] = w
 
     table, residuals = [], []
     for row in report.rows:
-        eta, delta = solutions.get(row.device, (calibration.for_device(row.device).eta_kv,
-                                                calibration.for_device(row.device).delta_ms_per_block))
-        after = _RowModel(plan, row).predict(eta, delta)
+        dev = calibration.for_device(row.device)
+        after = _RowModel(plan, row).predict_at(*solutions.get(row.device, (dev.eta_kv, dev.delta_ms_per_block,
+                                                                            dev.eta_memory)))
         if _key(row) in weights:
             w = weights[_key(row)]
             status = ("outlier: weight 0" if w == 0 else "fitted" if w >= 0.995 else f"fitted, weight {w:.2f}")
@@ -572,6 +620,8 @@ def format_table(result: RecalibrationResult) -> str:
         pm = lambda se: f" ± {se:.2g}" if se is not None else ""  # noqa: E731
         eta = (f"η_kv {was.eta_kv:g} -> {f.eta_kv:.4g}{pm(f.eta_kv_stderr)}" if f.eta_kv_fitted
                else f"η_kv {f.eta_kv:g} (kept)")
+        if f.eta_memory_fitted:
+            eta += f", η_m {was.eta_memory:g} -> {f.eta_memory:.4g}{pm(f.eta_memory_stderr)}"
         lines.append(f"  {f.device:<4} δ {was.delta_ms_per_block:g} -> "
                      f"{f.delta_ms_per_block:.4g}{pm(f.delta_stderr_ms)} "
                      f"ms/block, {eta}; {f.buckets} buckets, {f.samples} steps; rms error "

@@ -170,6 +170,9 @@ class DeviceFit:
     eta_kv: float                       # η_kv after the fit (fitted, or kept from the measured plan)
     eta_kv_fitted: bool                 # false: fewer than 3 context buckets (or kept; see note)
     eta_kv_stderr: float | None
+    eta_memory: float                   # η_m after the fit (fitted only where δ would be < 0, else kept)
+    eta_memory_fitted: bool             # true: the model over-predicted without overhead: δ held at 0, η_m fitted
+    eta_memory_stderr: float | None
     note: str                           # why η_kv was kept, δ held at 0, what the residuals say ("" if nothing)
     buckets: int                        # decode rows (context buckets) in the fit
     samples: int                        # decode steps in those rows
@@ -362,7 +365,8 @@ def _calibration_line(plan: Plan) -> str:
     rec, cal = plan.recalibration, plan.calibration
     fits = "; ".join(
         f"{d.device} δ {cal.for_device(d.device).delta_ms_per_block:g} ms/block, η_kv "
-        f"{cal.for_device(d.device).eta_kv:g}{'' if d.eta_kv_fitted else ' (kept)'}" for d in rec.devices)
+        f"{cal.for_device(d.device).eta_kv:g}{'' if d.eta_kv_fitted else ' (kept)'}"
+        f"{f', η_m {d.eta_memory:g}' if d.eta_memory_fitted else ''}" for d in rec.devices)
     where = (f"from {max(d.samples for d in rec.devices)} decode steps of plan v{rec.measured_plan_version} "
              f"measured on {rec.machine} at {rec.measured_at}")
     if rec.delta_from_other_machine:

@@ -191,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     cal = v2.calibration
     print("calibration: " + "; ".join(
         f"{d.device} δ {cal.for_device(d.device).delta_ms_per_block:g} ms/block, η_kv "
-        f"{cal.for_device(d.device).eta_kv:g}" for d in v2.recalibration.devices))
+        f"{cal.for_device(d.device).eta_kv:g}, η_m {cal.for_device(d.device).eta_memory:g}"
+        for d in v2.recalibration.devices))
     print(f"load average (1/5/15 min): start {started_load}, after pass 1 {load_mid}, end {ended_load}")
     print(f"{'stage':>5} {'context':>13} {'pred v1':>9} {'meas 1':>9} {'error':>8} {'pred v2':>9} {'meas 2':>9} "
           f"{'error':>8}   (ms per decode step; error = (measured - predicted) / predicted)")
@@ -224,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
             "contexts": contexts, "new_tokens": args.new_tokens, "repeat": args.repeat,
             "split_k": [v1.partition.split_k, v2.partition.split_k],
             "calibration": {d.device: {"delta_ms_per_block": cal.for_device(d.device).delta_ms_per_block,
-                                       "eta_kv": cal.for_device(d.device).eta_kv}
+                                       "eta_kv": cal.for_device(d.device).eta_kv,
+                                       "eta_memory": cal.for_device(d.device).eta_memory}
                             for d in v2.recalibration.devices},
             "load_average": {"start": started_load, "after_pass_1": load_mid, "end": ended_load},
             "buckets": results, "worst_error_pct": {"before": worst_before, "after": worst_after}}, indent=1) + "\n")

@@ -57,8 +57,10 @@ def assert_recovered(result, truth: Calibration):
         assert fit.eta_kv_fitted, fit.note
         assert fit.delta_ms_per_block == pytest.approx(want.delta_ms_per_block, rel=RECOVERY_TOLERANCE), fit
         assert fit.eta_kv == pytest.approx(want.eta_kv, rel=RECOVERY_TOLERANCE), fit
+        assert fit.eta_memory == pytest.approx(want.eta_memory, rel=RECOVERY_TOLERANCE), fit
         cal = result.plan.calibration.for_device(fit.device)
-        assert (cal.delta_ms_per_block, cal.eta_kv) == (fit.delta_ms_per_block, fit.eta_kv)
+        assert (cal.delta_ms_per_block, cal.eta_kv, cal.eta_memory) == \
+            (fit.delta_ms_per_block, fit.eta_kv, fit.eta_memory)
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +94,27 @@ def test_recovers_the_cpu_calibration_of_an_all_cpu_plan(dev_plan):
     result = recalibrate(dev_plan, synthetic_report(dev_plan, truth, LONG, seed=3), "synthetic")
     assert_recovered(result, truth)
     assert result.plan.calibration.cuda == dev_plan.calibration.cuda      # no cuda stage: untouched
+
+
+@pytest.mark.parametrize("seed", [5, 6])
+def test_a_profile_taken_in_a_slow_moment_is_corrected_by_eta_m(dev_plan, seed):
+    """The machine now reads 25% faster than its profile said: the model over-predicts every
+    bucket even without overhead, so δ would be negative. δ is held at 0 and η_m fitted, with η_kv."""
+    assert dev_plan.calibration.cpu.eta_memory == 1.0
+    truth = Calibration(cpu=DeviceCalibration(eta_memory=1.25, eta_kv=0.7, delta_ms_per_block=0.0))
+    result = recalibrate(dev_plan, synthetic_report(dev_plan, truth, LONG, seed=seed), "synthetic")
+    assert_recovered(result, truth)
+    (fit,) = result.fits
+    assert fit.eta_memory_fitted and fit.eta_memory_stderr is not None and not fit.delta_stderr_ms
+    assert "η_m fitted (1 -> 1.2" in fit.note
+    assert fit.rms_error_pct_after < 0.5 < 20 < fit.rms_error_pct_before
+    assert result.plan.prediction.ms_per_token < dev_plan.prediction.ms_per_token / 1.2
+
+
+def test_eta_m_is_kept_where_delta_describes_the_level(dev_plan):
+    truth = Calibration(cpu=DeviceCalibration(eta_kv=0.7, delta_ms_per_block=0.3))
+    (fit,) = recalibrate(dev_plan, synthetic_report(dev_plan, truth, LONG, seed=7), "synthetic").fits
+    assert not fit.eta_memory_fitted and fit.eta_memory == 1.0 and fit.eta_memory_stderr is None
 
 
 def test_a_disturbed_bucket_is_left_out(split_plan):
