@@ -3,10 +3,14 @@ fused residual add of `linear`, in every variant this machine can run, against t
 reference twins in executor/kernels/reference.py."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 import executor.kernels as K
+from executor.backends import KernelAttention
+from executor.kv_cache import KVCache
 from executor.kernels.reference import causal_attention_ref, linear_ref, rope_qk_ref
 
 ISAS_HERE = K.available_isas()
@@ -15,6 +19,10 @@ DTYPE_IDS = lambda d: str(d).removeprefix("torch.")  # noqa: E731
 
 # Attention: max |out − ref| / max |v|: an fp32 softmax-weighted mean; our exp is ~1-2 ulp.
 ATTENTION_TOL = 2e-6
+# Prompt chunks (PyTorch's flash attention, queries and output in the KV dtype), max |out − ref| /
+# max |v|: fp32 measured ≤ 1.4e-7; bf16/fp16 round queries and output to 8/11 significant bits:
+# bounded by one unit of that precision, 2^-8 / 2^-11 (measured ≤ 1.9e-3 / 2.1e-4).
+PROMPT_ATTENTION_TOL = {torch.float32: 1e-6, torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}
 # q/k RMSNorm: allclose (rtol, atol) as the rms_norm kernel; the rotation alone is exact.
 ROPE_NORM_TOL = (1e-5, 1e-6)
 
@@ -111,6 +119,35 @@ def test_paged_attention_matches_reference(isa, dtype, hq, hkv, D, P, start, T):
         assert err <= ATTENTION_TOL, f"{isa} {dtype} threads={threads}: {err:.2e} > {ATTENTION_TOL:.0e}"
         outs.append(out)
     assert torch.equal(outs[0], outs[1]), "the result depends on the thread count"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("hq,hkv,D,P,start,T", [
+    (4, 2, 16, 8, 0, 20),  # from position 0: the square causal mask
+    (4, 2, 16, 8, 13, 21),  # after a cached prefix, pages split mid-chunk
+    (16, 8, 128, 64, 150, 40),  # Qwen3-0.6B heads
+    (6, 6, 20, 7, 30, 17),  # MHA, D below one AVX-512 vector
+])
+def test_prompt_attention_matches_reference(dtype, hq, hkv, D, P, start, T):
+    """Chunks of more than KERNEL_MAX_QUERIES prompt tokens: PyTorch's fused attention over the
+    gathered pages, queries in the KV dtype, against the fp32 reference with fp32 queries."""
+    gen = torch.Generator().manual_seed(start + T + D)
+    layer = 1
+    kv = KVCache(2, hkv, D, dtype, torch.device("cpu"), P, 64, 1.0)
+    kv.reserve("s", start + T)
+    att = KernelAttention(SimpleNamespace(num_heads=hq, num_kv_heads=hkv, head_dim=D, q_dim=hq * D), kv, K, 2)
+    history = torch.randn(start, (hq + 2 * hkv) * D, generator=gen)
+    qkv = torch.randn(T, (hq + 2 * hkv) * D, generator=gen)
+    table = kv.page_table("s")
+    if start:
+        K.kv_write(history, att.layout, table, layer, 0, hq)
+    K.kv_write(qkv, att.layout, table, layer, start, hq)
+    every = torch.cat([history, qkv])[:, hq * D:].reshape(start + T, 2, hkv, D).to(dtype)
+    ref = causal_attention_ref(qkv[:, :hq * D].reshape(T, hq, D), every[:, 0], every[:, 1], start, D ** -0.5)
+    assert not att.uses_kernel(start, T)
+    got = att.prompt_attention(qkv[:, :hq * D], layer, "s", start).float()
+    err = ((got.reshape(T, hq, D) - ref).abs().max() / every[:, 1].float().abs().max()).item()
+    assert err <= PROMPT_ATTENTION_TOL[dtype], f"{dtype}: {err:.2e} > {PROMPT_ATTENTION_TOL[dtype]:.0e}"
 
 
 def test_paged_attention_argument_errors():
