@@ -84,6 +84,7 @@ class StepRecord:
     num_seqs: int
     max_context: int
     stages: tuple[StageTiming, ...]
+    chunk_end: int = 0          # where the step's longest slice (its prompt chunk, if any) ends
 
 
 class Engine:
@@ -232,8 +233,10 @@ class Engine:
                 clock[1].synchronize()
                 clock = clock[0].elapsed_time(clock[1])
             timings.append(StageTiming(i, stage.device.type, clock))
+        longest = max(batch.slices, key=lambda s: s.count)
         self.last_step = StepRecord(batch.num_tokens, len(batch.slices),
-                                    max(s.start + s.count for s in batch.slices), tuple(timings))
+                                    max(s.start + s.count for s in batch.slices), tuple(timings),
+                                    longest.start + longest.count)
         return logits
 
     def _append(self, seq: Sequence, logits: torch.Tensor) -> TokenEvent:

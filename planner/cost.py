@@ -100,9 +100,20 @@ def unit_decode_ms(unit: UnitIR, rates: DeviceRates, batch: int, context: int,
     return t_proj, t_attn
 
 
-def unit_prefill_ms(unit: UnitIR, rates: DeviceRates, batch: int, prompt: int) -> float:
-    return _ms(batch * unit.prefill_flops(prompt), rates.prefill_gflops,
-               weight_read_bytes(unit, batch * prompt), rates.mem_gibps, rates.calibration)
+def unit_prefill_ms(unit: UnitIR, rates: DeviceRates, batch: int, prompt: int, prefix: int = 0) -> float:
+    """One prefill step of `prompt` tokens per sequence after `prefix` cached ones (a chunk of a
+    longer prompt): the projections — the head's for the last position only, as the executor
+    computes logits for it alone — then the causal attention of the chunk over prefix + chunk,
+    at η_c·η_attn (a fused attention kernel and the projections' GEMMs run at different rates),
+    reading the prefix's KV."""
+    cal = rates.calibration
+    rows = 1 if unit.kind == "head" else prompt
+    t_proj = _ms(batch * rows * unit.proj_flops_per_token, rates.prefill_gflops,
+                 weight_read_bytes(unit, batch * prompt), rates.mem_gibps, cal)
+    pairs = prompt * prefix + prompt * (prompt + 1) // 2  # (query, visible key) pairs
+    t_attn = _ms(batch * pairs * unit.attn_flops_per_context_token, rates.prefill_gflops * cal.eta_attn,
+                 batch * prefix * unit.kv_bytes_per_token, rates.mem_gibps * cal.eta_kv, cal)
+    return t_proj + t_attn
 
 
 def stage_weight_bytes(units: tuple[UnitIR, ...], start: int, end: int,
@@ -184,8 +195,10 @@ class SplitCost:
 def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight, ...],
                    machine: MachineProfile, *, batch: int, context: int, prompt: int,
                    page_size_tokens: int, watermark: float, offload: bool,
-                   gpu_budget_bytes: int, host_budget_bytes: int, calibration=None) -> SplitCost:
-    """Cost and feasibility of putting units [0, k) on the CPU and [k, N) on the GPU."""
+                   gpu_budget_bytes: int, host_budget_bytes: int, calibration=None,
+                   prefix: int = 0) -> SplitCost:
+    """Cost and feasibility of putting units [0, k) on the CPU and [k, N) on the GPU. The prefill
+    figures are for `prompt` tokens after `prefix` cached ones (0: the whole prompt at once)."""
     n = len(units)
     if not 0 <= k <= n:
         raise ValueError(f"split {k} out of range 0..{n}")
@@ -245,7 +258,7 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
                                   link.h2d_gibps if link else 0.0, step_bytes)
             proj += p
             attn += a
-            prefill += unit_prefill_ms(u, rates, batch, prompt)
+            prefill += unit_prefill_ms(u, rates, batch, prompt, prefix)
         blocks = sum(u.kind == "block" for u in units[start:end])
         overhead = blocks * rates.calibration.delta_ms_per_block
         stages.append(StageCost(

@@ -60,6 +60,8 @@ class DeviceCalibration:
     delta_ms_per_block: float = 0.0      # δ: fixed overhead per transformer block per step
     eta_kv: float = 1.0                  # η_kv: KV reads' efficiency on top of η_m (attention kernels
                                          # stream KV slower than GEMVs stream weights); recalibration fits it
+    eta_attn: float = 1.0                # η_attn: prompt attention's FLOP rate on top of η_c (a fused
+                                         # attention kernel and the projections' GEMMs run at different rates)
 
 
 @dataclass(frozen=True)

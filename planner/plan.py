@@ -32,7 +32,7 @@ from planner.units import fmt_bytes, round_sig
 __all__ = [
     "PlanError", "Plan", "ModelIdentity", "IRSummary", "Workload", "Limits", "StagePlan", "Partition",
     "KVPlan", "StagePrediction", "Prediction", "Candidate", "Search", "UnitIR", "SharedWeight",
-    "Recalibration", "MeasurementSource", "DeviceFit", "FitResidual",
+    "Recalibration", "MeasurementSource", "DeviceFit", "PrefillFit", "FitResidual",
     "load_plan", "save_plan", "make_plan", "plan_for_split", "replan", "config_digest", "plan_digest", "predict",
     "PLAN_SCHEMA_VERSION",
 ]
@@ -162,6 +162,23 @@ class MeasurementSource:
 
 
 @dataclass(frozen=True)
+class PrefillFit:
+    """What the fit found for one device's prefill rows (prompt chunks), with δ from its decode rows."""
+    eta_compute: float                  # η_c after the fit: achieved / profiled FLOP rate of the projections
+    eta_compute_stderr: float | None
+    eta_attn: float                     # η_attn after the fit (fitted, or kept from the measured plan)
+    eta_attn_fitted: bool               # false: fewer than 3 buckets, or they do not pin it (see note)
+    eta_attn_stderr: float | None
+    note: str
+    buckets: int                        # prefill rows (context buckets) in the fit
+    samples: int                        # prefill steps in them
+    rms_error_pct_before: float
+    rms_error_pct_after: float
+    max_abs_error_pct_before: float
+    max_abs_error_pct_after: float
+
+
+@dataclass(frozen=True)
 class DeviceFit:
     """What the fit found for one device (its decode rows)."""
     device: str
@@ -180,6 +197,7 @@ class DeviceFit:
     rms_error_pct_after: float          # the same rows, the calibrated model
     max_abs_error_pct_before: float
     max_abs_error_pct_after: float
+    prefill: PrefillFit | None          # None: too few prefill steps to fit η_c (kept; see note)
 
 
 @dataclass(frozen=True)
@@ -187,9 +205,10 @@ class FitResidual:
     """One fitted report row: measured against the model before and after calibration."""
     stage: int
     device: str
+    phase: str                          # "decode" | "prefill"
     context_min: int                    # bucket [context_min, context_max) in tokens
     context_max: int
-    samples: int                        # decode steps in the row
+    samples: int                        # steps in the row
     context_mean: float
     batch_mean: float
     measured_ms: float                  # mean measured stage time per step
@@ -596,16 +615,18 @@ def plan_for_split(model: str | Path | dict, split_k: int, machine: MachineProfi
                      allow_infeasible=True, dtype=dtype)
 
 
-def predict(plan: Plan, context_tokens: int, batch_size: int | None = None) -> Prediction:
+def predict(plan: Plan, context_tokens: int, batch_size: int | None = None, prefix_tokens: int = 0) -> Prediction:
     """The plan's cost model evaluated for one decode step at another context length / batch
-    (what the executor compares its measurements against)."""
+    (what the executor compares its measurements against); its prefill figures are for the
+    workload's prompt_tokens after `prefix_tokens` cached ones (a chunk of a longer prompt)."""
     batch = batch_size or plan.workload.batch_size
     wl = replace(plan.workload, batch_size=batch)
     cost = evaluate_split(plan.partition.split_k, plan.ir.units, plan.ir.shared_weights, plan.machine,
                           batch=batch, context=context_tokens, prompt=plan.workload.prompt_tokens,
                           page_size_tokens=plan.kv.page_size_tokens, watermark=plan.kv.watermark,
                           offload=plan.kv.offload, gpu_budget_bytes=plan.limits.gpu_budget_bytes,
-                          host_budget_bytes=plan.limits.host_budget_bytes, calibration=plan.calibration)
+                          host_budget_bytes=plan.limits.host_budget_bytes, calibration=plan.calibration,
+                          prefix=prefix_tokens)
     return _prediction(cost, wl, context_tokens)
 
 

@@ -54,7 +54,8 @@ def format_summary(plan: Plan) -> str:
     c = plan.calibration
     lines.append(f"calib     {c.provenance}, {c.samples} samples: δ cpu {c.cpu.delta_ms_per_block:g} ms, "
                  f"cuda {c.cuda.delta_ms_per_block:g} ms per block; η_m cpu {c.cpu.eta_memory:g}, cuda {c.cuda.eta_memory:g}; "
-                 f"η_kv cpu {c.cpu.eta_kv:g}, cuda {c.cuda.eta_kv:g}")
+                 f"η_kv cpu {c.cpu.eta_kv:g}, cuda {c.cuda.eta_kv:g}; η_c cpu {c.cpu.eta_compute:g}, cuda "
+                 f"{c.cuda.eta_compute:g}; η_attn cpu {c.cpu.eta_attn:g}, cuda {c.cuda.eta_attn:g}")
     r = plan.recalibration
     if r is not None:
         fits = ", ".join(f"{d.device} rms error {d.rms_error_pct_before:.1f}% -> {d.rms_error_pct_after:.1f}%"

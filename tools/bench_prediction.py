@@ -1,7 +1,7 @@
 """How well the cost model predicts measured decode step time, before and after recalibration (a
 benchmark, not a test): plan → serve → requests at contexts 128..4096 → report → recalibrate →
 apply → the same requests → report, and per context bucket the predicted, measured and error
-before and after.
+before and after; then the same for the prompt chunks (prefill steps, no target).
 
     python tools/bench_prediction.py [--model models/qwen3-0.6b] [--machine FILE]
                                      [--contexts 128,256,512,1024,2048,4096] [--new-tokens 32]
@@ -191,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     cal = v2.calibration
     print("calibration: " + "; ".join(
         f"{d.device} δ {cal.for_device(d.device).delta_ms_per_block:g} ms/block, η_kv "
-        f"{cal.for_device(d.device).eta_kv:g}, η_m {cal.for_device(d.device).eta_memory:g}"
+        f"{cal.for_device(d.device).eta_kv:g}, η_m {cal.for_device(d.device).eta_memory:g}, η_c "
+        f"{cal.for_device(d.device).eta_compute:g}, η_attn {cal.for_device(d.device).eta_attn:g}"
         for d in v2.recalibration.devices))
     print(f"load average (1/5/15 min): start {started_load}, after pass 1 {load_mid}, end {ended_load}")
     print(f"{'stage':>5} {'context':>13} {'pred v1':>9} {'meas 1':>9} {'error':>8} {'pred v2':>9} {'meas 2':>9} "
@@ -214,6 +215,23 @@ def main(argv: list[str] | None = None) -> int:
                             "after": {"predicted_ms": a.predicted_ms, "measured_ms": a.measured_mean_ms,
                                       "measured_p50_ms": a.measured_p50_ms, "error_pct": a.error_pct,
                                       "samples": a.samples}})
+    # Prompt chunks (TTFT): reported, no target; recalibration fits η_c and η_attn to them.
+    print(f"{'stage':>5} {'chunk ends':>13} {'pred v1':>9} {'meas 1':>9} {'error':>8} {'pred v2':>9} {'meas 2':>9} "
+          f"{'error':>8}   (ms per prefill step: a prompt chunk of <= 512 tokens)")
+    prefill_results = []
+    for b in (r for r in report1.rows if r.phase == "prefill"):
+        a = next((r for r in report2.rows if r.phase == "prefill" and (r.stage, r.context_min) ==
+                  (b.stage, b.context_min)), None)
+        if a is None:
+            continue
+        print(f"{b.stage:>5} {f'[{b.context_min}, {b.context_max})':>13} {b.predicted_ms:>9.1f} "
+              f"{b.measured_mean_ms:>9.1f} {b.error_pct:>+7.1f}% {a.predicted_ms:>9.1f} {a.measured_mean_ms:>9.1f} "
+              f"{a.error_pct:>+7.1f}%")
+        prefill_results.append({"stage": b.stage, "context_min": b.context_min, "context_max": b.context_max,
+                                "before": {"predicted_ms": b.predicted_ms, "measured_ms": b.measured_mean_ms,
+                                           "error_pct": b.error_pct, "samples": b.samples},
+                                "after": {"predicted_ms": a.predicted_ms, "measured_ms": a.measured_mean_ms,
+                                          "error_pct": a.error_pct, "samples": a.samples}})
     ok_before, ok_after = worst_before <= TARGET_BEFORE_PCT, worst_after <= TARGET_AFTER_PCT
     print(f"worst bucket error: before {worst_before:.1f}% (target <= {TARGET_BEFORE_PCT:g}%: "
           f"{'met' if ok_before else 'MISSED'}), after {worst_after:.1f}% (target <= {TARGET_AFTER_PCT:g}%: "
@@ -226,10 +244,13 @@ def main(argv: list[str] | None = None) -> int:
             "split_k": [v1.partition.split_k, v2.partition.split_k],
             "calibration": {d.device: {"delta_ms_per_block": cal.for_device(d.device).delta_ms_per_block,
                                        "eta_kv": cal.for_device(d.device).eta_kv,
-                                       "eta_memory": cal.for_device(d.device).eta_memory}
+                                       "eta_memory": cal.for_device(d.device).eta_memory,
+                                       "eta_compute": cal.for_device(d.device).eta_compute,
+                                       "eta_attn": cal.for_device(d.device).eta_attn}
                             for d in v2.recalibration.devices},
             "load_average": {"start": started_load, "after_pass_1": load_mid, "end": ended_load},
-            "buckets": results, "worst_error_pct": {"before": worst_before, "after": worst_after}}, indent=1) + "\n")
+            "buckets": results, "prefill_buckets": prefill_results,
+            "worst_error_pct": {"before": worst_before, "after": worst_after}}, indent=1) + "\n")
     if daemon_code not in (0, None):
         print(f"the daemon exited with {daemon_code}; see {out / 'daemon.log'}", file=sys.stderr)
     return 0

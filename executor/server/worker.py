@@ -203,7 +203,8 @@ class EngineWorker:
             return ()
         self._last_record = record
         phase = "prefill" if record.num_tokens > record.num_seqs else "decode"
-        context = record.max_context
+        # Prefill: where the prompt chunk ends (the Recorder prices its attention over the prefix).
+        context = record.chunk_end if phase == "prefill" else record.max_context
         if phase == "decode":
             # Each sequence attended over its whole length: prompt + the tokens before this one.
             lengths = [s.prompt_len + s.produced for e in events if e.token_id is not None

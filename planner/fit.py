@@ -1,0 +1,439 @@
+"""The fit behind recalibration (planner/calibrate.py): one device's measured report rows against
+the cost model, two parameters per phase.
+
+Decode rows fit DESIGN §8's
+
+    T̂(row) = T_roofline(row; η_kv, η_m) + n_blocks · δ  (+ T_comm on the stage that receives the hidden state)
+
+with η_kv the efficiency of KV reads relative to the weight reads' η_m (planner/cost.py: the
+attention term reads W_kv at M̂·η_m·η_kv). With one split measured, a uniform inefficiency of the
+weight reads adds the same time to every block, exactly what δ describes, so δ absorbs it; what
+only a KV-specific factor can describe is how time grows with context (DESIGN §8 fits one η_m for
+both: on helm-dev the two reads ran at ~90% and ~40% of the profiled bandwidth, which one factor
+cannot follow). η_m is fitted only where δ cannot describe the level: when the model without any
+overhead already over-predicts (δ would be negative: the profile caught the machine in a slow
+moment), δ is held at 0 and η_m raised by the factor that fits.
+
+Prefill rows (prompt chunks) fit the same form with δ taken from the decode rows:
+
+    T̂(row) = T_prefill(row; η_attn, η_c) + n_blocks · δ
+
+η_c the projections' FLOP efficiency against the profiled rate (the profile times an fp32 GEMM;
+a bf16 model's GEMMs run at another rate) and η_attn the prompt attention's on top of it (a fused
+attention kernel and GEMMs differ again): time grows with the cached prefix through η_attn.
+
+So every phase has a *level* parameter (δ, or η_m / η_c as a scale on the stage's roofline),
+solved in closed form for each value of a *shape* parameter (η_kv / η_attn), which a 1-D search
+on a log grid refined by golden section finds (variable projection); the shape parameter only
+with at least MIN_BUCKETS_FOR_ETA context buckets, and kept where the buckets do not pin it to
+±ETA_MAX_REL_STDERR (where the KV read or the prefix attention is a small part of the step it is
+collinear with the level). A scale on the roofline is exact where the step is bound by one term
+(decode by its reads, long prompt chunks by their FLOPs); the table and the written plan use the
+cost model itself at the fitted values. The loss is the sum of squared *relative* errors (every
+bucket counts the same, as the targets are per-bucket percentages), made robust by iteratively
+reweighted least squares — Huber weights, then Tukey's bisquare on the MAD scale — so one
+disturbed bucket (another process on the machine) gets no say.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from planner.cost import evaluate_split
+from planner.machine import Calibration
+from planner.plan import DeviceFit, Plan, PrefillFit
+from planner.units import round_sig
+
+MIN_BUCKETS_FOR_ETA = 3       # context buckets a phase needs before its shape parameter is fitted
+ETA_MIN, ETA_MAX = 0.02, 4.0  # η_kv / η_attn search interval
+LEVEL_MIN, LEVEL_MAX = 0.02, 4.0  # η_m / η_c bounds when fitted (machine schema: (0, 4])
+ETA_GRID_POINTS = 97          # log-spaced starting grid for the shape parameter, then golden section
+HUBER_K = 1.345               # Huber threshold in robust standard deviations (95% efficiency)
+BISQUARE_C = 4.685            # Tukey bisquare cut-off after the Huber start: rows beyond it get weight 0
+SIGMA_FLOOR = 0.005           # robust scale floor (0.5% relative error): exact data is not "all outliers"
+MAX_IRLS_ITERATIONS = 30
+MAX_RECENTRES = 8             # prefill: re-solves around the level found until the scale is 1
+NOMINAL_NOISE = 0.01          # relative noise of a bucket mean assumed at least when judging η's precision
+ETA_MAX_REL_STDERR = 0.10     # a shape parameter is fitted only if the buckets pin it to ±10% (else kept)
+TARGET_ERROR_PCT = 5.0        # per-bucket error the calibrated model should reach (issue 6); notes say when not
+
+# Per phase: (shape parameter, level parameter) as DeviceCalibration fields, and their symbols.
+PARAMS = {"decode": ("eta_kv", "eta_memory"), "prefill": ("eta_attn", "eta_compute")}
+SYMBOL = {"eta_kv": "η_kv", "eta_memory": "η_m", "eta_attn": "η_attn", "eta_compute": "η_c"}
+
+METHOD = (f"robust least squares per device and phase: minimise Σ ρ((measured - T̂)/measured); decode rows "
+          f"T̂ = T_roofline(η_kv) + n_blocks·δ (+ link), δ >= 0 in closed form (where it would be < 0: δ = 0 and "
+          f"the η_m that fits); prefill rows T̂ = T_prefill(η_attn, η_c) + n_blocks·δ(decode), η_c in closed "
+          f"form; η_kv / η_attn by log-grid + golden section when >= {MIN_BUCKETS_FOR_ETA} context buckets pin "
+          f"them to ±{ETA_MAX_REL_STDERR:.0%} (else kept); IRLS, Huber k={HUBER_K} then Tukey bisquare "
+          f"c={BISQUARE_C}, MAD scale")
+
+
+def with_values(calibration: Calibration, device: str, **values) -> Calibration:
+    """`calibration` with some of one device's fields replaced."""
+    return replace(calibration, **{device: replace(calibration.for_device(device), **values)})
+
+
+def _stage_roofline_ms(plan: Plan, calibration: Calibration, stage: int, phase: str,
+                       context: float, batch: float, tokens: float) -> tuple[float, float]:
+    """What the executor's Recorder predicts for one step before n_blocks·δ, as (the stage's own
+    roofline, the link term): the stage's decode roofline at (context, batch) — or, for a prefill
+    step, its prefill of the prompt chunk (the step's tokens less one per other sequence) after the
+    prefix that `context`, where the chunk ends, implies — and the link on the receiving stage."""
+    decode = phase == "decode"
+    chunk = max(1.0, tokens - (batch - 1))
+    cost = evaluate_split(plan.partition.split_k, plan.ir.units, plan.ir.shared_weights, plan.machine,
+                          batch=batch if decode else 1, context=context if decode else max(context, 1.0),
+                          prompt=plan.workload.prompt_tokens if decode else chunk,
+                          page_size_tokens=plan.kv.page_size_tokens, watermark=plan.kv.watermark,
+                          offload=plan.kv.offload, gpu_budget_bytes=plan.limits.gpu_budget_bytes,
+                          host_budget_bytes=plan.limits.host_budget_bytes, calibration=calibration,
+                          prefix=0 if decode else max(0.0, context - chunk))
+    s = cost.stages[stage]
+    if decode:
+        return s.roofline_ms, (cost.comm_ms if stage else 0.0)
+    return s.prefill_ms - s.overhead_ms, (cost.comm_prefill_ms if stage else 0.0)
+
+
+class RowModel:
+    """One report row and its roofline as a function of the phase's (shape, level) parameters,
+    anchored to the report's own roofline prediction. The level enters the fit as `scale` =
+    level(measured plan) / level, multiplying the stage's roofline (not the link)."""
+
+    def __init__(self, plan: Plan, row, level: float | None = None):
+        self.row = row
+        self.device = row.device
+        self.blocks = row.num_blocks
+        self.measured = row.measured_mean_ms
+        self._plan = plan
+        self._cal = plan.calibration
+        self.shape_name, self.level_name = PARAMS[row.phase]
+        dev = self._cal.for_device(row.device)
+        self.shape0, planned = getattr(dev, self.shape_name), getattr(dev, self.level_name)
+        self.level0 = planned if level is None else level  # where `scale` is 1
+        self._cache: dict[tuple[float, float], tuple[float, float]] = {}
+        stage, link = self._raw(self.shape0, planned)
+        # The report's roofline is the mean over the row's steps; the model at the mean context
+        # and batch differs from it only where the roofline bends within the bucket.
+        base = stage + link
+        self.ratio = row.predicted_roofline_ms / base if base > 0 and row.predicted_roofline_ms > 0 else 1.0
+
+    def _raw(self, shape: float, level: float) -> tuple[float, float]:
+        cal = with_values(self._cal, self.device, **{self.shape_name: shape, self.level_name: level})
+        r = self.row
+        return _stage_roofline_ms(self._plan, cal, r.stage, r.phase, r.context_mean, r.batch_mean, r.tokens_mean)
+
+    def parts(self, shape: float, level: float | None = None) -> tuple[float, float]:
+        """(stage roofline, link) in ms (level: default the measured plan's)."""
+        key = (shape, self.level0 if level is None else level)
+        if key not in self._cache:
+            stage, link = self._raw(*key)
+            self._cache[key] = (self.ratio * stage, self.ratio * link)
+        return self._cache[key]
+
+    def predict(self, shape: float, delta: float, scale: float = 1.0) -> float:
+        stage, link = self.parts(shape)
+        return scale * stage + link + self.blocks * delta
+
+    def predict_at(self, shape: float, delta: float, level: float) -> float:
+        """The cost model itself at (shape, δ, level): what the written plan predicts for this row."""
+        stage, link = self.parts(shape, level)
+        return stage + link + self.blocks * delta
+
+
+# ---- the solver --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Level:
+    """How a phase's level is fitted: "delta" (δ >= 0, else δ = 0 and a scale <= 1: decode) or
+    "scale" (δ fixed at `delta0`, a scale either way: prefill); "fixed": nothing (no blocks)."""
+    mode: str
+    delta0: float = 0.0
+
+
+@dataclass(frozen=True)
+class Solution:
+    delta: float
+    shape: float
+    scale: float                     # level(measured plan) / level: 1 unless the level was fitted as a scale
+    weights: tuple[float, ...]       # robust weights of the final iteration (bisquare; 0: left out)
+    residuals: tuple[float, ...]     # relative: (measured - T̂) / measured
+    scaled: bool                     # the level was fitted as a scale (η_m or η_c)
+
+
+def _level_for(rows: list[RowModel], shape: float, w: list[float], how: _Level) -> tuple[float, float, bool]:
+    """The level for a fixed shape parameter, in closed form (weighted least squares on relative
+    residuals). Returns (δ, scale, scaled)."""
+    if how.mode == "fixed":
+        return how.delta0, 1.0, False
+    if how.mode == "delta":
+        num = den = 0.0
+        for r, wi in zip(rows, w):
+            v = wi / r.measured ** 2
+            num += v * r.blocks * (r.measured - r.predict(shape, 0.0))
+            den += v * r.blocks ** 2
+        if den <= 0:
+            return how.delta0, 1.0, False
+        if num >= 0:
+            return num / den, 1.0, False
+    delta = how.delta0 if how.mode == "scale" else 0.0
+    num = den = 0.0
+    for r, wi in zip(rows, w):
+        v = wi / r.measured ** 2
+        stage, link = r.parts(shape)
+        num += v * stage * (r.measured - link - r.blocks * delta)
+        den += v * stage * stage
+    scale = num / den if den > 0 else 1.0
+    lowest = max(r.level0 for r in rows) / LEVEL_MAX
+    highest = 1.0 if how.mode == "delta" else min(r.level0 for r in rows) / LEVEL_MIN
+    return delta, min(highest, max(scale, lowest)), True
+
+
+def _loss(rows: list[RowModel], shape: float, w: list[float], how: _Level) -> float:
+    delta, scale, _ = _level_for(rows, shape, w, how)
+    return sum(wi * ((r.measured - r.predict(shape, delta, scale)) / r.measured) ** 2 for r, wi in zip(rows, w))
+
+
+def _argmin_log(f: Callable[[float], float], lo: float, hi: float) -> float:
+    """Minimise f over [lo, hi]: a log-spaced grid, then golden section around the best point."""
+    grid = [lo * (hi / lo) ** (i / (ETA_GRID_POINTS - 1)) for i in range(ETA_GRID_POINTS)]
+    values = [f(x) for x in grid]
+    i = min(range(len(grid)), key=values.__getitem__)
+    a, b = math.log(grid[max(i - 1, 0)]), math.log(grid[min(i + 1, len(grid) - 1)])
+    g = (math.sqrt(5) - 1) / 2
+    c, d = b - g * (b - a), a + g * (b - a)
+    fc, fd = f(math.exp(c)), f(math.exp(d))
+    while b - a > 1e-7:
+        if fc < fd:
+            b, d, fd = d, c, fc
+            c = b - g * (b - a)
+            fc = f(math.exp(c))
+        else:
+            a, c, fc = c, d, fd
+            d = a + g * (b - a)
+            fd = f(math.exp(d))
+    x = math.exp((a + b) / 2)
+    return min((x, grid[i]), key=f)
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def robust_weights(res: list[float], bisquare: bool = True) -> list[float]:
+    scale = max(1.4826 * _median([abs(x) for x in res]), SIGMA_FLOOR)
+    if bisquare:
+        return [(1 - (x / (BISQUARE_C * scale)) ** 2) ** 2 if abs(x) < BISQUARE_C * scale else 0.0 for x in res]
+    return [min(1.0, HUBER_K * scale / abs(x)) if x else 1.0 for x in res]
+
+
+def _solve(rows: list[RowModel], fit_shape: bool, shape0: float, how: _Level) -> Solution:
+    """IRLS around the variable-projection fit: Huber weights to convergence (a safe start), then
+    Tukey's bisquare, which gives a grossly disturbed bucket no weight at all (Huber only caps it,
+    and with the two parameters nearly collinear even a capped outlier moves them)."""
+    w = [1.0] * len(rows)
+    shape = shape0
+    for bisquare in (False, True):
+        for _ in range(MAX_IRLS_ITERATIONS):
+            if fit_shape:
+                shape = _argmin_log(lambda e: _loss(rows, e, w, how), ETA_MIN, ETA_MAX)
+            delta, scale, _ = _level_for(rows, shape, w, how)
+            new_w = robust_weights([(r.measured - r.predict(shape, delta, scale)) / r.measured for r in rows],
+                                   bisquare)
+            done = max(abs(a - b) for a, b in zip(w, new_w)) < 1e-6
+            w = new_w
+            if done:
+                break
+    if fit_shape:
+        shape = _argmin_log(lambda e: _loss(rows, e, w, how), ETA_MIN, ETA_MAX)
+    delta, scale, scaled = _level_for(rows, shape, w, how)
+    res = tuple((r.measured - r.predict(shape, delta, scale)) / r.measured for r in rows)
+    return Solution(delta, shape, scale, tuple(w), res, scaled)
+
+
+def _stderrs(rows: list[RowModel], sol: Solution, fit_shape: bool, how: _Level,
+             min_sigma: float = 0.0) -> dict[str, float]:
+    """Standard errors of the fitted parameters — "delta" or "scale" (the level) and "shape" —
+    from the weighted Jacobian of the relative residuals, at the residuals' own scale (or
+    `min_sigma` if larger). Missing where not estimable; inf where the two cannot be told apart."""
+    params = []
+    if how.mode != "fixed":
+        params.append("scale" if sol.scaled else "delta")
+    if fit_shape:
+        params.append("shape")
+    dof = sum(1 for w in sol.weights if w > 0) - len(params)
+    if not params or dof <= 0:
+        return {}
+    h = sol.shape * 1e-4
+    jac = []
+    for r in rows:
+        g = []
+        if "delta" in params:
+            g.append(r.blocks / r.measured)
+        if "scale" in params:
+            g.append(r.parts(sol.shape)[0] / r.measured)
+        if "shape" in params:
+            g.append((r.predict(sol.shape + h, sol.delta, sol.scale) - r.predict(sol.shape - h, sol.delta, sol.scale))
+                     / (2 * h) / r.measured)
+        jac.append(g)
+    p = len(params)
+    jtj = [[sum(w * jac[i][a] * jac[i][b] for i, w in enumerate(sol.weights)) for b in range(p)] for a in range(p)]
+    sigma2 = max(sum(w * x * x for w, x in zip(sol.weights, sol.residuals)) / dof, min_sigma ** 2)
+    if p == 1:
+        if jtj[0][0] <= 0:
+            return {params[0]: math.inf}
+        inv = [[1 / jtj[0][0]]]
+    else:
+        det = jtj[0][0] * jtj[1][1] - jtj[0][1] * jtj[1][0]
+        if det <= 1e-12 * jtj[0][0] * jtj[1][1]:   # collinear: shape and level explain the same thing
+            return {name: math.inf for name in params}
+        inv = [[jtj[1][1] / det, -jtj[0][1] / det], [-jtj[1][0] / det, jtj[0][0] / det]]
+    return {name: math.sqrt(max(sigma2 * inv[i][i], 0.0)) for i, name in enumerate(params)}
+
+
+# ---- one device, one phase ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PhaseFit:
+    """The fit of one device's rows of one phase, before it is written into the plan."""
+    models: tuple[RowModel, ...]
+    solution: Solution
+    shape: float                     # η_kv / η_attn (fitted or kept)
+    shape_fitted: bool
+    level: float                     # η_m / η_c (fitted or kept), rounded as the plan stores it
+    delta: float                     # rounded as the plan stores it
+    stderr: dict[str, float]         # "delta" (ms), "level" (in η units), "shape"
+    notes: tuple[str, ...]
+    before_pct: tuple[float, ...]    # per row: the measured plan's error
+    after_pct: tuple[float, ...]     # per row: the cost model at the fitted values
+
+
+def rms(xs) -> float:
+    xs = list(xs)
+    return math.sqrt(sum(x * x for x in xs) / len(xs)) if xs else 0.0
+
+
+def pct(measured: float, predicted: float) -> float:
+    return (measured - predicted) / predicted * 100 if predicted > 0 else 0.0
+
+
+def finite(x: float | None) -> float | None:
+    return round_sig(x) if x is not None and math.isfinite(x) else None
+
+
+def _fit_phase(plan: Plan, rows: list, how: _Level, what: str) -> PhaseFit:
+    """Fit one device's rows of one phase: the level as `how` says, the shape parameter where
+    the buckets pin it down. `what`: the part of the step the shape parameter prices, for notes."""
+    models = [RowModel(plan, r) for r in rows]
+    m0 = models[0]
+    sym_shape, sym_level = SYMBOL[m0.shape_name], SYMBOL[m0.level_name]
+    buckets = len({r.context_min for r in rows})
+    fit_shape = buckets >= MIN_BUCKETS_FOR_ETA
+    notes = []
+    sol = _solve(models, fit_shape, m0.shape0, how)
+    if fit_shape:
+        # The shape parameter is told apart from the level only by how the step time grows with
+        # context; where that part is small, the two are collinear and it would be noise: keep it.
+        se = _stderrs(models, sol, True, how, NOMINAL_NOISE).get("shape")
+        if se is None or not math.isfinite(se) or se / sol.shape > ETA_MAX_REL_STDERR:
+            spread = "cannot be told apart from the level" if se is None or not math.isfinite(se) \
+                else f"would be ±{se / sol.shape * 100:.0f}%"
+            notes.append(f"{sym_shape} kept at {m0.shape0:g}: these buckets do not pin it down ({spread}; "
+                         f"{what} is too small a part of the step)")
+            fit_shape = False
+            sol = _solve(models, False, m0.shape0, how)
+    elif buckets < MIN_BUCKETS_FOR_ETA:
+        notes.append(f"{sym_shape} kept at {m0.shape0:g}: {buckets} context bucket{'s' if buckets != 1 else ''}, "
+                     f"it needs >= {MIN_BUCKETS_FOR_ETA}")
+    if fit_shape and min(abs(math.log(sol.shape / ETA_MIN)), abs(math.log(ETA_MAX / sol.shape))) < 0.01:
+        notes.append(f"{sym_shape} ran to the end of its range ({sol.shape:.3g}): the roofline's shape does not "
+                     "match these measurements")
+    if how.mode == "scale":
+        # The scale is exact only where every step is bound by the level's term (FLOPs for η_c);
+        # a short prompt chunk is partly bound by its weight reads. Re-centre the models on the
+        # level found and solve again until the scale is 1: then the cost model itself fits.
+        for _ in range(MAX_RECENTRES):
+            if abs(sol.scale - 1) < 1e-6:
+                break
+            models = [RowModel(plan, m.row, level=m.level0 / sol.scale) for m in models]
+            sol = _solve(models, fit_shape, sol.shape, how)
+        m0 = models[0]
+    se = _stderrs(models, sol, fit_shape, how)
+    level = round_sig(m0.level0 / sol.scale) if sol.scaled else m0.level0
+    stderr = {"shape": se["shape"]} if "shape" in se else {}
+    if "delta" in se:
+        stderr["delta"] = se["delta"]
+    if "scale" in se:  # as one of level = level0 / scale
+        stderr["level"] = se["scale"] * m0.level0 / sol.scale ** 2
+    shape, delta = round_sig(sol.shape), round_sig(sol.delta)
+    before = tuple(pct(m.measured, m.row.predicted_ms) for m in models)
+    after = tuple(pct(m.measured, m.predict_at(shape, delta, level)) for m in models)
+    worst = max(abs(x) for x in after)
+    kept = [(m.row.context_mean, e) for m, e, w in zip(models, after, sol.weights) if w > 0]
+    if worst > TARGET_ERROR_PCT and len(kept) >= 3:
+        ordered = sorted(kept)
+        half = len(ordered) // 2
+        low = sum(e for _, e in ordered[:half]) / half
+        high = sum(e for _, e in ordered[-half:]) / half
+        if high - low > TARGET_ERROR_PCT:
+            notes.append(f"residuals grow with context ({low:+.1f}% short, {high:+.1f}% long): {what} costs more "
+                         f"than the roofline allows at long context; one {sym_shape} cannot follow it")
+        elif low - high > TARGET_ERROR_PCT:
+            notes.append(f"residuals shrink with context ({low:+.1f}% short, {high:+.1f}% long): {what} is "
+                         "over-predicted at long context")
+        else:
+            notes.append(f"residuals up to {worst:.1f}% without a trend in context: noisy measurements "
+                         "(a busy machine?); measure more steps")
+    if any(w == 0 for w in sol.weights):
+        notes.append(f"{sum(1 for w in sol.weights if w == 0)} bucket(s) left out as outliers")
+    return PhaseFit(tuple(models), sol, shape, fit_shape, level, delta, stderr, tuple(notes), before, after)
+
+
+def fit_decode(plan: Plan, device: str, rows: list) -> PhaseFit:
+    """δ (or η_m where δ would be negative) and η_kv of one device, from its decode rows."""
+    current = plan.calibration.for_device(device)
+    has_blocks = any(r.num_blocks for r in rows)
+    fit = _fit_phase(plan, rows, _Level("delta" if has_blocks else "fixed", current.delta_ms_per_block),
+                     "the KV read")
+    notes = list(fit.notes)
+    if not has_blocks:
+        notes.append("the stage has no transformer blocks: δ does not apply")
+    elif fit.solution.scaled:
+        notes.append(f"δ held at 0 and η_m fitted ({current.eta_memory:g} -> {fit.level:g}): the model without "
+                     "any overhead already over-predicts, so this machine reads faster than its profile measured")
+    return replace(fit, notes=tuple(notes))
+
+
+def fit_prefill(plan: Plan, rows: list, delta: float) -> PhaseFit:
+    """η_c and η_attn of one device from its prefill rows, with the decode rows' δ."""
+    return _fit_phase(plan, rows, _Level("scale", delta), "the attention over the cached prefix")
+
+
+def device_fit(device: str, decode: PhaseFit, prefill: PhaseFit | None, prefill_note: str = "") -> DeviceFit:
+    """What the plan records of one device's fit."""
+    pre = None
+    if prefill is not None:
+        pre = PrefillFit(
+            eta_compute=prefill.level, eta_compute_stderr=finite(prefill.stderr.get("level")),
+            eta_attn=prefill.shape, eta_attn_fitted=prefill.shape_fitted,
+            eta_attn_stderr=finite(prefill.stderr.get("shape")), note="; ".join(prefill.notes),
+            buckets=len({m.row.context_min for m in prefill.models}),
+            samples=sum(m.row.samples for m in prefill.models),
+            rms_error_pct_before=round_sig(rms(prefill.before_pct), 4),
+            rms_error_pct_after=round_sig(rms(prefill.after_pct), 4),
+            max_abs_error_pct_before=round_sig(max(map(abs, prefill.before_pct)), 4),
+            max_abs_error_pct_after=round_sig(max(map(abs, prefill.after_pct)), 4))
+    notes = list(decode.notes) + ([prefill_note] if prefill_note else [])
+    return DeviceFit(
+        device=device, delta_ms_per_block=decode.delta, delta_stderr_ms=finite(decode.stderr.get("delta")),
+        eta_kv=decode.shape, eta_kv_fitted=decode.shape_fitted, eta_kv_stderr=finite(decode.stderr.get("shape")),
+        eta_memory=decode.level, eta_memory_fitted=decode.solution.scaled,
+        eta_memory_stderr=finite(decode.stderr.get("level")), note="; ".join(notes),
+        buckets=len({m.row.context_min for m in decode.models}), samples=sum(m.row.samples for m in decode.models),
+        rms_error_pct_before=round_sig(rms(decode.before_pct), 4),
+        rms_error_pct_after=round_sig(rms(decode.after_pct), 4),
+        max_abs_error_pct_before=round_sig(max(map(abs, decode.before_pct)), 4),
+        max_abs_error_pct_after=round_sig(max(map(abs, decode.after_pct)), 4), prefill=pre)
