@@ -6,12 +6,16 @@
  * Why a kernel: decode attention reads each cached K and V once per token, so it is bound by
  * memory like the GEMV, and the PyTorch path paid for a conversion of every page to fp32 on every
  * step plus a dozen small ops per layer. Here each KV head's keys are streamed straight from the
- * pages (widened in registers), HELM_ATT_BLOCK keys at a time: for each of the G query heads
- * sharing the KV head (GQA: the block comes from DRAM once, then from cache for the other heads)
- * its scores, the online-softmax update (running max m, sum l; the output o rescaled by
- * exp(m_old - m_new)) and the weighted sum of the block's V, with o held in registers. */
+ * pages (widened in registers), HELM_ATT_BLOCK keys at a time: for the G query heads sharing the
+ * KV head (GQA), up to HELM_ATT_HEADS per pass, so each K and V row is loaded and widened once
+ * for them, their scores, the online-softmax update (running max m, sum l; the output o rescaled
+ * by exp(m_old - m_new)) and the weighted sum of the block's V, with o held in registers. */
 
-/* Keys scored per pass of att_scores: independent FMA chains, enough to hide the FMA latency. */
+/* Query heads of one KV head served by one pass over its K and V rows (GQA): each row is
+ * loaded and widened once for up to this many heads. */
+#define HELM_ATT_HEADS 4
+/* Keys scored per pass of att_scores with 1-2 heads (4 with 3-4): HELM_ATT_KEYS·heads
+ * independent FMA chains, enough to hide the FMA latency within 16 accumulators. */
 #define HELM_ATT_KEYS 8
 /* How far ahead along K the scoring prefetches, in keys (x D x element size bytes). */
 #ifndef HELM_ATT_PF_KEYS
@@ -22,69 +26,85 @@
 #define HELM_ATT_LANES 2
 #endif
 
-/* sc[i] = scale * dot(q, K[i*D .. i*D + D)) for i < NK (1 or HELM_ATT_KEYS): one FMA chain per key
- * over whole vectors, then the scalar tail, so a key's score does not depend on NK. */
+/* sc[g*HELM_ATT_BLOCK + i] = scale * dot(q_g, K[i*D .. i*D + D)) for i < NK keys and g < GG heads
+ * (q_g = q + g*D): one FMA chain per (head, key) over whole vectors, then the scalar tail, so a
+ * score does not depend on NK or GG. Each K vector is loaded and widened once for the GG heads. */
 HELM_INLINE void CAT(att_scores_n_, WNAME)(float *restrict sc, const float *restrict q,
-                                           const WT *restrict K, int D, float scale, const int NK) {
-    vf acc[HELM_ATT_KEYS];
-    for (int i = 0; i < NK; i++) acc[i] = v_zero();
+                                           const WT *restrict K, int D, float scale, const int NK,
+                                           const int GG) {
+    vf acc[HELM_ATT_HEADS][HELM_ATT_KEYS];
+    for (int g = 0; g < GG; g++)
+        for (int i = 0; i < NK; i++) acc[g][i] = v_zero();
     int d = 0;
-    for (; d + VL <= D; d += VL) {
-        const vf qv = v_load(q + d);
-        for (int i = 0; i < NK; i++) acc[i] = v_fma(LOAD_W(K + (long)i * D + d), qv, acc[i]);
-    }
-    for (int i = 0; i < NK; i++) {
-        float s = v_hsum(acc[i]);
-        for (int e = d; e < D; e++) s = s_fma(SCALAR_W(K[(long)i * D + e]), q[e], s);
-        sc[i] = s * scale;
-    }
+    for (; d + VL <= D; d += VL)
+        for (int i = 0; i < NK; i++) {
+            const vf kv = LOAD_W(K + (long)i * D + d);
+            for (int g = 0; g < GG; g++) acc[g][i] = v_fma(kv, v_load(q + (long)g * D + d), acc[g][i]);
+        }
+    for (int g = 0; g < GG; g++)
+        for (int i = 0; i < NK; i++) {
+            float s = v_hsum(acc[g][i]);
+            for (int e = d; e < D; e++) s = s_fma(SCALAR_W(K[(long)i * D + e]), q[(long)g * D + e], s);
+            sc[g * HELM_ATT_BLOCK + i] = s * scale;
+        }
 }
 
-/* Scores of the nb keys at K. With prefetch (the first of the G heads): the K rows
+/* Scores of the nb keys at K for GG heads. With prefetch (the first head group): the K rows
  * HELM_ATT_PF_KEYS ahead (up to `ahead` more keys exist) and these keys' V rows are requested as
  * it goes: two streams in flight, where one core reading K then V alone reached ~9 GB/s here. */
-static void CAT(att_scores_, WNAME)(float *sc, const float *q, const WT *K, const WT *V, int nb,
-                                    long ahead, int D, float scale, int prefetch) {
+HELM_INLINE void CAT(att_scores_, WNAME)(float *sc, const float *q, const WT *K, const WT *V, int nb,
+                                         long ahead, int D, float scale, int prefetch, const int GG) {
     const long row = (long)D * (long)sizeof(WT);
+    const int NK = GG <= 2 ? HELM_ATT_KEYS : HELM_ATT_KEYS / 2;
     int j = 0;
-    for (; j + HELM_ATT_KEYS <= nb; j += HELM_ATT_KEYS) {
+    for (; j + NK <= nb; j += NK) {
         if (prefetch) {
             const char *k = (const char *)(K + (long)(j + HELM_ATT_PF_KEYS) * D), *v = (const char *)(V + (long)j * D);
-            const long kb = (ahead - j - HELM_ATT_PF_KEYS < HELM_ATT_KEYS ? ahead - j - HELM_ATT_PF_KEYS : HELM_ATT_KEYS) * row;
+            const long kb = (ahead - j - HELM_ATT_PF_KEYS < NK ? ahead - j - HELM_ATT_PF_KEYS : NK) * row;
             for (long b = 0; b < kb; b += 64) __builtin_prefetch(k + b, 0, 3);
-            for (long b = 0; b < HELM_ATT_KEYS * row; b += 64) __builtin_prefetch(v + b, 0, 3);
+            for (long b = 0; b < NK * row; b += 64) __builtin_prefetch(v + b, 0, 3);
         }
-        CAT(att_scores_n_, WNAME)(sc + j, q, K + (long)j * D, D, scale, HELM_ATT_KEYS);
+        CAT(att_scores_n_, WNAME)(sc + j, q, K + (long)j * D, D, scale, NK, GG);
     }
-    for (; j < nb; j++) CAT(att_scores_n_, WNAME)(sc + j, q, K + (long)j * D, D, scale, 1);
+    for (; j < nb; j++) CAT(att_scores_n_, WNAME)(sc + j, q, K + (long)j * D, D, scale, 1, GG);
 }
 
-/* o[d0 .. d0 + U·VL) = o·corr + sum_j p[j] · V[j*D + d]: U output vectors held in registers
- * across the nb keys. */
-HELM_INLINE void CAT(att_values_u_, WNAME)(float *restrict o, float corr, const float *restrict p,
-                                           const WT *restrict V, int nb, int D, int d0, const int U) {
-    vf acc[8];
-    const vf c = v_set1(corr);
-    for (int u = 0; u < U; u++) acc[u] = v_mul(v_load(o + d0 + u * VL), c);
+/* o_g[d0 .. d0 + U·VL) = o_g·corr_g + sum_j p_g[j] · V[j*D + d] for g < GG (o_g = o + g*D, p_g =
+ * p + g*HELM_ATT_BLOCK): GG·U output vectors held in registers across the nb keys, each V vector
+ * loaded and widened once for the GG heads. */
+HELM_INLINE void CAT(att_values_u_, WNAME)(float *restrict o, const float *restrict corr,
+                                           const float *restrict p, const WT *restrict V, int nb, int D,
+                                           int d0, const int U, const int GG) {
+    vf acc[HELM_ATT_HEADS][8];
+    for (int g = 0; g < GG; g++) {
+        const vf c = v_set1(corr[g]);
+        for (int u = 0; u < U; u++) acc[g][u] = v_mul(v_load(o + (long)g * D + d0 + u * VL), c);
+    }
     for (int j = 0; j < nb; j++) {
-        const vf pj = v_set1(p[j]);
         const WT *vj = V + (long)j * D + d0;
-        for (int u = 0; u < U; u++) acc[u] = v_fma(LOAD_W(vj + u * VL), pj, acc[u]);
+        for (int u = 0; u < U; u++) {
+            const vf vv = LOAD_W(vj + u * VL);
+            for (int g = 0; g < GG; g++) acc[g][u] = v_fma(vv, v_set1(p[g * HELM_ATT_BLOCK + j]), acc[g][u]);
+        }
     }
-    for (int u = 0; u < U; u++) v_store(o + d0 + u * VL, acc[u]);
+    for (int g = 0; g < GG; g++)
+        for (int u = 0; u < U; u++) v_store(o + (long)g * D + d0 + u * VL, acc[g][u]);
 }
 
-/* o = o·corr + sum_{j < nb} p[j] · V[j*D ..]: the online-softmax update of one query head. */
-static void CAT(att_values_, WNAME)(float *o, float corr, const float *p, const WT *V, int nb, int D) {
+/* o_g = o_g·corr_g + sum_{j < nb} p_g[j] · V[j*D ..] for g < GG: the online-softmax update of GG
+ * query heads; at most 16 accumulators (U·GG <= 16). */
+HELM_INLINE void CAT(att_values_, WNAME)(float *o, const float *corr, const float *p, const WT *V, int nb,
+                                         int D, const int GG) {
+    const int U = GG == 1 ? 8 : GG == 2 ? 8 : 4;
     int d = 0;
-    for (; d + 8 * VL <= D; d += 8 * VL) CAT(att_values_u_, WNAME)(o, corr, p, V, nb, D, d, 8);
-    for (; d + 4 * VL <= D; d += 4 * VL) CAT(att_values_u_, WNAME)(o, corr, p, V, nb, D, d, 4);
-    for (; d + VL <= D; d += VL) CAT(att_values_u_, WNAME)(o, corr, p, V, nb, D, d, 1);
-    for (; d < D; d++) {
-        float s = o[d] * corr;
-        for (int j = 0; j < nb; j++) s = s_fma(SCALAR_W(V[(long)j * D + d]), p[j], s);
-        o[d] = s;
-    }
+    for (; d + U * VL <= D; d += U * VL) CAT(att_values_u_, WNAME)(o, corr, p, V, nb, D, d, U, GG);
+    for (; d + VL <= D; d += VL) CAT(att_values_u_, WNAME)(o, corr, p, V, nb, D, d, 1, GG);
+    for (int g = 0; g < GG; g++)
+        for (int e = d; e < D; e++) {
+            float s = o[(long)g * D + e] * corr[g];
+            for (int j = 0; j < nb; j++) s = s_fma(SCALAR_W(V[(long)j * D + e]), p[g * HELM_ATT_BLOCK + j], s);
+            o[(long)g * D + e] = s;
+        }
 }
 
 static void CAT(kv_write_, WNAME)(const helm_kv_pages *kv, const float *qkv, long ld, int Hq,
@@ -103,21 +123,38 @@ static void CAT(kv_write_, WNAME)(const helm_kv_pages *kv, const float *qkv, lon
     }
 }
 
-/* One block of nb keys (at K, V) of a lane: for each of the G query heads, its scores, the
- * online-softmax update of (m, l) and of its output o. */
+/* One block of nb keys (at K, V) of a lane for GG query heads: their scores, the online-softmax
+ * update of (m, l) and of their outputs o. */
+HELM_INLINE void CAT(att_heads_, WNAME)(float *restrict m, float *restrict l, float *o, const float *q,
+                                        const WT *Kb, const WT *Vb, int nb, long ahead, int D, float scale,
+                                        int prefetch, const int GG) {
+    float sc[HELM_ATT_HEADS * HELM_ATT_BLOCK], corr[HELM_ATT_HEADS];
+    CAT(att_scores_, WNAME)(sc, q, Kb, Vb, nb, ahead, D, scale, prefetch, GG);
+    for (int g = 0; g < GG; g++) {
+        float *p = sc + g * HELM_ATT_BLOCK;
+        const float mx = helm_max(p, nb, m[g]);
+        /* The first block rescales nothing (l = o = 0); exp(-inf) clamps to ~1e-38 there. */
+        corr[g] = helm_expf(m[g] - mx);
+        for (int j = 0; j < nb; j++) p[j] = helm_expf(p[j] - mx);
+        l[g] = l[g] * corr[g] + helm_sum(p, nb);
+        m[g] = mx;
+    }
+    CAT(att_values_, WNAME)(o, corr, sc, Vb, nb, D, GG);
+}
+
+/* One block of nb keys of a lane for all G query heads of the KV head, HELM_ATT_HEADS at a time
+ * (the K and V rows come from DRAM for the first group, from cache for the others). */
 HELM_INLINE void CAT(att_block_, WNAME)(float *restrict m, float *restrict l, float *o, const float *q,
                                         const WT *Kb, const WT *Vb, int nb, long ahead, int G, int D,
                                         float scale) {
-    float sc[HELM_ATT_BLOCK];
-    for (int g = 0; g < G; g++) {
-        CAT(att_scores_, WNAME)(sc, q + g * D, Kb, Vb, nb, ahead, D, scale, g == 0);
-        const float mx = helm_max(sc, nb, m[g]);
-        /* The first block rescales nothing (l = o = 0); exp(-inf) clamps to ~1e-38 there. */
-        const float corr = helm_expf(m[g] - mx);
-        for (int j = 0; j < nb; j++) sc[j] = helm_expf(sc[j] - mx);
-        l[g] = l[g] * corr + helm_sum(sc, nb);
-        m[g] = mx;
-        CAT(att_values_, WNAME)(o + g * D, corr, sc, Vb, nb, D);
+    for (int g = 0; g < G; g += HELM_ATT_HEADS) {
+        const int pf = g == 0;
+        switch (G - g < HELM_ATT_HEADS ? G - g : HELM_ATT_HEADS) {
+        case 1: CAT(att_heads_, WNAME)(m + g, l + g, o + (long)g * D, q + (long)g * D, Kb, Vb, nb, ahead, D, scale, pf, 1); break;
+        case 2: CAT(att_heads_, WNAME)(m + g, l + g, o + (long)g * D, q + (long)g * D, Kb, Vb, nb, ahead, D, scale, pf, 2); break;
+        case 3: CAT(att_heads_, WNAME)(m + g, l + g, o + (long)g * D, q + (long)g * D, Kb, Vb, nb, ahead, D, scale, pf, 3); break;
+        default: CAT(att_heads_, WNAME)(m + g, l + g, o + (long)g * D, q + (long)g * D, Kb, Vb, nb, ahead, D, scale, pf, 4); break;
+        }
     }
 }
 
