@@ -96,6 +96,8 @@ def test_kv_write_rounds_like_torch(isa, dtype):
     (6, 6, 20, 7, 0, 9),  # MHA, prefill from position 0, D below one AVX-512 vector
     (16, 8, 128, 64, 150, 3),  # Qwen3-0.6B heads, blocks of 64 keys across pages
     (4, 1, 64, 512, 600, 2),  # one KV head for 4 query heads, 512-token pages
+    (12, 2, 32, 16, 70, 2),  # 6 query heads per KV head: a pass of 4 heads, then one of 2
+    (7, 1, 24, 8, 33, 3),  # 7 per KV head: 4, then 3 (Qwen2-7B's ratio), D with a scalar tail
 ])
 def test_paged_attention_matches_reference(isa, dtype, hq, hkv, D, P, start, T):
     ks = K.KernelSet(isa)
