@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from executor import kv_cache
 from executor.kv_cache import KVCache
 
 LAYERS, HKV, D = 2, 2, 4
@@ -31,6 +32,21 @@ def test_pages_allocated_per_page_size_and_freed():
     assert kv.stats().device_pages_used == 3  # 4 + 4 + 1
     kv.free("a")
     assert kv.stats().device_pages_used == 0 and kv.stats().sequences == 0
+
+
+def test_freed_host_pages_are_reused_up_to_a_bound(monkeypatch):
+    """A finished request's pages serve the next one (no fresh page faults), up to
+    KEEP_FREE_HOST_BYTES; pages beyond that go back to the allocator."""
+    monkeypatch.setattr(kv_cache, "KEEP_FREE_HOST_BYTES", 2 * LAYERS * 2 * HKV * 4 * D * 4)  # two pages
+    kv = cache(page_size=4)
+    fill(kv, "a", 12)  # 3 pages
+    first = {p.data.data_ptr() for p in kv._seqs["a"].pages}
+    kv.free("a")
+    assert kv.device_pool.free_pages == 2 and kv.stats().device_pages_used == 0
+    fill(kv, "b", 8, base=100.0)
+    assert {p.data.data_ptr() for p in kv._seqs["b"].pages} <= first and kv.device_pool.free_pages == 0
+    k, v, _ = gathered(kv, "b", 8)  # what "b" wrote, nothing left over from "a"
+    assert torch.equal(k[0, :, 0], torch.arange(8, dtype=torch.float32) + 100)
 
 
 def test_chunks_return_written_values_in_order():
