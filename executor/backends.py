@@ -66,10 +66,11 @@ class KernelAttention:
     KERNEL_MAX_QUERIES prompt tokens goes to PyTorch's fused CPU attention instead (a blocked-GEMM
     flash kernel, `prompt_attention`): the kernel's per-query loop reads every key once per query.
 
-    Measured here (Qwen3-0.6B heads, bf16 KV, one layer, 2 threads; kernel vs prompt_attention
-    with fp32 / bf16 queries): 16 queries from position 0: 0.04 vs 0.08 / 0.08 ms; 32: 0.12 vs
-    0.11 / 0.11; 128: 1.2 vs 0.80 / 0.34; 32 after 2048 cached tokens: 8.2 vs 4.3 / 2.0; 512
-    after 1536: 123 vs 47 / 14 ms (the PyTorch streaming attention this path used before: 132)."""
+    Measured here (Qwen3-0.6B heads, bf16 KV, one layer, 2 threads; kernel vs prompt_attention,
+    two runs on a quiet and a busy moment): 16 queries from position 0: 0.04-0.05 vs 0.08-0.10 ms;
+    32: 0.12-0.17 vs 0.11-0.16; 128: 1.2-1.5 vs 0.34-0.63; 32 after 2048 cached tokens: 8.0-8.2 vs
+    2.0-2.7; 512 after 1536: 117-123 vs 14-21 ms (the PyTorch streaming attention this path used
+    before: 132). With fp32 queries prompt_attention took 1.1-3x longer than with bf16 ones."""
 
     KERNEL_MAX_QUERIES = 16
 
