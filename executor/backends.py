@@ -75,7 +75,7 @@ class KernelAttention:
     KERNEL_MAX_QUERIES = 16
 
     @classmethod
-    def uses_kernel(cls, start: int, count: int) -> bool:
+    def uses_kernel(cls, count: int) -> bool:
         return count <= cls.KERNEL_MAX_QUERIES
 
     def __init__(self, config, kv, kernels, num_threads: int):
@@ -94,7 +94,7 @@ class KernelAttention:
             rows, dst = qkv[s.offset:s.offset + s.count], out[s.offset:s.offset + s.count]
             table = self.kv.page_table(s.seq_id)
             k.kv_write(rows, self.layout, table, layer, s.start, cfg.num_heads)
-            if self.uses_kernel(s.start, s.count):
+            if self.uses_kernel(s.count):
                 k.paged_attention(rows, dst, self.layout, table, layer, s.start, cfg.num_heads, self.scale,
                                   num_threads=self.num_threads)
             else:

@@ -146,7 +146,7 @@ def test_prompt_attention_matches_reference(dtype, hq, hkv, D, P, start, T):
     K.kv_write(qkv, att.layout, table, layer, start, hq)
     every = torch.cat([history, qkv])[:, hq * D:].reshape(start + T, 2, hkv, D).to(dtype)
     ref = causal_attention_ref(qkv[:, :hq * D].reshape(T, hq, D), every[:, 0], every[:, 1], start, D ** -0.5)
-    assert not att.uses_kernel(start, T)
+    assert not att.uses_kernel(T)
     got = att.prompt_attention(qkv[:, :hq * D], layer, "s", start).float()
     err = ((got.reshape(T, hq, D) - ref).abs().max() / every[:, 1].float().abs().max()).item()
     assert err <= PROMPT_ATTENTION_TOL[dtype], f"{dtype}: {err:.2e} > {PROMPT_ATTENTION_TOL[dtype]:.0e}"
