@@ -12,7 +12,10 @@ For k units on the CPU (units 0..k-1) and the rest on the GPU:
 F and W come from the traced IR (planner/trace.py), M, P, C_L3, B_L3, ℓ and B from the machine
 profile, η and δ from the calibration. Two additions DESIGN §5 leaves open, both documented in
 the plan: with KV offload, pages parked on the host are streamed back over the link every step
-(added to the GPU's KV read time); TTFT is the same roofline for a prefill of the prompt.
+(added to the GPU's KV read time); TTFT is the same roofline for a prefill of the prompt, where
+the output projection computes logits for the last position only and the attention FLOPs (of a
+chunk over its cached prefix, for the executor's chunked prefill) run at P·η_c·η_attn: a fused
+attention kernel and the projections' GEMMs run at different rates (recalibration fits both).
 
 One departure from DESIGN §5, where α = min(1, C_L3 / W_kv) with W_kv one block's KV: a block's
 KV is read again only one step later, after every other weight and KV byte of the stage has
