@@ -131,9 +131,11 @@ class FusedBlocks:
     """Steps of few tokens through all of a CPU stage's blocks in one kernel call
     (executor.kernels.BlockStack): the op-by-op kernel path, bit for bit, without Python and
     parallel-region start-up between the ops (at batch 1 those cost more than the small ops'
-    arithmetic). Taken for decode and short chunks: up to `max_rows` tokens, where every projection
-    stays in our GEMV (bf16 from 9 rows goes to oneDNN) and every sequence's queries go to the
-    attention kernel."""
+    arithmetic). Taken for steps of up to `max_rows` tokens, where every projection stays in our
+    GEMV (bf16 from 9 rows goes to oneDNN), whose every sequence's queries go to the attention
+    kernel (at most KERNEL_MAX_QUERIES each: a longer prompt chunk needs PyTorch's attention)."""
+
+    MAX_ROWS = 32  # beyond this many tokens a step is prefill-like: op by op, GEMMs in oneDNN
 
     def __init__(self, kernels, config, blocks, kv, num_threads: int):
         self.kv = kv
@@ -144,12 +146,12 @@ class FusedBlocks:
                                         config.intermediate_size, config.rms_norm_eps, config.head_dim ** -0.5,
                                         num_threads=num_threads)
         dtypes = {linear.dtype for b in spec for linear in (b[1], b[4], b[6], b[7])}
-        limit = KernelAttention.KERNEL_MAX_QUERIES
-        self.max_rows = next((r - 1 for r in range(1, limit + 1)
-                              if any(kernels.kernels.uses_torch(dt, r) for dt in dtypes)), limit)
+        self.max_rows = next((r - 1 for r in range(1, self.MAX_ROWS + 1)
+                              if any(kernels.kernels.uses_torch(dt, r) for dt in dtypes)), self.MAX_ROWS)
 
     def accepts(self, batch) -> bool:
-        return batch.num_tokens <= self.max_rows
+        return batch.num_tokens <= self.max_rows and \
+            all(KernelAttention.uses_kernel(s.count) for s in batch.slices)
 
     def __call__(self, x: torch.Tensor, batch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         seqs = [(s.offset, s.count, s.start, self.kv.page_table(s.seq_id)) for s in batch.slices]

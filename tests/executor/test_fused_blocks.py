@@ -24,8 +24,8 @@ def _op_by_op(monkeypatch):
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2", "mistral"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_fused_logits_equal_op_by_op(checkpoint, arch, dtype, monkeypatch):
-    """Prefill (fused for fp32 up to 31 rows; bf16 prefill goes to oneDNN, op by op) then 20
-    decode steps over 16-token pages: every logit the same bits."""
+    """A 20-token prefill (op by op: its attention runs in PyTorch) then 20 decode steps over
+    16-token pages: every logit the same bits."""
     path = checkpoint(arch, dtype)
     ids = prompt_ids(40, 1024, seed=3)
     calls = []
@@ -36,6 +36,25 @@ def test_fused_logits_equal_op_by_op(checkpoint, arch, dtype, monkeypatch):
     _op_by_op(monkeypatch)
     reference = helm_teacher_forced_logits(path, ids, prefill=20)
     assert torch.equal(fused, reference)
+
+
+@pytest.mark.parametrize("dtype,max_rows", [("fp32", 31), ("bf16", 8)])
+def test_fused_steps_are_decode_batches_and_short_chunks(checkpoint, dtype, max_rows):
+    """Up to max_rows tokens (where our GEMV keeps every projection) whose sequences each have at
+    most KERNEL_MAX_QUERIES of them (the attention kernel's share; a longer chunk needs PyTorch's)."""
+    from executor.backends import KernelAttention
+    from executor.batch import StepBatch
+
+    path = checkpoint("qwen3", dtype)
+    cfg = ModelConfig.from_dir(path)
+    model = load_model(path, Placement.from_split(cfg.num_units, cfg.num_units), cfg, backend="helm")
+    fused = model.stages[0].fused
+    limit = KernelAttention.KERNEL_MAX_QUERIES
+    assert fused.max_rows == max_rows
+    assert fused.accepts(StepBatch.build([(i, 5, 1) for i in range(max_rows)]))  # decode batch
+    assert not fused.accepts(StepBatch.build([(i, 5, 1) for i in range(max_rows + 1)]))
+    assert fused.accepts(StepBatch.build([(0, 0, min(limit, max_rows))]))  # a short prompt chunk
+    assert not fused.accepts(StepBatch.build([(0, 0, limit + 1)]))
 
 
 def _engine_run(path, prompts, page_size, device_kv_pages=None, split=None):
