@@ -132,7 +132,7 @@ class FusedBlocks:
     (executor.kernels.BlockStack): the op-by-op kernel path, bit for bit, without Python and
     parallel-region start-up between the ops (at batch 1 those cost more than the small ops'
     arithmetic). Taken for steps of up to `max_rows` tokens, where every projection stays in our
-    GEMV (bf16 from 9 rows goes to oneDNN), whose every sequence's queries go to the attention
+    GEMV (bf16 from 13 rows goes to oneDNN), whose every sequence's queries go to the attention
     kernel (at most KERNEL_MAX_QUERIES each: a longer prompt chunk needs PyTorch's attention)."""
 
     MAX_ROWS = 32  # beyond this many tokens a step is prefill-like: op by op, GEMMs in oneDNN

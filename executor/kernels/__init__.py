@@ -9,7 +9,7 @@ Activations are fp32 and every kernel accumulates in fp32. Threads are always pa
 the cores as long as they are called one after the other.
 
 Batches above MAX_TILE_B (prefill) go to PyTorch's GEMM where it measured faster here
-(TORCH_PREFILL_MIN_B: bf16 from B=9, oneDNN with AMX, x and result rounded to bf16; fp32 from
+(TORCH_PREFILL_MIN_B: bf16 from B=13, oneDNN with AMX, x and result rounded to bf16; fp32 from
 B=32, MKL); KernelSet(isa, torch_prefill=False) keeps everything in these kernels.
 
 Importing this package without the compiled extension raises ImportError (the executor then

@@ -83,13 +83,14 @@ MAX_TILE_B = HELM_MAX_TILE_B
 #: Smallest batch (rows of x) from which `linear` hands a weight dtype to PyTorch instead of our
 #: kernels: prefill is compute-bound, and there the best GEMM wins. Measured on the development
 #: machine (Xeon with AMX, 2 cores; tools/bench_kernels.py --batches 1,8,17,64,128):
-#:   bf16: oneDNN's AMX GEMM is 2.3× ours at B=17 and 5× at B=128. It rounds x and the result to
-#:         bf16 (as PyTorch/transformers do in a bf16 model); KernelSet(..., torch_prefill=False)
-#:         keeps our fp32-exact kernels instead.
+#:   bf16: oneDNN's AMX GEMM is 2.3× ours at B=17 and 5× at B=128, but reads the weights slower
+#:         at B=9-12 (a 6144×1024 weight, cold: ours 12-17 GB/s vs 10.5-13.3 in two runs; even at
+#:         13-16). It rounds x and the result to bf16 (as PyTorch/transformers do in a bf16
+#:         model); KernelSet(..., torch_prefill=False) keeps our fp32-exact kernels instead.
 #:   fp32: MKL's sgemm, exact fp32, overtakes ours between B=17 and B=64.
 #:   fp16: never: PyTorch is at most 6% faster up to B=64 and 10-25% at B=128, and its result
 #:         would be rounded to fp16 (and can overflow).
-TORCH_PREFILL_MIN_B = {torch.bfloat16: HELM_MAX_TILE_B + 1, torch.float32: 32}
+TORCH_PREFILL_MIN_B = {torch.bfloat16: 13, torch.float32: 32}
 
 
 def cpu_supports(str isa) -> bool:
