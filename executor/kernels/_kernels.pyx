@@ -41,9 +41,14 @@ cdef extern from "helm_kernels.h" nogil:
                                      long t0, long t1) noexcept nogil
     ctypedef void (*helm_kv_write_fn)(const helm_kv_pages *kv, const float *qkv, long ld, int Hq,
                                       long start, long t0, long t1) noexcept nogil
+    ctypedef struct helm_att_split:
+        int segs
+        float *partial
+        int *done
     ctypedef void (*helm_attention_fn)(float *out, long ldo, const float *qkv, long ld, int Hq,
                                        const helm_kv_pages *kv, long start, long T, float scale,
-                                       long item) noexcept nogil
+                                       long item, const helm_att_split *split) noexcept nogil
+    int helm_att_segments(long keys, long pairs) noexcept nogil
 
     ctypedef struct helm_kernel_table:
         const char *isa
@@ -464,16 +469,27 @@ cdef class KernelSet:
         cdef const float *q = <const float *> <uintptr_t> qkv.data_ptr()
         cdef float *o = <float *> <uintptr_t> out.data_ptr()
         cdef float fscale = scale
-        cdef long items = T * kv.num_kv_heads
+        # Long sequences: several key segments per (KV head, query row), merged by the last to finish.
+        cdef helm_att_split split
+        cdef helm_att_split *sp = NULL
+        split.segs = helm_att_segments(start + T, T * kv.num_kv_heads)
+        if split.segs > 1:
+            partial = torch.empty(T * kv.num_kv_heads * split.segs * (num_heads // kv.num_kv_heads)
+                                  * (kv.head_dim + 2), dtype=_F32)
+            done = torch.zeros(T * kv.num_kv_heads, dtype=torch.int32)
+            split.partial = <float *> <uintptr_t> partial.data_ptr()
+            split.done = <int *> <uintptr_t> done.data_ptr()
+            sp = &split
+        cdef long items = T * kv.num_kv_heads * split.segs
         cdef int nt = _threads_for(num_threads, items)
         cdef long i
         if nt == 1:
             with nogil:
                 for i in range(items):
-                    fn(o, ldo, q, ld, num_heads, &desc, start, T, fscale, i)
+                    fn(o, ldo, q, ld, num_heads, &desc, start, T, fscale, i, sp)
             return out
         for i in prange(items, schedule='dynamic', nogil=True, num_threads=nt):
-            fn(o, ldo, q, ld, num_heads, &desc, start, T, fscale, i)
+            fn(o, ldo, q, ld, num_heads, &desc, start, T, fscale, i, sp)
         return out
 
     def read_pass(self, buf, *, int num_threads) -> int:
@@ -617,6 +633,9 @@ cdef extern from "decode_blocks.h" nogil:
         float *attn
         float *gu
         float *act
+        float *att_partial
+        int *att_done
+    long helm_decode_attention_floats(const helm_stack_desc *m, const helm_seq_desc *seqs, int nseq)
     void helm_decode_blocks(const helm_kernel_table *tab, const helm_stack_desc *m,
                             const helm_block_desc *blocks, int nblocks, const helm_seq_desc *seqs,
                             int nseq, int T, const float *cos, const float *sin,
@@ -745,13 +764,18 @@ cdef class BlockStack:
             attn = torch.empty((T, self.m.Hq * self.m.D), dtype=_F32)
             gu = torch.empty((T, 2 * self.m.I), dtype=_F32)
             act = torch.empty((T, self.m.I), dtype=_F32)
-            self._run(x, h, qkv, attn, gu, act, cos, sin, sd, nseq, T)
+            partial = torch.empty(helm_decode_attention_floats(&self.m, sd, nseq), dtype=_F32)
+            done = torch.zeros(self.nblocks * T * self.m.Hkv, dtype=torch.int32)
+            self._run(x, h, qkv, attn, gu, act, partial, done, cos, sin, sd, nseq, T)
         finally:
             free(sd)
         return x
 
-    cdef void _run(self, x, h, qkv, attn, gu, act, cos, sin, helm_seq_desc *sd, int nseq, int T):
+    cdef void _run(self, x, h, qkv, attn, gu, act, partial, done, cos, sin, helm_seq_desc *sd, int nseq,
+                   int T):
         cdef helm_step_buffers buf
+        buf.att_partial = <float *> <uintptr_t> partial.data_ptr() if partial.numel() else NULL
+        buf.att_done = <int *> <uintptr_t> done.data_ptr()
         buf.x = <float *> <uintptr_t> x.data_ptr()
         buf.h = <float *> <uintptr_t> h.data_ptr()
         buf.qkv = <float *> <uintptr_t> qkv.data_ptr()

@@ -38,6 +38,16 @@ def test_fused_logits_equal_op_by_op(checkpoint, arch, dtype, monkeypatch):
     assert torch.equal(fused, reference)
 
 
+def test_fused_long_context_equals_op_by_op(checkpoint, monkeypatch):
+    """Decode steps at 2031..2048 keys over 16-token pages: the last attends in two key segments
+    per (KV head, query) (helm_att_split), merged by whichever thread finishes last."""
+    path = checkpoint("qwen3", "bf16")
+    ids = prompt_ids(2048, 1024, seed=4)
+    fused = helm_teacher_forced_logits(path, ids, prefill=2030)
+    _op_by_op(monkeypatch)
+    assert torch.equal(fused, helm_teacher_forced_logits(path, ids, prefill=2030))
+
+
 @pytest.mark.parametrize("dtype,max_rows", [("fp32", 31), ("bf16", 12)])
 def test_fused_steps_are_decode_batches_and_short_chunks(checkpoint, dtype, max_rows):
     """Up to max_rows tokens (where our GEMV keeps every projection) whose sequences each have at

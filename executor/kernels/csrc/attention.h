@@ -163,20 +163,17 @@ HELM_INLINE void CAT(att_block_, WNAME)(float *restrict m, float *restrict l, fl
     }
 }
 
-/* Keys [0, kend) are split into HELM_ATT_LANES contiguous ranges (lanes), each with its own
- * online-softmax state, walked a block at a time in turn: one thread then streams 2·LANES
- * independent runs of memory (K and V of each lane), where one run of K then V reached ~9 GB/s
- * here against ~24 GB/s for the machine. The lanes merge at the end (a softmax over the union).
- * Short sequences (under two blocks per lane) take one lane; the split depends only on kend. */
-static void CAT(attention_, WNAME)(float *out, long ldo, const float *qkv, long ld, int Hq,
-                                   const helm_kv_pages *kv, long start, long T, float scale,
-                                   long item) {
-    const int P = kv->P, D = kv->D, G = Hq / kv->Hkv;
-    const long h = item / T, t = item % T;
-    const long kend = start + t + 1; /* causal: keys at positions <= start + t */
-    const float *q = qkv + t * ld + h * G * D; /* the G query heads of KV head h, adjacent */
-    float *o = out + t * ldo + h * G * D;      /* lane 0 accumulates in place */
-    const int lanes = kend >= 2L * HELM_ATT_BLOCK * HELM_ATT_LANES ? HELM_ATT_LANES : 1;
+/* Keys [k0, k1) of KV head h for its G query heads q: split into HELM_ATT_LANES contiguous
+ * ranges (lanes), each with its own online-softmax state, walked a block at a time in turn: one
+ * thread then streams 2·LANES independent runs of memory (K and V of each lane), where one run of
+ * K then V reached ~9 GB/s here against ~24 GB/s for the machine. The lanes merge at the end into
+ * m, l and the unnormalised o (rescaled to m). Short ranges (under two blocks per lane) take one
+ * lane; the split depends only on the range. An empty range leaves m = -inf, l = o = 0. */
+static void CAT(att_range_, WNAME)(float *restrict m_out, float *restrict l_out, float *o, const float *q,
+                                   const helm_kv_pages *kv, long h, long k0, long k1, float scale, int G) {
+    const int P = kv->P, D = kv->D;
+    const long n = k1 - k0;
+    const int lanes = n >= 2L * HELM_ATT_BLOCK * HELM_ATT_LANES ? HELM_ATT_LANES : 1;
     float m[HELM_ATT_LANES][G], l[HELM_ATT_LANES][G], spare[HELM_ATT_LANES - 1][G * D];
     float *lo[HELM_ATT_LANES];
     long key[HELM_ATT_LANES], end[HELM_ATT_LANES];
@@ -188,8 +185,8 @@ static void CAT(attention_, WNAME)(float *out, long ldo, const float *qkv, long 
             l[r][g] = 0.0f;
         }
         /* lane boundaries on whole blocks, so the blocks are the same whatever the lane count */
-        key[r] = kend * r / lanes / HELM_ATT_BLOCK * HELM_ATT_BLOCK;
-        end[r] = r + 1 < lanes ? kend * (r + 1) / lanes / HELM_ATT_BLOCK * HELM_ATT_BLOCK : kend;
+        key[r] = k0 + n * r / lanes / HELM_ATT_BLOCK * HELM_ATT_BLOCK;
+        end[r] = r + 1 < lanes ? k0 + n * (r + 1) / lanes / HELM_ATT_BLOCK * HELM_ATT_BLOCK : k1;
     }
     for (int busy = 1; busy;) {
         busy = 0;
@@ -216,6 +213,58 @@ static void CAT(attention_, WNAME)(float *out, long ldo, const float *qkv, long 
         for (int d = 0; d < D; d++) {
             float acc = og[d] * w[0];
             for (int r = 1; r < lanes; r++) acc += lo[r][g * D + d] * w[r];
+            og[d] = acc;
+        }
+        m_out[g] = mx;
+        l_out[g] = sum;
+    }
+}
+
+/* First key of segment s of S over [0, kend), on a block boundary (segment S: kend). */
+static inline long CAT(att_seg_key_, WNAME)(long kend, int s, int S) {
+    return s >= S ? kend : kend * s / S / HELM_ATT_BLOCK * HELM_ATT_BLOCK;
+}
+
+/* One work item (helm_attention_fn): a (KV head, query row) whole, or one segment of it, the
+ * last segment to finish merging the partials in segment order (so whichever thread runs it, the
+ * result is the same). */
+static void CAT(attention_, WNAME)(float *out, long ldo, const float *qkv, long ld, int Hq,
+                                   const helm_kv_pages *kv, long start, long T, float scale,
+                                   long item, const helm_att_split *split) {
+    const int D = kv->D, G = Hq / kv->Hkv;
+    const int S = split ? split->segs : 1;
+    const long ht = item / S;
+    const int s = (int)(item % S);
+    const long h = ht / T, t = ht % T;
+    const long kend = start + t + 1; /* causal: keys at positions <= start + t */
+    const float *q = qkv + t * ld + h * G * D; /* the G query heads of KV head h, adjacent */
+    float *o = out + t * ldo + h * G * D;
+    if (S == 1) {
+        float m[G], l[G];
+        CAT(att_range_, WNAME)(m, l, o, q, kv, h, 0, kend, scale, G);
+        for (int g = 0; g < G; g++)
+            for (int d = 0; d < D; d++) o[g * D + d] /= l[g];
+        return;
+    }
+    const size_t stride = (size_t)G * (size_t)(D + 2);
+    float *part = split->partial + (size_t)ht * (size_t)S * stride;
+    float *p = part + (size_t)s * stride;
+    CAT(att_range_, WNAME)(p, p + G, p + 2 * G, q, kv, h, CAT(att_seg_key_, WNAME)(kend, s, S),
+                           CAT(att_seg_key_, WNAME)(kend, s + 1, S), scale, G);
+    /* release our partial, acquire the others' */
+    if (__atomic_add_fetch(&split->done[ht], 1, __ATOMIC_ACQ_REL) < S) return;
+    for (int g = 0; g < G; g++) {
+        float mx = -INFINITY;
+        for (int r = 0; r < S; r++) mx = part[r * stride + g] > mx ? part[r * stride + g] : mx;
+        float sum = 0.0f, w[HELM_ATT_MAX_SEGS];
+        for (int r = 0; r < S; r++) {
+            w[r] = helm_expf(part[r * stride + g] - mx);
+            sum += part[r * stride + G + g] * w[r];
+        }
+        float *og = o + g * D;
+        for (int d = 0; d < D; d++) {
+            float acc = 0.0f;
+            for (int r = 0; r < S; r++) acc += part[r * stride + 2 * G + g * D + d] * w[r];
             og[d] = acc / sum;
         }
     }

@@ -26,6 +26,15 @@ static inline void gemv(const helm_kernel_table *tab, const helm_linear_desc *l,
     tab->gemv[l->dtype](out, l->N, x, l->w, l->bias, accum, T, l->N, l->K, t, nt, claims);
 }
 
+long helm_decode_attention_floats(const helm_stack_desc *m, const helm_seq_desc *seqs, int nseq) {
+    long n = 0;
+    for (int s = 0; s < nseq; s++) {
+        const int S = helm_att_segments(seqs[s].start + seqs[s].count, (long)m->Hkv * seqs[s].count);
+        if (S > 1) n += (long)m->Hkv * seqs[s].count * S * (m->Hq / m->Hkv) * (m->D + 2);
+    }
+    return n;
+}
+
 void helm_decode_blocks(const helm_kernel_table *tab, const helm_stack_desc *m,
                         const helm_block_desc *blocks, int nblocks, const helm_seq_desc *seqs,
                         int nseq, int T, const float *cos, const float *sin,
@@ -33,8 +42,19 @@ void helm_decode_blocks(const helm_kernel_table *tab, const helm_stack_desc *m,
                         long *counters) {
     const int H = m->H, Hq = m->Hq, Hkv = m->Hkv, D = m->D, I = m->I;
     const long ldq = (long)(Hq + 2 * Hkv) * D, lda = (long)Hq * D;
-    long items = 0; /* attention work items of one layer: (sequence, KV head, query row) */
-    for (int s = 0; s < nseq; s++) items += (long)Hkv * seqs[s].count;
+    /* attention work items of one layer: (sequence, KV head, query row, key segment) */
+    long items = 0, hts = 0, part = 0;
+    int segs[nseq];
+    long seq_items[nseq], part_off[nseq], ht_off[nseq];
+    for (int s = 0; s < nseq; s++) {
+        segs[s] = helm_att_segments(seqs[s].start + seqs[s].count, (long)Hkv * seqs[s].count);
+        seq_items[s] = (long)Hkv * seqs[s].count * segs[s];
+        part_off[s] = part;
+        ht_off[s] = hts;
+        items += seq_items[s];
+        hts += (long)Hkv * seqs[s].count;
+        if (segs[s] > 1) part += seq_items[s] * (Hq / Hkv) * (D + 2);
+    }
 
 #pragma omp parallel num_threads(num_threads)
     {
@@ -64,12 +84,14 @@ void helm_decode_blocks(const helm_kernel_table *tab, const helm_stack_desc *m,
             /* Attention items handed out one at a time: sequences differ in length. */
             for (long it; (it = __atomic_fetch_add(&counters[i], 1, __ATOMIC_RELAXED)) < items;) {
                 int s = 0;
-                while (it >= (long)Hkv * seqs[s].count) it -= (long)Hkv * seqs[s++].count;
+                while (it >= seq_items[s]) it -= seq_items[s++];
                 const helm_kv_pages kv = {seqs[s].pages, layer_off, (long)m->P * D, (long)Hkv * m->P * D,
                                           Hkv, m->P, D};
+                const helm_att_split split = {segs[s], buf->att_partial + part_off[s],
+                                              buf->att_done + (long)i * hts + ht_off[s]};
                 tab->attention[m->kv_dtype](buf->attn + seqs[s].offset * lda, lda,
                                             buf->qkv + seqs[s].offset * ldq, ldq, Hq, &kv, seqs[s].start,
-                                            seqs[s].count, m->scale, it);
+                                            seqs[s].count, m->scale, it, segs[s] > 1 ? &split : NULL);
             }
 #pragma omp barrier
             gemv(tab, &b->o, buf->x, buf->attn, 1, T, t, nt, cl + num_threads); /* x += o(attn) */

@@ -35,10 +35,17 @@ typedef struct helm_seq_desc {
 } helm_seq_desc;
 
 /* fp32 activations, row-major with T rows: x [T, H] (the residual stream, updated in place),
- * h [T, H], qkv [T, (Hq + 2Hkv)·D], attn [T, Hq·D], gu [T, 2I], act [T, I]. */
+ * h [T, H], qkv [T, (Hq + 2Hkv)·D], attn [T, Hq·D], gu [T, 2I], act [T, I]. Attention segments
+ * (helm_att_split): att_partial, helm_decode_attention_floats(...) floats (NULL if 0), and att_done,
+ * nblocks · Σ Hkv·count zeros. */
 typedef struct helm_step_buffers {
     float *x, *h, *qkv, *attn, *gu, *act;
+    float *att_partial;
+    int *att_done;
 } helm_step_buffers;
+
+/* Floats of att_partial the step's sequences need. */
+long helm_decode_attention_floats(const helm_stack_desc *m, const helm_seq_desc *seqs, int nseq);
 
 /* Runs blocks 0..nblocks-1 (KV layers 0..nblocks-1) on the T rows of x with num_threads OpenMP
  * threads: writes each sequence's K/V for its positions, then attention over its pages. cos, sin:

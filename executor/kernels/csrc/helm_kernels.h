@@ -85,12 +85,41 @@ typedef void (*helm_rope_qk_fn)(float *qkv, long ld, int Hq, int Hkv, int D, con
 typedef void (*helm_kv_write_fn)(const helm_kv_pages *kv, const float *qkv, long ld, int Hq,
                                  long start, long t0, long t1);
 
-/* Causal attention of one work item = (KV head h, query row t) with item = h*T + t: the Hq/Hkv
- * query heads of h in qkv row t (position start + t) over the keys at positions <= start + t,
- * streamed page by page with an online softmax; writes out[t*ldo + (h*G + g)*D + d], fp32. */
+/* A sequence with few (KV head, query row) pairs splits its keys into segments, each its own work
+ * item, so that every thread still streams KV (batch 1 of a model with 8 KV heads on a 16-core
+ * machine, or one KV head on two cores): up to HELM_ATT_MIN_ITEMS items per sequence, segments
+ * of at least HELM_ATT_SEG_KEYS keys. The count depends on the sequence alone (its pairs and the
+ * keys of its last query), never on the threads or the other sequences of the step, so neither
+ * changes its result. Each extra segment restarts the memory streams: on 2 threads with enough
+ * pairs, 4 segments per pair cost 5-8% of a cold attention pass, hence the bound. */
+#define HELM_ATT_SEG_KEYS 1024
+#define HELM_ATT_MAX_SEGS 16
+#define HELM_ATT_MIN_ITEMS 16
+static inline int helm_att_segments(long keys, long pairs) {
+    long s = keys / HELM_ATT_SEG_KEYS;
+    const long want = (HELM_ATT_MIN_ITEMS + pairs - 1) / pairs;
+    s = s < want ? s : want;
+    return s < 1 ? 1 : s > HELM_ATT_MAX_SEGS ? HELM_ATT_MAX_SEGS : (int)s;
+}
+
+/* Where the segments of a sequence's items meet: partial [T*Hkv][segs][G*(D + 2)] floats (each
+ * segment's running max m[G], sum l[G] and unnormalised output o[G*D]) and done [T*Hkv] zeros
+ * (segments finished per (KV head, query row); the last one to finish merges them all, in
+ * segment order). */
+typedef struct helm_att_split {
+    int segs;
+    float *partial;
+    int *done;
+} helm_att_split;
+
+/* Causal attention of one work item = (KV head h, query row t, segment s) with item = (h*T + t)*S
+ * + s (S = split->segs, 1 when split is NULL): the Hq/Hkv query heads of h in qkv row t (position
+ * start + t) over the keys at positions <= start + t (segment s of them), streamed page by page
+ * with an online softmax; writes out[t*ldo + (h*G + g)*D + d], fp32, once every segment of
+ * (h, t) is done. */
 typedef void (*helm_attention_fn)(float *out, long ldo, const float *qkv, long ld, int Hq,
                                   const helm_kv_pages *kv, long start, long T, float scale,
-                                  long item);
+                                  long item, const helm_att_split *split);
 
 /* dst[i] = bf16(src[i]) (round to nearest even) / dst[i] = float(src[i]) for i0 <= i < i1: the
  * activation conversions around a bf16 GEMM handed to PyTorch. */

@@ -98,6 +98,9 @@ def test_kv_write_rounds_like_torch(isa, dtype):
     (4, 1, 64, 512, 600, 2),  # one KV head for 4 query heads, 512-token pages
     (12, 2, 32, 16, 70, 2),  # 6 query heads per KV head: a pass of 4 heads, then one of 2
     (7, 1, 24, 8, 33, 3),  # 7 per KV head: 4, then 3 (Qwen2-7B's ratio), D with a scalar tail
+    (4, 1, 32, 256, 2100, 1),  # 2101 keys: 2 segments (helm_att_split), one KV head (MQA)
+    (6, 2, 16, 512, 3500, 4),  # 8 (head, row) pairs: 2 segments, the early rows' first ones shorter
+    (2, 1, 8, 64, 17000, 1),  # the cap: 16 segments
 ])
 def test_paged_attention_matches_reference(isa, dtype, hq, hkv, D, P, start, T):
     ks = K.KernelSet(isa)
