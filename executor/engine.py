@@ -84,7 +84,7 @@ class StepRecord:
     num_seqs: int
     max_context: int
     stages: tuple[StageTiming, ...]
-    chunk_end: int = 0          # where the step's longest slice (its prompt chunk, if any) ends
+    prefill_chunks: tuple[tuple[int, int], ...] = ()  # (start, count) of each prompt chunk (count > 1)
 
 
 class Engine:
@@ -233,10 +233,9 @@ class Engine:
                 clock[1].synchronize()
                 clock = clock[0].elapsed_time(clock[1])
             timings.append(StageTiming(i, stage.device.type, clock))
-        longest = max(batch.slices, key=lambda s: s.count)
         self.last_step = StepRecord(batch.num_tokens, len(batch.slices),
                                     max(s.start + s.count for s in batch.slices), tuple(timings),
-                                    longest.start + longest.count)
+                                    tuple((s.start, s.count) for s in batch.slices if s.count > 1))
         return logits
 
     def _append(self, seq: Sequence, logits: torch.Tensor) -> TokenEvent:

@@ -248,10 +248,10 @@ class Recorder:
 
     def _predict(self, phase: str, context: int, batch: int, tokens: int) -> tuple[StagePredicted, ...]:
         """The cost model's time per stage for one step. Decode: `batch` sequences at mean context
-        `context`. Prefill (a step with prompt tokens): the plan's prefill estimate for a chunk of
-        the step's tokens less one per other sequence (those decode: their few-token share of the
-        step is left out) after the cached prefix that `context`, where the chunk ends, implies.
-        The link term goes to the stage that receives the hidden state (it measures the copy)."""
+        `context`. Prefill (a step with prompt chunks): the plan's prefill estimate for `batch`
+        chunks of tokens/batch tokens each, ending at `context` on average, so each after the
+        cached prefix that implies (the step's decodes, a few tokens, are left out). The link term
+        goes to the stage that receives the hidden state (it measures the copy)."""
         from planner.plan import predict
 
         if phase == "decode":
@@ -259,9 +259,9 @@ class Recorder:
             stages = [(s.ms_per_token, s.roofline_ms_per_token) for s in pred.stages]
             link = pred.comm_ms_per_token
         else:
-            chunk = max(1, tokens - (batch - 1))
+            chunk = max(1, round(tokens / batch))
             plan = replace(self.plan, workload=replace(self.plan.workload, prompt_tokens=chunk))
-            pred = predict(plan, max(context, 1), 1, prefix_tokens=max(0, context - chunk))
+            pred = predict(plan, max(context, 1), batch, prefix_tokens=max(0, context - chunk))
             stages = [(s.prefill_ms, s.prefill_ms - s.overhead_ms_per_token) for s in pred.stages]
             link = max(0.0, pred.ttft_ms - sum(s.prefill_ms for s in pred.stages))
         return tuple(StagePredicted(ms + (link if i else 0.0), roof + (link if i else 0.0))

@@ -226,32 +226,37 @@ def recalibrate(plan: Plan, report, source: str, min_samples: int = MIN_STAGE_SA
         devices.setdefault(plan.partition.stages[i].device, []).extend(rows)
 
     calibration = plan.calibration
-    fits, phase_fits = [], []
+    fits, fitted_rows = [], []
     for device, rows in devices.items():
         decode = fit_decode(plan, device, rows)
+        calibration = with_values(calibration, device, eta_kv=decode.shape, delta_ms_per_block=decode.delta,
+                                  eta_memory=decode.level)
         prefill_rows, prefill_note = _prefill_rows(report, device)
-        prefill = fit_prefill(plan, prefill_rows, decode.delta) if prefill_rows else None
-        fit = device_fit(device, decode, prefill, prefill_note)
-        fits.append(fit)
-        values = dict(eta_kv=decode.shape, delta_ms_per_block=decode.delta, eta_memory=decode.level)
+        prefill = fit_prefill(plan, prefill_rows, calibration) if prefill_rows else None
         if prefill is not None:
-            values.update(eta_attn=prefill.shape, eta_compute=prefill.level)
-        calibration = with_values(calibration, device, **values)
-        phase_fits += [f for f in (decode, prefill) if f is not None]
+            calibration = with_values(calibration, device, eta_attn=prefill.shape, eta_compute=prefill.level)
+        fits.append(device_fit(device, decode, prefill, prefill_note))
+        fitted_rows += [m.row for f in (decode, prefill) if f is not None for m in f.models]
     calibration = replace(calibration, provenance="recalibrated", samples=max(f.samples for f in fits))  # steps
 
+    # Every row against the written plan's model (the final calibration, stored values): the table,
+    # and the robust weights of the fitted rows at those values.
+    after = {}
+    for row in report.rows:
+        model = RowModel(plan, row, calibration=calibration)
+        dev = calibration.for_device(row.device)
+        after[_key(row)] = model.predict_at(getattr(dev, model.shape_name), dev.delta_ms_per_block,
+                                            getattr(dev, model.level_name))
     weights = {}
-    for f in phase_fits:
-        # final weights at the stored (rounded) values
-        res = [(m.measured - m.predict_at(f.shape, f.delta, f.level)) / m.measured for m in f.models]
-        for m, w in zip(f.models, robust_weights(res)):
-            weights[_key(m.row)] = w
+    for device in devices:
+        for phase in ("decode", "prefill"):
+            group = [r for r in fitted_rows if r.device == device and r.phase == phase]
+            res = [(r.measured_mean_ms - after[_key(r)]) / r.measured_mean_ms for r in group]
+            weights.update(zip(map(_key, group), robust_weights(res) if group else []))
 
     table, residuals = [], []
     for row in report.rows:
-        dev = calibration.for_device(row.device)
-        model = RowModel(plan, row)
-        after = model.predict_at(getattr(dev, model.shape_name), dev.delta_ms_per_block, getattr(dev, model.level_name))
+        after_ms = after[_key(row)]
         if _key(row) in weights:
             w = weights[_key(row)]
             status = ("outlier: weight 0" if w == 0 else "fitted" if w >= 0.995 else f"fitted, weight {w:.2f}")
@@ -259,15 +264,15 @@ def recalibrate(plan: Plan, report, source: str, min_samples: int = MIN_STAGE_SA
                 stage=row.stage, device=row.device, phase=row.phase, context_min=row.context_min,
                 context_max=row.context_max, samples=row.samples, context_mean=round_sig(row.context_mean),
                 batch_mean=round_sig(row.batch_mean), measured_ms=round_sig(row.measured_mean_ms),
-                predicted_before_ms=round_sig(row.predicted_ms), predicted_after_ms=round_sig(after),
+                predicted_before_ms=round_sig(row.predicted_ms), predicted_after_ms=round_sig(after_ms),
                 error_before_pct=round_sig(pct(row.measured_mean_ms, row.predicted_ms), 4),
-                error_after_pct=round_sig(pct(row.measured_mean_ms, after), 4), weight=round_sig(w, 4)))
+                error_after_pct=round_sig(pct(row.measured_mean_ms, after_ms), 4), weight=round_sig(w, 4)))
         elif row.phase == "decode":
             status = f"too few steps (< {MIN_ROW_SAMPLES})"
         else:
             status = f"not fitted (< {MIN_PREFILL_ROW_SAMPLES} steps, or too few prefill steps)"
         table.append(TableRow(row.stage, row.device, row.phase, row.context_min, row.context_max, row.samples,
-                              row.measured_mean_ms, row.predicted_ms, after, status))
+                              row.measured_mean_ms, row.predicted_ms, after_ms, status))
 
     rp = report.plan
     created = datetime.fromtimestamp(report.created_unix_ns / 1e9, tz=timezone.utc)

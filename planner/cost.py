@@ -113,7 +113,7 @@ def unit_prefill_ms(unit: UnitIR, rates: DeviceRates, batch: int, prompt: int, p
     rows = 1 if unit.kind == "head" else prompt
     t_proj = _ms(batch * rows * unit.proj_flops_per_token, rates.prefill_gflops,
                  weight_read_bytes(unit, batch * prompt), rates.mem_gibps, cal)
-    pairs = prompt * prefix + prompt * (prompt + 1) // 2  # (query, visible key) pairs
+    pairs = prompt * prefix + prompt * (prompt + 1) / 2  # (query, visible key) pairs
     t_attn = _ms(batch * pairs * unit.attn_flops_per_context_token, rates.prefill_gflops * cal.eta_attn,
                  batch * prefix * unit.kv_bytes_per_token, rates.mem_gibps * cal.eta_kv, cal)
     return t_proj + t_attn

@@ -79,12 +79,12 @@ def _stage_roofline_ms(plan: Plan, calibration: Calibration, stage: int, phase: 
                        context: float, batch: float, tokens: float) -> tuple[float, float]:
     """What the executor's Recorder predicts for one step before n_blocks·δ, as (the stage's own
     roofline, the link term): the stage's decode roofline at (context, batch) — or, for a prefill
-    step, its prefill of the prompt chunk (the step's tokens less one per other sequence) after the
-    prefix that `context`, where the chunk ends, implies — and the link on the receiving stage."""
+    step, its prefill of `batch` prompt chunks of tokens/batch tokens each, after the prefix that
+    `context`, where they end, implies — and the link on the receiving stage."""
     decode = phase == "decode"
-    chunk = max(1.0, tokens - (batch - 1))
+    chunk = max(1.0, tokens / max(batch, 1.0))
     cost = evaluate_split(plan.partition.split_k, plan.ir.units, plan.ir.shared_weights, plan.machine,
-                          batch=batch if decode else 1, context=context if decode else max(context, 1.0),
+                          batch=batch, context=context if decode else max(context, 1.0),
                           prompt=plan.workload.prompt_tokens if decode else chunk,
                           page_size_tokens=plan.kv.page_size_tokens, watermark=plan.kv.watermark,
                           offload=plan.kv.offload, gpu_budget_bytes=plan.limits.gpu_budget_bytes,
@@ -101,26 +101,32 @@ class RowModel:
     anchored to the report's own roofline prediction. The level enters the fit as `scale` =
     level(measured plan) / level, multiplying the stage's roofline (not the link)."""
 
-    def __init__(self, plan: Plan, row, level: float | None = None):
+    def __init__(self, plan: Plan, row, level: float | None = None, calibration: Calibration | None = None):
+        """`calibration`: the other parameters' values to evaluate with (default: the measured
+        plan's; the prefill fit passes the decode fit's η_m, η_kv and δ, the table the final ones)."""
         self.row = row
         self.device = row.device
         self.blocks = row.num_blocks
         self.measured = row.measured_mean_ms
         self._plan = plan
-        self._cal = plan.calibration
+        self._cal = calibration or plan.calibration
         self.shape_name, self.level_name = PARAMS[row.phase]
         dev = self._cal.for_device(row.device)
-        self.shape0, planned = getattr(dev, self.shape_name), getattr(dev, self.level_name)
-        self.level0 = planned if level is None else level  # where `scale` is 1
+        self.shape0, self.level0 = getattr(dev, self.shape_name), getattr(dev, self.level_name)
+        if level is not None:
+            self.level0 = level  # where `scale` is 1
         self._cache: dict[tuple[float, float], tuple[float, float]] = {}
-        stage, link = self._raw(self.shape0, planned)
         # The report's roofline is the mean over the row's steps; the model at the mean context
-        # and batch differs from it only where the roofline bends within the bucket.
+        # and batch differs from it only where the roofline bends within the bucket: the ratio of
+        # the two, at the measured plan's calibration, anchors the model to those very steps.
+        measured = plan.calibration
+        mdev = measured.for_device(row.device)
+        stage, link = self._raw(measured, getattr(mdev, self.shape_name), getattr(mdev, self.level_name))
         base = stage + link
         self.ratio = row.predicted_roofline_ms / base if base > 0 and row.predicted_roofline_ms > 0 else 1.0
 
-    def _raw(self, shape: float, level: float) -> tuple[float, float]:
-        cal = with_values(self._cal, self.device, **{self.shape_name: shape, self.level_name: level})
+    def _raw(self, calibration: Calibration, shape: float, level: float) -> tuple[float, float]:
+        cal = with_values(calibration, self.device, **{self.shape_name: shape, self.level_name: level})
         r = self.row
         return _stage_roofline_ms(self._plan, cal, r.stage, r.phase, r.context_mean, r.batch_mean, r.tokens_mean)
 
@@ -128,7 +134,7 @@ class RowModel:
         """(stage roofline, link) in ms (level: default the measured plan's)."""
         key = (shape, self.level0 if level is None else level)
         if key not in self._cache:
-            stage, link = self._raw(*key)
+            stage, link = self._raw(self._cal, *key)
             self._cache[key] = (self.ratio * stage, self.ratio * link)
         return self._cache[key]
 
@@ -324,10 +330,11 @@ def finite(x: float | None) -> float | None:
     return round_sig(x) if x is not None and math.isfinite(x) else None
 
 
-def _fit_phase(plan: Plan, rows: list, how: _Level, what: str) -> PhaseFit:
+def _fit_phase(plan: Plan, rows: list, how: _Level, what: str, calibration: Calibration | None = None) -> PhaseFit:
     """Fit one device's rows of one phase: the level as `how` says, the shape parameter where
-    the buckets pin it down. `what`: the part of the step the shape parameter prices, for notes."""
-    models = [RowModel(plan, r) for r in rows]
+    the buckets pin it down, the other parameters at `calibration` (default: the measured plan's).
+    `what`: the part of the step the shape parameter prices, for notes."""
+    models = [RowModel(plan, r, calibration=calibration) for r in rows]
     m0 = models[0]
     sym_shape, sym_level = SYMBOL[m0.shape_name], SYMBOL[m0.level_name]
     buckets = len({r.context_min for r in rows})
@@ -358,7 +365,7 @@ def _fit_phase(plan: Plan, rows: list, how: _Level, what: str) -> PhaseFit:
         for _ in range(MAX_RECENTRES):
             if abs(sol.scale - 1) < 1e-6:
                 break
-            models = [RowModel(plan, m.row, level=m.level0 / sol.scale) for m in models]
+            models = [RowModel(plan, m.row, level=m.level0 / sol.scale, calibration=calibration) for m in models]
             sol = _solve(models, fit_shape, sol.shape, how)
         m0 = models[0]
     se = _stderrs(models, sol, fit_shape, how)
@@ -407,9 +414,11 @@ def fit_decode(plan: Plan, device: str, rows: list) -> PhaseFit:
     return replace(fit, notes=tuple(notes))
 
 
-def fit_prefill(plan: Plan, rows: list, delta: float) -> PhaseFit:
-    """η_c and η_attn of one device from its prefill rows, with the decode rows' δ."""
-    return _fit_phase(plan, rows, _Level("scale", delta), "the attention over the cached prefix")
+def fit_prefill(plan: Plan, rows: list, calibration: Calibration) -> PhaseFit:
+    """η_c and η_attn of one device from its prefill rows, with `calibration` holding what the
+    decode rows gave (δ, η_m, η_kv: a prompt chunk also reads the weights and its prefix's KV)."""
+    delta = calibration.for_device(rows[0].device).delta_ms_per_block
+    return _fit_phase(plan, rows, _Level("scale", delta), "the attention over the cached prefix", calibration)
 
 
 def device_fit(device: str, decode: PhaseFit, prefill: PhaseFit | None, prefill_note: str = "") -> DeviceFit:

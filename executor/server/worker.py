@@ -202,9 +202,14 @@ class EngineWorker:
         if record is None or record is self._last_record:
             return ()
         self._last_record = record
-        phase = "prefill" if record.num_tokens > record.num_seqs else "decode"
-        # Prefill: where the prompt chunk ends (the Recorder prices its attention over the prefix).
-        context = record.chunk_end if phase == "prefill" else record.max_context
+        phase = "prefill" if record.prefill_chunks else "decode"
+        context, batch, tokens = record.max_context, record.num_seqs, record.num_tokens
+        if phase == "prefill":
+            # The step's prompt chunks (its decodes' share is left out): how many, their tokens and
+            # where they end on average (the Recorder prices their attention over the prefixes).
+            chunks = record.prefill_chunks
+            batch, tokens = len(chunks), sum(n for _, n in chunks)
+            context = round(sum(s + n for s, n in chunks) / len(chunks))
         if phase == "decode":
             # Each sequence attended over its whole length: prompt + the tokens before this one.
             lengths = [s.prompt_len + s.produced for e in events if e.token_id is not None
@@ -212,7 +217,7 @@ class EngineWorker:
             if lengths:
                 context = round(sum(lengths) / len(lengths))
         measured = tuple(t.ms for t in record.stages)
-        predicted = self.recorder.record(phase, context, record.num_seqs, record.num_tokens, measured)
+        predicted = self.recorder.record(phase, context, batch, tokens, measured)
         return tuple((m, p.ms) for m, p in zip(measured, predicted))
 
     def _snapshot(self) -> WorkerSnapshot:

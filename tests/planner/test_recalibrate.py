@@ -144,6 +144,21 @@ def test_recovers_eta_c_and_eta_attn_from_prompt_chunks(dev_plan, seed):
     assert result.plan.prediction.ttft_ms < dev_plan.prediction.ttft_ms / 1.3
 
 
+def test_prefill_is_fitted_with_the_decode_fit_values(dev_plan):
+    """Short prompt chunks are partly bound by their weight reads, at η_m: the prefill fit and the
+    table price them with the η_m (and η_kv) the decode rows just gave, as the written plan does."""
+    truth = Calibration(cpu=DeviceCalibration(eta_memory=1.6, eta_kv=0.6, eta_compute=1.5, eta_attn=1.2))
+    prompts = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096] * 2
+    result = recalibrate(dev_plan, synthetic_report(dev_plan, truth, LONG, seed=12, prompts=prompts), "synthetic")
+    assert_recovered(result, truth)
+    (fit,) = result.fits
+    assert fit.eta_memory_fitted and fit.prefill.eta_attn_fitted
+    assert fit.prefill.eta_compute == pytest.approx(1.5, rel=RECOVERY_TOLERANCE)
+    assert fit.prefill.eta_attn == pytest.approx(1.2, rel=RECOVERY_TOLERANCE)
+    prefill = [r for r in result.rows if r.phase == "prefill"]
+    assert len(prefill) == 9 and all(abs(r.error_after_pct) < 3 for r in prefill), prefill
+
+
 def test_recovers_prefill_calibration_per_device(split_plan):
     truth = Calibration(cpu=DeviceCalibration(eta_kv=0.9, delta_ms_per_block=0.8, eta_compute=1.3, eta_attn=0.6),
                         cuda=DeviceCalibration(eta_kv=0.85, delta_ms_per_block=0.14, eta_compute=0.7))
