@@ -38,10 +38,6 @@ class TorchBackend:
     def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return ops.silu_mul(gate, up)
 
-    @staticmethod
-    def add_(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return x.add_(y)
-
 
 class KernelLinear:
     """y = x @ W.T + b through executor.kernels (fp32 activations, fp32 accumulation)."""
@@ -184,10 +180,6 @@ class KernelBackend:
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return self.kernels.silu_mul(gate, up, num_threads=self.num_threads)
-
-    def add_(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self.kernels.add_(x, y.contiguous(), num_threads=self.num_threads)
-
 
 def resolve_backend(backend: str = "auto") -> str:
     """"auto": our kernels when the compiled extension loads, else the PyTorch reference path."""
