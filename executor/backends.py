@@ -181,6 +181,7 @@ class KernelBackend:
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return self.kernels.silu_mul(gate, up, num_threads=self.num_threads)
 
+
 def resolve_backend(backend: str = "auto") -> str:
     """"auto": our kernels when the compiled extension loads, else the PyTorch reference path."""
     if backend not in ("auto", "helm", "torch"):
