@@ -385,7 +385,9 @@ def _calibration_line(plan: Plan) -> str:
     fits = "; ".join(
         f"{d.device} δ {cal.for_device(d.device).delta_ms_per_block:g} ms/block, η_kv "
         f"{cal.for_device(d.device).eta_kv:g}{'' if d.eta_kv_fitted else ' (kept)'}"
-        f"{f', η_m {d.eta_memory:g}' if d.eta_memory_fitted else ''}" for d in rec.devices)
+        f"{f', η_m {d.eta_memory:g}' if d.eta_memory_fitted else ''}"
+        f"{f', prefill η_c {d.prefill.eta_compute:g}, η_attn {d.prefill.eta_attn:g}' if d.prefill else ''}"
+        for d in rec.devices)
     where = (f"from {max(d.samples for d in rec.devices)} decode steps of plan v{rec.measured_plan_version} "
              f"measured on {rec.machine} at {rec.measured_at}")
     if rec.delta_from_other_machine:
