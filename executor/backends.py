@@ -99,28 +99,41 @@ class KernelAttention:
 
     def prompt_attention(self, q: torch.Tensor, layer: int, seq_id, start: int) -> torch.Tensor:
         """Causal attention of a chunk of queries q [n, H_q·D] (fp32) at positions start.. over the
-        sequence's cached keys, through PyTorch's fused CPU attention (a blocked GEMM flash
-        kernel): the sequence's pages gathered into one K and one V; with a bf16 cache the queries
-        in bf16 too (they cost the scores what the bf16 keys already do, as transformers computes
-        a bf16 model's attention), else everything in fp32. Returns [n, H_q·D]."""
+        sequence's cached keys: its pages gathered into one K and one V for
+        `fused_prompt_attention`. Returns [n, H_q·D]."""
         cfg, n = self.config, q.shape[0]
         ks, vs = [], []
         for k, v, _ in self.kv.chunks(layer, seq_id, start + n):
             ks.append(k)
             vs.append(v)
         k, v = (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks, 1), torch.cat(vs, 1))  # [H_kv, L, D]
-        # bf16 where the cache is bf16 (AMX/AVX512-BF16: 3x the fp32 rate here); fp16 ran no
-        # faster than fp32 here (40 vs 45 ms for 512 queries after 1536 keys), so it upcasts.
-        dtype = torch.bfloat16 if k.dtype == torch.bfloat16 else torch.float32
-        qh = q.view(n, cfg.num_heads, cfg.head_dim).transpose(0, 1).to(dtype)  # [H_q, n, D]
-        if start == 0:
-            mask, causal = None, True  # square: the causal diagonal starts at key 0
-        else:
-            mask, causal = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None], False
-        o = torch.nn.functional.scaled_dot_product_attention(
-            qh[None], k.to(dtype)[None], v.to(dtype)[None], attn_mask=mask, is_causal=causal, scale=self.scale,
-            enable_gqa=True)
-        return o[0].transpose(0, 1).reshape(n, cfg.q_dim)
+        return fused_prompt_attention(q, k, v, start, cfg.num_heads, self.scale)
+
+
+def prompt_attention_dtype(kv_dtype: torch.dtype) -> torch.dtype:
+    """The dtype PyTorch's fused attention computes a prompt chunk in, for a KV cache of kv_dtype:
+    bf16 for a bf16 cache (as transformers computes a bf16 model's attention; its CPU kernel has
+    bf16 paths), fp32 otherwise (its fp16 path is slower than fp32 on CPUs without native fp16)."""
+    return torch.bfloat16 if kv_dtype == torch.bfloat16 else torch.float32
+
+
+def fused_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, num_heads: int,
+                           scale: float) -> torch.Tensor:
+    """Causal attention of queries q [n, H_q·D] fp32 at positions start.. over k, v [H_kv, start + n, D]
+    (the sequence's cached keys, this chunk's included) through PyTorch's fused CPU attention (a
+    blocked-GEMM flash kernel) in prompt_attention_dtype; returns [n, H_q·D]. The executor's prompt
+    path and the profile's probe of it (executor/kernels/probe.py)."""
+    n, head_dim = q.shape[0], k.shape[-1]
+    dtype = prompt_attention_dtype(k.dtype)
+    qh = q.view(n, num_heads, head_dim).transpose(0, 1).to(dtype)  # [H_q, n, D]
+    if start == 0:
+        mask, causal = None, True  # square: the causal diagonal starts at key 0
+    else:
+        mask, causal = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None], False
+    o = torch.nn.functional.scaled_dot_product_attention(
+        qh[None], k.to(dtype)[None], v.to(dtype)[None], attn_mask=mask, is_causal=causal, scale=scale,
+        enable_gqa=True)
+    return o[0].transpose(0, 1).reshape(n, num_heads * head_dim)
 
 
 class FusedBlocks:

@@ -8,9 +8,10 @@ Activations are fp32 and every kernel accumulates in fp32. Threads are always pa
 (`num_threads`); the extension shares PyTorch's OpenMP runtime, so the two never oversubscribe
 the cores as long as they are called one after the other.
 
-Batches above MAX_TILE_B (prefill) go to PyTorch's GEMM where it measured faster here
-(TORCH_PREFILL_MIN_B: bf16 from B=13, oneDNN with AMX, x and result rounded to bf16; fp32 from
-B=32, MKL); KernelSet(isa, torch_prefill=False) keeps everything in these kernels.
+Batches above MAX_TILE_B (prompt chunks) take a route per weight dtype (PROMPT_PATHS: our GEMV
+tiles, our packed GEMM, or PyTorch's GEMM on the stored or widened weights), chosen by
+measurement on the machine that runs (executor/kernels/probe.py) and given to KernelSet(isa,
+routes); the default set `kernels` keeps every batch in our GEMV.
 
 Importing this package without the compiled extension raises ImportError (the executor then
 falls back to its PyTorch path, `--kernels torch`). The fp32 reference twins of every kernel are
@@ -53,8 +54,8 @@ ISAS = ("avx512", "avx512bf16", "avx2", "portable")
 #: Rows of x up to which `linear` makes a single pass over the weights (the GEMV register tiles).
 MAX_TILE_B = _kernels.MAX_TILE_B
 
-#: Per weight dtype, the batch from which `linear` uses PyTorch's GEMM instead (see _kernels.pyx).
-TORCH_PREFILL_MIN_B = _kernels.TORCH_PREFILL_MIN_B
+#: How `linear` may multiply more than MAX_TILE_B rows (see _kernels.pyx).
+PROMPT_PATHS = _kernels.PROMPT_PATHS
 
 
 def available_isas() -> list[str]:
@@ -89,7 +90,7 @@ kv_write = kernels.kv_write  # (qkv, kv: PagedKV, pages, layer, start, Hq): K/V 
 paged_attention = kernels.paged_attention  # (qkv, out, kv, pages, layer, start, Hq, scale, *, num_threads)
 
 __all__ = [
-    "ISAS", "KERNEL_ISA", "MAX_TILE_B", "TORCH_PREFILL_MIN_B", "BlockStack", "KernelSet", "PagedKV", "PreparedLinear", "add_",
+    "ISAS", "KERNEL_ISA", "MAX_TILE_B", "PROMPT_PATHS", "BlockStack", "KernelSet", "PagedKV", "PreparedLinear", "add_",
     "available_isas", "kernels", "kv_write", "linear", "paged_attention", "prepare_linear", "rms_norm",
     "rope_qk_", "silu_mul",
 ]

@@ -28,6 +28,9 @@ cdef extern from "helm_kernels.h" nogil:
     ctypedef uint64_t (*helm_read_fn)(const void *p, size_t nbytes) noexcept nogil
     ctypedef void (*helm_to_bf16_fn)(uint16_t *dst, const float *src, long i0, long i1) noexcept nogil
     ctypedef void (*helm_from_bf16_fn)(float *dst, const uint16_t *src, long i0, long i1) noexcept nogil
+    ctypedef void (*helm_from_f16_fn)(float *dst, const uint16_t *src, long i0, long i1) noexcept nogil
+    ctypedef void (*helm_gemm_fn)(float *out, long ldo, const float *x, const void *w, const float *bias,
+                                  int accum, int M, int N, int K, int t, int nt) noexcept nogil
     ctypedef struct helm_kv_pages:
         const void *const *pages
         long layer_off
@@ -62,6 +65,9 @@ cdef extern from "helm_kernels.h" nogil:
         helm_attention_fn attention[3]
         helm_to_bf16_fn to_bf16
         helm_from_bf16_fn from_bf16
+        helm_from_f16_fn from_f16
+        helm_gemm_fn gemm[3]
+        float (*fma_peak)(long iters) noexcept nogil
 
     const helm_kernel_table helm_table_avx512bf16
     const helm_kernel_table helm_table_avx512
@@ -85,17 +91,23 @@ cdef enum:
 #: Largest batch served by the GEMV register tiles in one pass over the weights.
 MAX_TILE_B = HELM_MAX_TILE_B
 
-#: Smallest batch (rows of x) from which `linear` hands a weight dtype to PyTorch instead of our
-#: kernels: prefill is compute-bound, and there the best GEMM wins. Measured on the development
-#: machine (Xeon with AMX, 2 cores; tools/bench_kernels.py --batches 1,8,17,64,128):
-#:   bf16: oneDNN's AMX GEMM is 2.3× ours at B=17 and 5× at B=128, but reads the weights slower
-#:         at B=9-12 (a 6144×1024 weight, cold: ours 12-17 GB/s vs 10.5-13.3 in two runs; even at
-#:         13-16). It rounds x and the result to bf16 (as PyTorch/transformers do in a bf16
-#:         model); KernelSet(..., torch_prefill=False) keeps our fp32-exact kernels instead.
-#:   fp32: MKL's sgemm, exact fp32, overtakes ours between B=17 and B=64.
-#:   fp16: never: PyTorch is at most 6% faster up to B=64 and 10-25% at B=128, and its result
-#:         would be rounded to fp16 (and can overflow).
-TORCH_PREFILL_MIN_B = {torch.bfloat16: 13, torch.float32: 32}
+#: How `linear` multiplies more than MAX_TILE_B rows of x (prompt chunks, large decode batches)
+#: by a weight, one choice per weight dtype, made by measurement on the machine that runs
+#: (executor/kernels/probe.py; the machine profile records it, the plan carries it):
+#:   "gemv":       our GEMV tiles, MAX_TILE_B rows at a time over L2-sized blocks of the weights;
+#:   "gemm":       our packed, register-blocked GEMM (csrc/gemm_core.h), weights widened to fp32
+#:                 while packing; fp32 arithmetic like the GEMV;
+#:   "torch":      PyTorch's GEMM on the weight's own dtype (MKL fp32; oneDNN bf16/fp16, which
+#:                 rounds x and the result to that dtype, as a bf16/fp16 model in PyTorch does);
+#:   "torch_fp32": the weight widened to fp32 by our kernels a tile of rows at a time (a bounded
+#:                 temporary), then PyTorch's fp32 GEMM (MKL) per tile.
+PROMPT_PATHS = ("gemv", "gemm", "torch", "torch_fp32")
+cdef enum:
+    PATH_GEMV = 0
+    PATH_GEMM = 1
+    PATH_TORCH = 2
+    PATH_TORCH_FP32 = 3
+    WIDEN_TILE_BYTES = 1 << 20  # fp32 bytes of one widened weight tile ("torch_fp32")
 
 
 def cpu_supports(str isa) -> bool:
@@ -133,6 +145,29 @@ cdef const helm_kernel_table *_table(str isa) except NULL:
     if t.isa == NULL:
         raise RuntimeError(f"kernel ISA {isa!r} was not compiled into this build")
     return t
+
+
+cdef tuple _linear_args(object x, PreparedLinear w, object out, bint accumulate):
+    """x and out of a `linear` call checked (out allocated when None)."""
+    xs = x.shape
+    if x.dtype is not _F32 or len(xs) != 2 or not x.is_contiguous() or not x.is_cpu:
+        raise ValueError(f"x must be a contiguous 2-D fp32 CPU tensor, got {x.dtype} "
+                         f"shape {tuple(xs)} on {x.device}")
+    cdef int B = xs[0]
+    cdef int K = xs[1]
+    cdef int N = w.out_features
+    if K != w.in_features:
+        raise ValueError(f"x has K={K} columns, weight expects {w.in_features}")
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate=True needs out (the tensor to add to)")
+        out = torch.empty((B, N), dtype=_F32)
+    else:
+        os_ = out.shape
+        if (out.dtype is not _F32 or len(os_) != 2 or os_[0] != B or os_[1] != N
+                or not out.is_contiguous() or not out.is_cpu):
+            raise ValueError(f"out must be a contiguous fp32 CPU tensor of shape ({B}, {N})")
+    return x, out
 
 
 cdef inline void _check_cpu_tensor(object t, str name) except *:
@@ -202,25 +237,77 @@ cdef class KernelSet:
 
     cdef const helm_kernel_table *t
     cdef readonly str isa
-    cdef readonly bint torch_prefill  # large batches go to PyTorch where it measured faster
-    cdef int torch_min_b[3]  # per dtype code: smallest B for PyTorch, 0 = never
+    cdef readonly dict routes  # weight dtype -> (path, min_rows), as given
+    cdef int route_path[3]  # per dtype code: PATH_* for batches of at least route_min rows
+    cdef int route_min[3]
 
-    def __cinit__(self, str isa, bint torch_prefill=True):
+    def __cinit__(self, str isa, routes=None):
+        """routes: {weight dtype: (path, min_rows)}, path one of PROMPT_PATHS, taken for batches
+        of at least min_rows (> MAX_TILE_B) rows of x; dtypes not given stay on "gemv"."""
         self.t = _table(isa)
         if not helm_cpu_supports(isa.encode()):
             raise RuntimeError(f"this CPU cannot run the {isa!r} kernels")
         self.isa = isa
-        self.torch_prefill = torch_prefill
-        for dtype, code in _DTYPE_CODE.items():
-            self.torch_min_b[code] = TORCH_PREFILL_MIN_B.get(dtype, 0) if torch_prefill else 0
+        self.routes = {}
+        for code in range(3):
+            self.route_path[code] = PATH_GEMV
+            self.route_min[code] = 0
+        for dtype, route in (routes or {}).items():
+            if dtype not in _DTYPE_CODE:
+                raise TypeError(f"route for unsupported weight dtype {dtype}")
+            path, min_rows = route
+            if path not in PROMPT_PATHS:
+                raise ValueError(f"unknown GEMM path {path!r}: expected one of {', '.join(PROMPT_PATHS)}")
+            if int(min_rows) <= HELM_MAX_TILE_B:
+                raise ValueError(f"min_rows must exceed MAX_TILE_B={HELM_MAX_TILE_B}, got {min_rows}")
+            self.route_path[_DTYPE_CODE[dtype]] = PROMPT_PATHS.index(path)
+            self.route_min[_DTYPE_CODE[dtype]] = int(min_rows)
+            self.routes[dtype] = (path, int(min_rows))
 
     def __repr__(self):
-        return f"KernelSet({self.isa!r}, torch_prefill={self.torch_prefill})"
+        return f"KernelSet({self.isa!r}, routes={self.routes!r})"
 
-    def uses_torch(self, dtype, int batch) -> bool:
-        """Whether `linear` runs a weight of this dtype with this many rows of x in PyTorch."""
-        cdef int m = self.torch_min_b[_DTYPE_CODE[dtype]]
-        return m != 0 and batch >= m
+    @property
+    def vector_floats(self) -> int:
+        """fp32 lanes per vector register of this ISA."""
+        return {"avx512bf16": 16, "avx512": 16, "avx2": 8, "portable": 4}[self.isa]
+
+    def fma_peak_gflops(self, int num_threads, double seconds=0.2) -> float:
+        """The fp32 FMA peak of num_threads cores in GFLOP/s: each thread runs independent chains
+        of this ISA's vector FMAs from registers (nothing else) for about `seconds`."""
+        cdef long iters = 1 << 16
+        cdef int t
+        cdef float sink = 0
+        import time
+        while True:
+            t0 = time.perf_counter()
+            for t in prange(num_threads, schedule='static', nogil=True, num_threads=num_threads):
+                sink += self.t.fma_peak(iters)
+            elapsed = time.perf_counter() - t0
+            if elapsed >= seconds / 4:
+                break
+            iters *= 4
+        best = 0.0
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for t in prange(num_threads, schedule='static', nogil=True, num_threads=num_threads):
+                sink += self.t.fma_peak(iters)
+            best = max(best, 2.0 * 12 * self.vector_floats * iters * num_threads / (time.perf_counter() - t0) / 1e9)
+        return best
+
+    def path(self, dtype, int batch) -> str:
+        """The path `linear` takes for a weight of this dtype and this many rows of x."""
+        cdef int code = _DTYPE_CODE[dtype]
+        if batch <= HELM_MAX_TILE_B or batch < self.route_min[code]:
+            return "gemv"
+        return PROMPT_PATHS[self.route_path[code]]
+
+    def gemm(self, x, PreparedLinear w not None, out=None, *, int num_threads, bint accumulate=False):
+        """`linear` through the packed GEMM whatever the batch (benchmarks, the probe, tests)."""
+        x, out = _linear_args(x, w, out, accumulate)
+        if x.shape[0]:
+            self._gemm(x, w, out, num_threads, accumulate)
+        return out
 
     def linear(self, x, PreparedLinear w not None, out=None, *, int num_threads, bint accumulate=False):
         """out[B, N] = x[B, K] @ w.weight.T + w.bias, fp32 in and out, fp32 accumulation; with
@@ -228,33 +315,22 @@ cdef class KernelSet:
         then required).
 
         Up to MAX_TILE_B rows of x share one pass over the weights (decode: DRAM-bound GEMV).
-        Larger batches go to PyTorch where TORCH_PREFILL_MIN_B says it is faster (its threads are
-        torch.get_num_threads(); keep that equal to num_threads), else run here in chunks over
-        L2-sized blocks of weight rows."""
-        xs = x.shape
-        if x.dtype is not _F32 or len(xs) != 2 or not x.is_contiguous() or not x.is_cpu:
-            raise ValueError(f"x must be a contiguous 2-D fp32 CPU tensor, got {x.dtype} "
-                             f"shape {tuple(xs)} on {x.device}")
-        cdef int B = xs[0]
-        cdef int K = xs[1]
+        Larger batches take this set's route for the weight's dtype (PROMPT_PATHS; PyTorch's run on
+        torch.get_num_threads() threads: keep that equal to num_threads)."""
+        x, out = _linear_args(x, w, out, accumulate)
+        cdef int B = x.shape[0]
+        cdef int K = w.in_features
         cdef int N = w.out_features
-        if K != w.in_features:
-            raise ValueError(f"x has K={K} columns, weight expects {w.in_features}")
-        if out is None:
-            if accumulate:
-                raise ValueError("accumulate=True needs out (the tensor to add to)")
-            out = torch.empty((B, N), dtype=_F32)
-        else:
-            os_ = out.shape
-            if (out.dtype is not _F32 or len(os_) != 2 or os_[0] != B or os_[1] != N
-                    or not out.is_contiguous() or not out.is_cpu):
-                raise ValueError(f"out must be a contiguous fp32 CPU tensor of shape ({B}, {N})")
         if B == 0:
             return out
-        if B > HELM_MAX_TILE_B and self.torch_min_b[w.dtype_code] and B >= self.torch_min_b[w.dtype_code]:
+        cdef int path = self.route_path[w.dtype_code]
+        if B > HELM_MAX_TILE_B and path != PATH_GEMV and B >= self.route_min[w.dtype_code]:
+            if path == PATH_GEMM:
+                self._gemm(x, w, out, num_threads, accumulate)
+                return out
             if accumulate:
-                return out.add_(self._torch_linear(x, w, torch.empty((B, N), dtype=_F32), num_threads))
-            return self._torch_linear(x, w, out, num_threads)
+                return out.add_(self._torch_linear(x, w, torch.empty((B, N), dtype=_F32), num_threads, path))
+            return self._torch_linear(x, w, out, num_threads, path)
         cdef helm_gemv_fn fn = self.t.gemv[w.dtype_code]
         cdef float *o = <float *> <uintptr_t> out.data_ptr()
         cdef const float *xp = <const float *> <uintptr_t> x.data_ptr()
@@ -363,10 +439,28 @@ cdef class KernelSet:
             fn(ap, bp, min(n, t * chunk), min(n, (t + 1) * chunk))
         return a
 
-    cdef object _torch_linear(self, object x, PreparedLinear w, object out, int num_threads):
-        """The PyTorch side of `linear` for large batches: MKL (fp32) or oneDNN (bf16) on the weight
-        as stored; bf16 activations are converted by our kernels, several times faster here than
-        PyTorch's own fp32 <-> bf16 copies (which cost a third of the GEMM at 128 rows)."""
+    cdef void _gemm(self, object x, PreparedLinear w, object out, int num_threads, bint accumulate):
+        cdef helm_gemm_fn fn = self.t.gemm[w.dtype_code]
+        cdef float *o = <float *> <uintptr_t> out.data_ptr()
+        cdef const float *xp = <const float *> <uintptr_t> x.data_ptr()
+        cdef const void *wp = <const void *> w.w_ptr
+        cdef const float *bp = <const float *> w.b_ptr
+        cdef int M = x.shape[0]
+        cdef int N = w.out_features
+        cdef int K = w.in_features
+        cdef int acc = accumulate
+        cdef int nt = _threads_for(min(num_threads, MAX_THREADS), N // 32)
+        cdef int t
+        if nt == 1:
+            with nogil:
+                fn(o, N, xp, wp, bp, acc, M, N, K, 0, 1)
+            return
+        for t in prange(nt, schedule='static', nogil=True, num_threads=nt):
+            fn(o, N, xp, wp, bp, acc, M, N, K, t, nt)
+
+    cdef object _torch_linear(self, object x, PreparedLinear w, object out, int num_threads, int path):
+        """The PyTorch paths of `linear` ("torch", "torch_fp32"); bf16 activations are converted by
+        our kernels, several times faster than PyTorch's own fp32 <-> bf16 copies."""
         weight = w.weight
         if weight.dtype is _F32:
             if w.bias is not None:
@@ -374,11 +468,39 @@ cdef class KernelSet:
             else:
                 torch.mm(x, weight.t(), out=out)
             return out
-        y = torch.mm(self._convert(x, torch.empty(x.shape, dtype=torch.bfloat16), num_threads), weight.t())
-        self._convert(y, out, num_threads)
+        if path == PATH_TORCH_FP32:
+            self._widened_mm(x, w, out, num_threads)
+        elif weight.dtype is torch.bfloat16:
+            y = torch.mm(self._convert(x, torch.empty(x.shape, dtype=torch.bfloat16), num_threads), weight.t())
+            self._convert(y, out, num_threads)
+        else:
+            out.copy_(torch.mm(x.to(weight.dtype), weight.t()))
         if w.bias is not None:
             out.add_(w.bias)
         return out
+
+    cdef void _widened_mm(self, object x, PreparedLinear w, object out, int num_threads):
+        """out = x @ W.T with W widened to fp32 a tile of rows at a time into one scratch tile."""
+        cdef int N = w.out_features
+        cdef int K = w.in_features
+        cdef int rows = max(16, WIDEN_TILE_BYTES // (4 * K))
+        tile = torch.empty((min(rows, N), K), dtype=_F32)
+        cdef float *tp = <float *> <uintptr_t> tile.data_ptr()
+        cdef const uint16_t *wp = <const uint16_t *> w.w_ptr
+        cdef bint bf16 = w.dtype_code == _DTYPE_CODE[torch.bfloat16]
+        cdef long n, chunk, base
+        cdef int nt, t, n0
+        for n0 in range(0, N, rows):
+            n = min(rows, N - n0) * <long> K
+            base = n0 * <long> K
+            nt = _threads_for(num_threads, n // 16384)
+            chunk = ((n + nt - 1) // nt + 15) // 16 * 16
+            for t in prange(nt, schedule='static', nogil=True, num_threads=nt):
+                if bf16:
+                    self.t.from_bf16(tp, wp + base, min(n, t * chunk), min(n, (t + 1) * chunk))
+                else:
+                    self.t.from_f16(tp, wp + base, min(n, t * chunk), min(n, (t + 1) * chunk))
+            torch.mm(x, tile[:min(rows, N - n0)].t(), out=out[:, n0:n0 + min(rows, N - n0)])
 
     cdef object _convert(self, object src, object dst, int num_threads):
         """dst = src converted fp32 <-> bf16, both contiguous and the same shape."""

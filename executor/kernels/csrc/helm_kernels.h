@@ -125,6 +125,15 @@ typedef void (*helm_attention_fn)(float *out, long ldo, const float *qkv, long l
  * activation conversions around a bf16 GEMM handed to PyTorch. */
 typedef void (*helm_to_bf16_fn)(uint16_t *dst, const float *src, long i0, long i1);
 typedef void (*helm_from_bf16_fn)(float *dst, const uint16_t *src, long i0, long i1);
+/* dst[i] = float(src[i]) for IEEE half src, i0 <= i < i1 (weight tiles widened for an fp32 GEMM). */
+typedef void (*helm_from_f16_fn)(float *dst, const uint16_t *src, long i0, long i1);
+
+/* The packed GEMM of prompt chunks (gemm_core.h): out[m*ldo + n] (+)= bias[n] + x[m, :] . w[n, :]
+ * for m < M, n < N, as helm_gemm_fn below but register-blocked for many rows of x; thread t of nt
+ * computes the columns n of its share (whole micro-tiles), so there are no claims. fp32
+ * accumulation in k order per 256-column panel; the result depends on neither nt nor M. */
+typedef void (*helm_gemm_fn)(float *out, long ldo, const float *x, const void *w, const float *bias,
+                             int accum, int M, int N, int K, int t, int nt);
 
 /* Reads nbytes (a multiple of 64) from p and returns a checksum: the read-bandwidth probe. */
 typedef uint64_t (*helm_read_fn)(const void *p, size_t nbytes);
@@ -141,6 +150,9 @@ typedef struct helm_kernel_table {
     helm_attention_fn attention[HELM_NUM_DTYPES];
     helm_to_bf16_fn to_bf16;
     helm_from_bf16_fn from_bf16;
+    helm_from_f16_fn from_f16;
+    helm_gemm_fn gemm[HELM_NUM_DTYPES];
+    float (*fma_peak)(long iters); /* iters x 12 x VL fp32 FMAs from registers: the peak probe */
 } helm_kernel_table;
 
 extern const helm_kernel_table helm_table_avx512bf16;

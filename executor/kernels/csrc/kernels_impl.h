@@ -208,8 +208,11 @@ static const float *helm_deinterleave_x(const float *x, int B, int K, int K2, co
     return helm_xs_buf;
 }
 
-/* One instantiation of the GEMV (gemv_tile.h) and of the KV write and paged attention
- * (attention.h) per weight / KV dtype; STORE_W rounds a float to the dtype (nearest even). */
+#include "gemm_core.h"
+
+/* One instantiation of the GEMV (gemv_tile.h), the packed GEMM (gemm_tile.h) and of the KV write
+ * and paged attention (attention.h) per weight / KV dtype; STORE_W rounds a float to the dtype
+ * (nearest even). */
 #define WT float
 #define WNAME f32
 #define WDTYPE HELM_F32
@@ -217,6 +220,7 @@ static const float *helm_deinterleave_x(const float *x, int B, int K, int K2, co
 #define SCALAR_W(v) (v)
 #define STORE_W(f) (f)
 #include "gemv_tile.h"
+#include "gemm_tile.h"
 #include "attention.h"
 #undef WT
 #undef WNAME
@@ -233,6 +237,7 @@ static const float *helm_deinterleave_x(const float *x, int B, int K, int K2, co
 #define SCALAR_W(v) helm_bf16_f32(v)
 #define STORE_W(f) helm_f32_bf16(f)
 #include "gemv_tile.h"
+#include "gemm_tile.h"
 #include "attention.h"
 #undef WT
 #undef WNAME
@@ -249,6 +254,7 @@ static const float *helm_deinterleave_x(const float *x, int B, int K, int K2, co
 #define SCALAR_W(v) helm_f16_f32(v)
 #define STORE_W(f) helm_f32_f16(f)
 #include "gemv_tile.h"
+#include "gemm_tile.h"
 #include "attention.h"
 #undef WT
 #undef WNAME
@@ -332,6 +338,12 @@ static void from_bf16(float *dst, const uint16_t *src, long i0, long i1) {
     for (long i = i0; i < i1; i++) dst[i] = helm_bf16_f32(src[i]);
 }
 
+static void from_f16(float *dst, const uint16_t *src, long i0, long i1) {
+    long i = i0;
+    for (; i + VL <= i1; i += VL) v_store(dst + i, v_load_f16(src + i));
+    for (; i < i1; i++) dst[i] = helm_f16_f32(src[i]);
+}
+
 /* ---- read-bandwidth probe: the best streaming read this unit can issue ---- */
 
 /* Sums nbytes as 64-bit words, reading 4 distant sequential streams (the four quarters of the
@@ -365,6 +377,19 @@ static uint64_t read_probe(const void *p, size_t nbytes) {
     return t;
 }
 
+/* ---- FMA-peak probe: 12 independent chains of vector FMAs, nothing else; returns a checksum
+ * so that the loop is not optimised away. iters x 12 x VL FMAs. */
+static float fma_peak(long iters) {
+    vf a[12];
+    const vf b = v_set1(0.999999f), c = v_set1(1e-7f);
+    for (int i = 0; i < 12; i++) a[i] = v_set1((float)i);
+    for (long it = 0; it < iters; it++)
+        for (int i = 0; i < 12; i++) a[i] = v_fma(a[i], b, c);
+    vf s = a[0];
+    for (int i = 1; i < 12; i++) s = v_add(s, a[i]);
+    return v_hsum(s);
+}
+
 const helm_kernel_table CAT(helm_table_, HELM_ISA) = {
     STR(HELM_ISA),
     {gemv_f32, HELM_GEMV_BF16, gemv_f16},
@@ -377,4 +402,7 @@ const helm_kernel_table CAT(helm_table_, HELM_ISA) = {
     {attention_f32, attention_bf16, attention_f16},
     to_bf16,
     from_bf16,
+    from_f16,
+    {gemm_f32, gemm_bf16, gemm_f16},
+    fma_peak,
 };
