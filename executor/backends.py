@@ -42,10 +42,12 @@ class TorchBackend:
 class KernelLinear:
     """y = x @ W.T + b through executor.kernels (fp32 activations, fp32 accumulation)."""
 
-    def __init__(self, kernels, weight: torch.Tensor, bias: torch.Tensor | None, num_threads: int):
-        self._linear = kernels.linear
+    def __init__(self, kernel_set, weight: torch.Tensor, bias: torch.Tensor | None, num_threads: int):
+        from executor.kernels import prepare_linear
+
+        self._linear = kernel_set.linear
         self.weight = weight
-        self.prepared = kernels.prepare_linear(weight, bias)
+        self.prepared = prepare_linear(weight, bias)
         self.num_threads = num_threads
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -141,22 +143,22 @@ class FusedBlocks:
     (executor.kernels.BlockStack): the op-by-op kernel path, bit for bit, without Python and
     parallel-region start-up between the ops (at batch 1 those cost more than the small ops'
     arithmetic). Taken for steps of up to `max_rows` tokens, where every projection stays in our
-    GEMV (bf16 from 13 rows goes to oneDNN), whose every sequence's queries go to the attention
+    GEMV (the backend's routes send larger ones to a GEMM), whose every sequence's queries go to the attention
     kernel (at most KERNEL_MAX_QUERIES each: a longer prompt chunk needs PyTorch's attention)."""
 
-    MAX_ROWS = 32  # beyond this many tokens a step is prefill-like: op by op, GEMMs in oneDNN
+    MAX_ROWS = 32  # beyond this many tokens a step is prefill-like: op by op
 
-    def __init__(self, kernels, config, blocks, kv, num_threads: int):
+    def __init__(self, kernels, kernel_set, config, blocks, kv, num_threads: int):
         self.kv = kv
         layout = kernels.PagedKV(kv.num_layers, kv.num_kv_heads, kv.page_size, kv.head_dim, kv.dtype)
         spec = [(b.input_norm, b.qkv.prepared, b.q_norm, b.k_norm, b.o.prepared, b.post_norm,
                  b.gate_up.prepared, b.down.prepared) for b in blocks]
-        self.stack = kernels.BlockStack(kernels.kernels, spec, layout, config.num_heads, config.hidden_size,
+        self.stack = kernels.BlockStack(kernel_set, spec, layout, config.num_heads, config.hidden_size,
                                         config.intermediate_size, config.rms_norm_eps, config.head_dim ** -0.5,
                                         num_threads=num_threads)
         dtypes = {linear.dtype for b in spec for linear in (b[1], b[4], b[6], b[7])}
         self.max_rows = next((r - 1 for r in range(1, self.MAX_ROWS + 1)
-                              if any(kernels.kernels.uses_torch(dt, r) for dt in dtypes)), self.MAX_ROWS)
+                              if any(kernel_set.path(dt, r) != "gemv" for dt in dtypes)), self.MAX_ROWS)
 
     def accepts(self, batch) -> bool:
         return batch.num_tokens <= self.max_rows and \
@@ -168,25 +170,28 @@ class FusedBlocks:
 
 
 class KernelBackend:
-    """CPU only. Threads: passed explicitly to every kernel (default: torch's thread count)."""
+    """CPU only. Threads: passed explicitly to every kernel (default: torch's thread count).
+    routes: how prompt chunks' GEMMs run per weight dtype ({dtype: (path, min_rows)}, measured on
+    this machine: executor/probe.py); none: every batch in our GEMV."""
 
     name = "helm"
 
-    def __init__(self, num_threads: int | None = None):
+    def __init__(self, num_threads: int | None = None, routes: dict | None = None):
         from executor import kernels
 
         self.kernels = kernels
         self.isa = kernels.KERNEL_ISA
+        self.kernel_set = kernels.KernelSet(kernels.KERNEL_ISA, routes)
         self.num_threads = num_threads or torch.get_num_threads()
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        return KernelLinear(self.kernels, weight, bias, self.num_threads)
+        return KernelLinear(self.kernel_set, weight, bias, self.num_threads)
 
     def attention(self, config, kv):
         return KernelAttention(config, kv, self.kernels, self.num_threads)
 
     def fused_blocks(self, config, blocks, kv) -> FusedBlocks:
-        return FusedBlocks(self.kernels, config, blocks, kv, self.num_threads)
+        return FusedBlocks(self.kernels, self.kernel_set, config, blocks, kv, self.num_threads)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.kernels.rms_norm(x.contiguous(), weight, eps, num_threads=self.num_threads)
@@ -209,11 +214,11 @@ def resolve_backend(backend: str = "auto") -> str:
     return "helm"
 
 
-def make_backend(name: str, device: torch.device, num_threads: int | None = None):
+def make_backend(name: str, device: torch.device, num_threads: int | None = None, routes: dict | None = None):
     """The backend object for a stage on `device` (CUDA stages always use PyTorch); num_threads:
-    the kernels' threads (None: torch's current count)."""
+    the kernels' threads (None: torch's current count); routes: see KernelBackend."""
     if device.type != "cpu" or name == "torch":
         return TorchBackend()
     if name == "helm":
-        return KernelBackend(num_threads)
+        return KernelBackend(num_threads, routes)
     raise ValueError(f"unknown kernel backend {name!r}")

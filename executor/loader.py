@@ -47,23 +47,40 @@ def load_model(model_dir: str | Path, placement: Placement, config: ModelConfig 
         # One OpenMP pool: PyTorch's ops (prefill GEMMs, the CUDA stage's host work) get the same
         # thread count as the kernels, so the two never oversubscribe the cores.
         torch.set_num_threads(placement.cpu_threads)
+    routes = _gemm_routes(placement, config, backend)
     reader = CheckpointReader(model_dir)
     try:
-        stages = [_load_stage(reader, config, spec, placement, backend) for spec in placement.stages]
+        stages = [_load_stage(reader, config, spec, placement, backend, routes) for spec in placement.stages]
     finally:
         reader.close()
     return LoadedModel(config, stages, placement, model_dir)
 
 
+def _gemm_routes(placement: Placement, config: ModelConfig, backend: str) -> dict:
+    """The CPU kernels' prompt-GEMM routes: the plan's (its machine profile measured them), else
+    measured now on this model's largest projection (gate_up)."""
+    if backend != "helm" or not any(s.device == "cpu" or resolve_device(s.device).type == "cpu"
+                                    for s in placement.stages):
+        return {}
+    from executor.probe import DTYPES, measured_routes
+    if placement.gemm_routes is not None:
+        return {DTYPES[name]: (path, rows) for name, path, rows in placement.gemm_routes}
+    threads = placement.cpu_threads or torch.get_num_threads()
+    routes = measured_routes(config.dtype, threads, (2 * config.intermediate_size, config.hidden_size))
+    log.info("no plan measured this machine's kernels: prompt GEMM routes measured at load: %s",
+             {str(d).removeprefix("torch."): r for d, r in routes.items()} or "gemv")
+    return routes
+
+
 def _load_stage(reader: CheckpointReader, cfg: ModelConfig, spec: StageSpec, placement: Placement,
-                backend: str) -> Stage:
+                backend: str, routes: dict) -> Stage:
     device = resolve_device(spec.device)
     if spec.device == "cuda" and device.type == "cpu":
         log.info("no CUDA device: the GPU stage (units %d..%d) runs its code on the CPU",
                  spec.unit_start, spec.unit_end - 1)
     wdtype, f32 = cfg.dtype, torch.float32
     H, V, D, I = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.intermediate_size
-    ops = make_backend(backend, device, placement.cpu_threads)
+    ops = make_backend(backend, device, placement.cpu_threads, routes)
 
     def get(name, shape, dtype=wdtype):
         return reader.get(name, shape, dtype, device)

@@ -33,6 +33,9 @@ class Placement:
     watermark: float = 0.8  # fraction of the device KV pool in use before eviction starts
     device_kv_pages: int | None = None  # KV pages the GPU-side stage may hold; None: unbounded
     cpu_threads: int | None = None  # threads of the CPU stages' kernels (and torch); None: torch's count
+    # How the CPU kernels multiply prompt chunks, per weight dtype: (dtype name, path, min_rows)
+    # from the plan's machine profile (executor/probe.py measured them); None: measure at load.
+    gemm_routes: tuple[tuple[str, str, int], ...] | None = None
 
     @property
     def split_k(self) -> int:

@@ -53,6 +53,17 @@ def placement_from_plan(plan_path_or_text, model_dir: str | Path, config: ModelC
         page_size_tokens=page_size_tokens or kv.page_size_tokens,
         watermark=kv.watermark,
         device_kv_pages=device_kv_pages,
+        gemm_routes=gemm_routes_of(plan),
     )
     placement.validate()
     return placement.with_threads(cpu_threads or plan.machine.cpu.cores)
+
+
+def gemm_routes_of(plan) -> tuple[tuple[str, str, int], ...] | None:
+    """The prompt-GEMM routes the plan's machine profile measured for the plan's weight dtype,
+    as Placement.gemm_routes; None when the profile did not measure the kernels for it."""
+    kernels = plan.machine.cpu.kernels
+    rates = kernels.for_dtype(plan.model.dtype) if kernels is not None else None
+    if rates is None:
+        return None
+    return ((rates.dtype, rates.gemm_path, rates.gemm_min_rows),)

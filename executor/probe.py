@@ -82,14 +82,17 @@ def gemv_read_gibps(dtype: torch.dtype, threads: int, buffer_bytes: int, runs: i
     return out
 
 
-def gemm_candidates(dtype: torch.dtype, threads: int, rows: int, reps: int, paths=None) -> dict[str, float]:
-    """GFLOP/s of every path `linear` can take for `rows` rows of x against the probe weight."""
+def gemm_candidates(dtype: torch.dtype, threads: int, rows: int, reps: int, paths=None,
+                    shape: tuple[int, int] = (PROBE_N, PROBE_K)) -> dict[str, float]:
+    """GFLOP/s of every path `linear` can take for `rows` rows of x against a weight of `shape`
+    (N, K): the probe weight, or a model's own."""
     from executor import kernels
+    n, k = shape
     gen = torch.Generator().manual_seed(0)
-    w = kernels.prepare_linear((torch.randn(PROBE_N, PROBE_K, generator=gen) * 0.02).to(dtype))
-    x = torch.randn(rows, PROBE_K, generator=gen)
-    out = torch.empty(rows, PROBE_N)
-    flops = 2.0 * rows * PROBE_N * PROBE_K
+    w = kernels.prepare_linear((torch.randn(n, k, generator=gen) * 0.02).to(dtype))
+    x = torch.randn(rows, k, generator=gen)
+    out = torch.empty(rows, n)
+    flops = 2.0 * rows * n * k
     rates = {}
     for path in paths or kernels.PROMPT_PATHS:
         if path == "torch_fp32" and dtype == torch.float32:
@@ -108,19 +111,20 @@ def gemm_candidates(dtype: torch.dtype, threads: int, rows: int, reps: int, path
     return rates
 
 
-def gemm_route(dtype: torch.dtype, threads: int, quick: bool = False) -> dict:
+def gemm_route(dtype: torch.dtype, threads: int, quick: bool = False,
+               shape: tuple[int, int] = (PROBE_N, PROBE_K)) -> dict:
     """The fastest path for a prompt chunk of this weight dtype, the batch from which it beats the
     GEMV tiles (min_rows) and its rate: {path, min_rows, gflops, candidates}."""
     from executor import kernels
     reps = 2 if quick else 4
-    candidates = gemm_candidates(dtype, threads, PROBE_ROWS, reps)
+    candidates = gemm_candidates(dtype, threads, PROBE_ROWS, reps, shape=shape)
     path = max(candidates, key=candidates.get)
     min_rows = kernels.MAX_TILE_B + 1
     if path != "gemv":
         # From the largest batch down: the last batch at which the path still wins.
         min_rows = PROBE_ROWS
         for rows in sorted(CROSSOVER_ROWS, reverse=True):
-            race = gemm_candidates(dtype, threads, rows, reps, ("gemv", path))
+            race = gemm_candidates(dtype, threads, rows, reps, ("gemv", path), shape)
             if race[path] < race["gemv"]:
                 break
             min_rows = rows
@@ -185,14 +189,15 @@ def gemm_routes(dtype_rows) -> dict:
 _measured_routes: dict[tuple, dict] = {}
 
 
-def measured_routes(dtype: torch.dtype, threads: int) -> dict:
-    """Routes for one weight dtype measured now (quick), once per process, ISA and thread count:
-    what the executor uses when no plan says what this machine's profile measured."""
+def measured_routes(dtype: torch.dtype, threads: int, shape: tuple[int, int]) -> dict:
+    """Routes for one weight dtype measured now (quick) on a model's own projection `shape` (N, K),
+    once per process: what the executor uses when no plan says what this machine's profile
+    measured."""
     from executor import kernels
-    key = (dtype, threads, kernels.KERNEL_ISA)
+    key = (dtype, threads, kernels.KERNEL_ISA, shape)
     if key not in _measured_routes:
         name = next(n for n, d in DTYPES.items() if d == dtype)
-        route = gemm_route(dtype, threads, quick=True)
+        route = gemm_route(dtype, threads, quick=True, shape=shape)
         _measured_routes[key] = gemm_routes([{"dtype": name, "gemm_path": route["path"],
                                              "gemm_min_rows": route["min_rows"]}])
     return _measured_routes[key]

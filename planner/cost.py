@@ -10,7 +10,10 @@ For k units on the CPU (units 0..k-1) and the rest on the GPU:
     T_comm    = ℓ_h2d + W_act / B_h2d                        (0 for a single-device plan)
 
 F and W come from the traced IR (planner/trace.py), M, P, C_L3, B_L3, ℓ and B from the machine
-profile, η and δ from the calibration. Two additions DESIGN §5 leaves open, both documented in
+profile, η and δ from the calibration. Where the profile measured the executor's CPU kernels for
+the model's weight dtype (`cpu.kernels`), the CPU's weights stream at the GEMV's measured rate
+(M_w in T_proj), its prompt GEMMs run at the chosen path's rate (P) and prompt attention at its
+own measured rate: the kernels that will run, not a generic fp32 GEMM. Two additions DESIGN §5 leaves open, both documented in
 the plan: with KV offload, pages parked on the host are streamed back over the link every step
 (added to the GPU's KV read time); TTFT is the same roofline for a prefill of the prompt, where
 the output projection computes logits for the last position only and the attention FLOPs (of a
@@ -40,20 +43,30 @@ MIN_DEVICE_PAGES_WITH_OFFLOAD = 2  # the page being written + one page streamed 
 class DeviceRates:
     """What a stage's cost needs to know about its device."""
     device: str                 # "cpu" | "cuda"
-    mem_gibps: float            # M: DRAM (CPU) or HBM (GPU) read bandwidth
+    mem_gibps: float            # M: DRAM (CPU) or HBM (GPU) read bandwidth (KV reads)
     decode_gflops: float        # P_dec
     prefill_gflops: float       # P for prefill (GEMM-shaped work)
     cache_bytes: int            # C_L3 (0 on the GPU)
     cache_gibps: float          # B_L3
     calibration: DeviceCalibration
+    weight_gibps: float = 0.0   # rate at which the projections stream their weights (0: mem_gibps)
+    attn_gflops: float = 0.0    # prompt attention's FLOP rate before η_attn (0: prefill_gflops)
 
 
-def device_rates(machine: MachineProfile, device: str, calibration=None) -> DeviceRates:
+def device_rates(machine: MachineProfile, device: str, calibration=None, dtype: str | None = None) -> DeviceRates:
+    """A device's rates for a model whose weights are `dtype` (float32 | bfloat16 | float16): on
+    a CPU whose profile measured the executor's kernels for that dtype, the rates of the kernels
+    that will run (the GEMV's weight streaming, the chosen prompt-GEMM path, prompt attention);
+    otherwise the generic DRAM read and fp32 GEMM figures."""
     calibration = calibration or machine.calibration
     if device == "cpu":
         c = machine.cpu
-        return DeviceRates("cpu", c.dram_read_gibps, c.compute_gflops, c.compute_gflops, c.l3_bytes,
-                           c.l3_read_gibps, calibration.cpu)
+        k = c.kernels.for_dtype(dtype) if c.kernels is not None else None
+        if k is None:
+            return DeviceRates("cpu", c.dram_read_gibps, c.compute_gflops, c.compute_gflops, c.l3_bytes,
+                               c.l3_read_gibps, calibration.cpu)
+        return DeviceRates("cpu", c.dram_read_gibps, k.gemm_gflops, k.gemm_gflops, c.l3_bytes, c.l3_read_gibps,
+                           calibration.cpu, weight_gibps=k.gemv_gibps, attn_gflops=k.attention_gflops)
     if machine.gpu is None:
         raise ValueError("machine profile has no GPU")
     g = machine.gpu
@@ -90,7 +103,7 @@ def unit_decode_ms(unit: UnitIR, rates: DeviceRates, batch: int, context: int,
     stage_step_bytes: what the unit's whole stage reads per step (sets the L3 share of KV reads)."""
     cal = rates.calibration
     t_proj = _ms(batch * unit.proj_flops_per_token, rates.decode_gflops,
-                 weight_read_bytes(unit, batch), rates.mem_gibps, cal)
+                 weight_read_bytes(unit, batch), rates.weight_gibps or rates.mem_gibps, cal)
     kv = batch * unit.kv_bytes_per_token * context
     flops = batch * unit.attn_flops_per_context_token * context
     local = kv * (1 - streamed_kv_fraction)
@@ -112,9 +125,10 @@ def unit_prefill_ms(unit: UnitIR, rates: DeviceRates, batch: int, prompt: int, p
     cal = rates.calibration
     rows = 1 if unit.kind == "head" else prompt
     t_proj = _ms(batch * rows * unit.proj_flops_per_token, rates.prefill_gflops,
-                 weight_read_bytes(unit, batch * prompt), rates.mem_gibps, cal)
+                 weight_read_bytes(unit, batch * prompt), rates.weight_gibps or rates.mem_gibps, cal)
     pairs = prompt * prefix + prompt * (prompt + 1) / 2  # (query, visible key) pairs
-    t_attn = _ms(batch * pairs * unit.attn_flops_per_context_token, rates.prefill_gflops * cal.eta_attn,
+    t_attn = _ms(batch * pairs * unit.attn_flops_per_context_token,
+                 (rates.attn_gflops or rates.prefill_gflops) * cal.eta_attn,
                  batch * prefix * unit.kv_bytes_per_token, rates.mem_gibps * cal.eta_kv, cal)
     return t_proj + t_attn
 
@@ -199,9 +213,10 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
                    machine: MachineProfile, *, batch: int, context: int, prompt: int,
                    page_size_tokens: int, watermark: float, offload: bool,
                    gpu_budget_bytes: int, host_budget_bytes: int, calibration=None,
-                   prefix: int = 0) -> SplitCost:
+                   prefix: int = 0, dtype: str | None = None) -> SplitCost:
     """Cost and feasibility of putting units [0, k) on the CPU and [k, N) on the GPU. The prefill
-    figures are for `prompt` tokens after `prefix` cached ones (0: the whole prompt at once)."""
+    figures are for `prompt` tokens after `prefix` cached ones (0: the whole prompt at once);
+    `dtype`: the weights' (selects the CPU kernels' measured rates, see device_rates)."""
     n = len(units)
     if not 0 <= k <= n:
         raise ValueError(f"split {k} out of range 0..{n}")
@@ -252,7 +267,7 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
             stages.append(StageCost(device, start, end, sum(u.kind == "block" for u in units[start:end]),
                                     gpu_weights, 0, 0, math.inf, 0.0, 0.0, math.inf))
             continue
-        rates = device_rates(machine, device, calibration)
+        rates = device_rates(machine, device, calibration, dtype)
         proj = attn = prefill = 0.0
         step_bytes = (sum(weight_read_bytes(u, batch) for u in units[start:end])
                       + batch * context * (gpu_kv_tok if device == "cuda" else cpu_kv_tok))

@@ -89,7 +89,7 @@ def _stage_roofline_ms(plan: Plan, calibration: Calibration, stage: int, phase: 
                           page_size_tokens=plan.kv.page_size_tokens, watermark=plan.kv.watermark,
                           offload=plan.kv.offload, gpu_budget_bytes=plan.limits.gpu_budget_bytes,
                           host_budget_bytes=plan.limits.host_budget_bytes, calibration=calibration,
-                          prefix=0 if decode else max(0.0, context - chunk))
+                          prefix=0 if decode else max(0.0, context - chunk), dtype=plan.model.dtype)
     s = cost.stages[stage]
     if decode:
         return s.roofline_ms, (cost.comm_ms if stage else 0.0)

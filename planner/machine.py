@@ -11,8 +11,34 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from planner.errors import PlanError
+from planner.serial import OMIT_IF_NONE
 
 MACHINE_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class KernelRates:
+    """What the executor's CPU kernels achieve for one weight dtype (executor/probe.py)."""
+    dtype: str                           # float32 | bfloat16 | float16
+    gemv_gibps: float                    # decode: our GEMV streaming cold weights of this dtype
+    gemm_path: str                       # prompt chunks: the fastest path (gemv | gemm | torch | torch_fp32)
+    gemm_min_rows: int                   # the batch from which that path beats the GEMV tiles
+    gemm_gflops: float                   # its rate on a prompt chunk (256 rows x a 2048 x 2048 weight)
+    gemm_candidates: dict[str, float]    # every path's rate on that chunk, GFLOP/s
+    attention_gflops: float              # prompt attention (fused SDPA) over a KV cache of this dtype
+
+
+@dataclass(frozen=True)
+class CpuKernels:
+    """The CPU stage's kernels as measured on this machine: the rates the cost model prices
+    and the prompt-GEMM routes the executor takes (the choice is this machine's, not a constant)."""
+    isa: str                             # kernel variant measured (avx512bf16 | avx512 | avx2 | portable)
+    threads: int
+    fma_peak_gflops: float               # fp32 FMA peak of those threads, registers only
+    dtypes: tuple[KernelRates, ...]
+
+    def for_dtype(self, dtype: str | None) -> KernelRates | None:
+        return next((r for r in self.dtypes if r.dtype == dtype), None)
 
 
 @dataclass(frozen=True)
@@ -30,6 +56,9 @@ class CpuProfile:
     compute_gflops: float                # P_dec on the CPU: fp32 GEMM throughput, all cores
     ram_total_bytes: int                 # MemTotal
     ram_available_bytes: int             # MemAvailable when profiled: the host memory budget
+    kernels: CpuKernels | None = field(default=None, metadata=OMIT_IF_NONE)  # the executor's kernels measured (None: entered by hand or
+                                         # profiled before they were; the cost model then uses the
+                                         # DRAM and fp32 GEMM figures above)
 
 
 @dataclass(frozen=True)

@@ -567,7 +567,8 @@ def _assemble(identity: ModelIdentity, ir: IRSummary, machine: MachineProfile, w
     space = SearchSpace(batch=workload.batch_size, context=workload.context_tokens,
                         prompt=workload.prompt_tokens, page_size_tokens=kv_settings.page_size_tokens,
                         watermark=kv_settings.watermark, offload=kv_settings.offload,
-                        gpu_budget_bytes=limits.gpu_budget_bytes, host_budget_bytes=limits.host_budget_bytes)
+                        gpu_budget_bytes=limits.gpu_budget_bytes, host_budget_bytes=limits.host_budget_bytes,
+                        dtype=identity.dtype)
     costs = evaluate_all(units, shared, machine, space, calibration)
     best = best_split(costs)
     model_name = f"{identity.architecture} ({identity.source})"
@@ -628,7 +629,7 @@ def predict(plan: Plan, context_tokens: int, batch_size: int | None = None, pref
                           page_size_tokens=plan.kv.page_size_tokens, watermark=plan.kv.watermark,
                           offload=plan.kv.offload, gpu_budget_bytes=plan.limits.gpu_budget_bytes,
                           host_budget_bytes=plan.limits.host_budget_bytes, calibration=plan.calibration,
-                          prefix=prefix_tokens)
+                          prefix=prefix_tokens, dtype=plan.model.dtype)
     return _prediction(cost, wl, context_tokens)
 
 

@@ -3,7 +3,9 @@
 CPU: sustained DRAM read bandwidth measured the way decode reads weights — a GEMV over a
 sequence of 64 MiB fp32 matrices laid end to end in a buffer far larger than L3, with all cores —
 repeated, and every run kept so the spread is visible; L3 size from sysfs and its bandwidth
-from the same GEMV over a buffer that fits in it; fp32 GEMM throughput; ISA flags; RAM.
+from the same GEMV over a buffer that fits in it; fp32 GEMM throughput; ISA flags; RAM; and the
+executor's own kernels per weight dtype (executor/probe.py): the rates the cost model prices
+decode and prompt chunks with, and the prompt-GEMM path the executor takes on this machine.
 GPU (when CUDA is present): usable VRAM once the context exists, device-to-device copy
 bandwidth, (128, H)×(H, H) matmul throughput, pinned host↔device bandwidth and latency.
 
@@ -20,8 +22,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from planner.machine import (MACHINE_SCHEMA_VERSION, Calibration, CpuProfile, DeviceCalibration, GpuProfile,
-                             LinkProfile, MachineProfile)
+from planner.machine import (MACHINE_SCHEMA_VERSION, Calibration, CpuKernels, CpuProfile, DeviceCalibration,
+                             GpuProfile, KernelRates, LinkProfile, MachineProfile)
 from planner.units import GIB, MIB, fmt_bytes, round_sig
 
 # SIMD features our kernels (and torch) dispatch on; others in /proc/cpuinfo are not recorded.
@@ -202,6 +204,22 @@ def measure_kv_read_gibps(buffer_bytes: int, runs: int, threads: int,
     return round_sig(statistics.median(results), 4)
 
 
+def measure_cpu_kernels(threads: int, quick: bool, buffer_bytes: int,
+                        progress: Progress = _quiet) -> CpuKernels | None:
+    """The executor's own CPU kernels on this machine, for every weight dtype (executor/probe.py):
+    decode GEMV read rate, the fastest prompt-GEMM path with its rate and crossover, prompt
+    attention's rate, and the FMA peak. None when the kernels are not built."""
+    try:
+        from executor.probe import probe_cpu_kernels
+        measured = probe_cpu_kernels(("bfloat16", "float16", "float32"), threads, quick,
+                                     min(buffer_bytes, GIB), progress)
+    except ImportError as e:
+        progress(f"CPU kernels not built ({e}); the cost model falls back to the DRAM and fp32 GEMM figures")
+        return None
+    from planner.serial import from_dict
+    return from_dict(CpuKernels, measured)
+
+
 def measure_cpu_gflops(n: int = 1024, min_seconds: float = 0.3) -> float:
     """fp32 GEMM throughput (GFLOP/s) with the current torch thread count."""
     import torch
@@ -360,6 +378,7 @@ def _profile(quick, name, progress, threads, facts, gpu_probe, started) -> Machi
         # The cost model reads KV at M̂·η_m·η_kv: the probe's cold-cache rate relative to DRAM's.
         calibration = Calibration(cpu=DeviceCalibration(eta_kv=round_sig(min(1.0, kv_gibps / dram), 3)),
                                   provenance="profiled")
+    cpu_kernels = measure_cpu_kernels(threads, quick, buffer_bytes, progress)
     measured = gpu_probe(quick, progress)
     gpu, link = measured if measured else (None, None)
     seconds = time.perf_counter() - started
@@ -373,7 +392,7 @@ def _profile(quick, name, progress, threads, facts, gpu_probe, started) -> Machi
         l3_bytes=l3, dram_read_gibps=dram, dram_read_gibps_runs=tuple(dram_runs),
         dram_buffer_bytes=buffer_bytes, l3_read_gibps=l3_gibps, l3_read_source=l3_source,
         compute_gflops=gflops, ram_total_bytes=facts["ram_total_bytes"],
-        ram_available_bytes=facts["ram_available_bytes"])
+        ram_available_bytes=facts["ram_available_bytes"], kernels=cpu_kernels)
     progress(f"done in {seconds:.1f}s: DRAM {dram:.2f} GiB/s (runs {min(dram_runs):.2f}–{max(dram_runs):.2f})")
     return MachineProfile(
         kind="machine_profile", schema_version=MACHINE_SCHEMA_VERSION,

@@ -24,6 +24,7 @@ class SearchSpace:
     offload: bool
     gpu_budget_bytes: int
     host_budget_bytes: int
+    dtype: str | None = None    # the weights' (selects the CPU kernels' measured rates)
 
 
 def evaluate_all(units: tuple[UnitIR, ...], shared: tuple[SharedWeight, ...], machine: MachineProfile,
@@ -34,7 +35,7 @@ def evaluate_all(units: tuple[UnitIR, ...], shared: tuple[SharedWeight, ...], ma
                        prompt=space.prompt, page_size_tokens=space.page_size_tokens,
                        watermark=space.watermark, offload=space.offload,
                        gpu_budget_bytes=space.gpu_budget_bytes, host_budget_bytes=space.host_budget_bytes,
-                       calibration=calibration)
+                       calibration=calibration, dtype=space.dtype)
         for k in range(len(units) + 1))
 
 

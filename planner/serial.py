@@ -15,10 +15,16 @@ from typing import Any
 from planner.errors import PlanError
 
 
+#: Field metadata of an optional field added to a format after files of it were written: left out
+#: of the file while None, so those files (and their digests) stay as they were.
+OMIT_IF_NONE = {"omit_if_none": True}
+
+
 def to_dict(obj: Any) -> Any:
     """Dataclass -> dict in field order (recursively); tuples -> lists."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if not (f.metadata.get("omit_if_none") and getattr(obj, f.name) is None)}
     if isinstance(obj, (list, tuple)):
         return [to_dict(x) for x in obj]
     if isinstance(obj, dict):

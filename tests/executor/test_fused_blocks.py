@@ -48,16 +48,22 @@ def test_fused_long_context_equals_op_by_op(checkpoint, monkeypatch):
     assert torch.equal(fused, helm_teacher_forced_logits(path, ids, prefill=2030))
 
 
-@pytest.mark.parametrize("dtype,max_rows", [("fp32", 31), ("bf16", 12)])
-def test_fused_steps_are_decode_batches_and_short_chunks(checkpoint, dtype, max_rows):
-    """Up to max_rows tokens (where our GEMV keeps every projection) whose sequences each have at
-    most KERNEL_MAX_QUERIES of them (the attention kernel's share; a longer chunk needs PyTorch's)."""
+@pytest.mark.parametrize("dtype,route,max_rows", [("fp32", ("float32", "gemm", 20), 19),
+                                                  ("bf16", ("bfloat16", "torch", 13), 12),
+                                                  ("bf16", ("bfloat16", "gemv", 9), 32)])
+def test_fused_steps_are_decode_batches_and_short_chunks(checkpoint, dtype, route, max_rows):
+    """Up to max_rows tokens (where the placement's GEMM route keeps every projection in our GEMV;
+    at most FusedBlocks.MAX_ROWS) whose sequences each have at most KERNEL_MAX_QUERIES of them (the
+    attention kernel's share; a longer chunk needs PyTorch's)."""
+    from dataclasses import replace
+
     from executor.backends import KernelAttention
     from executor.batch import StepBatch
 
     path = checkpoint("qwen3", dtype)
     cfg = ModelConfig.from_dir(path)
-    model = load_model(path, Placement.from_split(cfg.num_units, cfg.num_units), cfg, backend="helm")
+    placement = replace(Placement.from_split(cfg.num_units, cfg.num_units), gemm_routes=(route,))
+    model = load_model(path, placement, cfg, backend="helm")
     fused = model.stages[0].fused
     limit = KernelAttention.KERNEL_MAX_QUERIES
     assert fused.max_rows == max_rows
