@@ -147,3 +147,33 @@ def test_worked_example_qwen3_8b_on_the_4060_laptop(laptop_plan_8b):
     attn_dram = 1e3 * 4096 * 1024 / (45 * GIB)
     assert attn_dram > 1e3 * 4 * 32 * 128 * 1024 / 500e9  # memory-bound, not compute-bound
     assert per_block == pytest.approx(proj + attn_dram, rel=1e-3)
+
+
+def test_measured_kernel_rates_price_the_model_dtype():
+    """With the profile's kernel rates for the model's dtype, weights stream at the GEMV's rate,
+    prompt GEMMs run at the chosen path's rate and prompt attention at its own; KV reads keep the
+    DRAM figure. Another dtype, or none, falls back to the generic figures."""
+    from dataclasses import replace
+
+    from planner.cost import unit_prefill_ms
+    from planner.machine import CpuKernels, KernelRates
+
+    rates = KernelRates(dtype="bfloat16", gemv_gibps=20.0, gemm_path="gemm", gemm_min_rows=16,
+                        gemm_gflops=400.0, gemm_candidates={"gemm": 400.0, "gemv": 100.0},
+                        attention_gflops=50.0)
+    m = machine(cpu_gibps=10.0, cpu_gflops=100.0, l3_bytes=0)
+    m = replace(m, cpu=replace(m.cpu, kernels=CpuKernels(isa="avx2", threads=4, fma_peak_gflops=500.0,
+                                                          dtypes=(rates,))))
+    cpu = device_rates(m, "cpu", dtype="bfloat16")
+    u = unit(1, "block", GIB, kv=1024, attn=4096, proj=2 * GIB)
+    proj, attn = unit_decode_ms(u, cpu, batch=1, context=1024)
+    assert proj == pytest.approx(1e3 * GIB / (20 * GIB))               # the GEMV's 20 GiB/s
+    assert attn == pytest.approx(1e3 * 1024 * 1024 / (10 * GIB))       # KV at DRAM's 10 GiB/s
+    # a 100-token prompt: projections at 400 GFLOP/s (compute-bound), attention at 50
+    pairs = 100 * 101 / 2
+    expected = 1e3 * (100 * 2 * GIB / 400e9 + pairs * 4096 / 50e9)
+    assert unit_prefill_ms(u, cpu, batch=1, prompt=100) == pytest.approx(expected)
+    for other in (device_rates(m, "cpu", dtype="float16"), device_rates(m, "cpu")):
+        assert unit_decode_ms(u, other, batch=1, context=0)[0] == pytest.approx(1e3 * GIB / (10 * GIB))
+        assert unit_prefill_ms(u, other, batch=1, prompt=100) == pytest.approx(
+            1e3 * (100 * 2 * GIB / 100e9 + pairs * 4096 / 100e9))

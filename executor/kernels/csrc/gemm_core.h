@@ -67,6 +67,7 @@ HELM_INLINE void helm_gemm_micro(int kc, const float *restrict a, const float *r
                                  const float *restrict bias) {
     vf acc[GEMM_MR][2];
     for (int i = 0; i < GEMM_MR; i++) acc[i][0] = acc[i][1] = v_zero();
+#pragma GCC unroll 4
     for (int k = 0; k < kc; k++) {
         const vf b0 = v_load(b + k * GEMM_NR), b1 = v_load(b + k * GEMM_NR + VL);
         for (int i = 0; i < GEMM_MR; i++) {
