@@ -22,6 +22,7 @@ from executor.batch import StepBatch
 from executor.errors import RequestError
 from executor.loader import LoadedModel
 from executor.sampling import SamplingParams, StopCriteria, make_generator, sample
+from planner.cost import PREFILL_CHUNK_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class StepRecord:
 class Engine:
     def __init__(self, model: LoadedModel, eos_token_ids: tuple[int, ...] = (),
                  context_limit: int | None = None, max_step_tokens: int = 2048,
-                 prefill_chunk: int = 512, max_running: int = 64):
+                 prefill_chunk: int = PREFILL_CHUNK_TOKENS, max_running: int = 64):
         self.model = model
         self.config = model.config
         self.eos_token_ids = tuple(eos_token_ids or model.config.eos_token_ids)

@@ -29,9 +29,18 @@ PROBE_ROWS = 256
 PROBE_N, PROBE_K = 2048, 2048
 #: Batches at which the chosen path is raced against the GEMV tiles to find where it takes over.
 CROSSOVER_ROWS = (12, 16, 24, 32, 48, 64, 96, 128, 192)
-#: Prompt attention probe: Qwen3 heads (16 query, 8 KV, 128 wide), a 512-query chunk after 512
-#: cached keys (the mask path the executor's chunked prefill takes after its first chunk).
-ATTN_HEADS, ATTN_KV_HEADS, ATTN_HEAD_DIM, ATTN_QUERIES, ATTN_PREFIX = 16, 8, 128, 512, 512
+#: The prompt-block probe: a decoder block of Qwen3-0.6B's dimensions (hidden 1024, MLP 3072, 16
+#: query and 8 KV heads of 128) run as the executor runs a prompt chunk through it — RMSNorm,
+#: q/k/v projection, q/k norm + RoPE, o projection added to the residual, RMSNorm, gate/up
+#: projection, SiLU·mul, down projection added to the residual — over several layers' weights
+#: (more than the caches hold), at a short and a full chunk. Its rate per projection FLOP is what
+#: the cost model prices a prompt chunk's projections with: the element-wise work is in it.
+BLOCK_HIDDEN, BLOCK_MLP, ATTN_HEADS, ATTN_KV_HEADS, ATTN_HEAD_DIM = 1024, 3072, 16, 8, 128
+BLOCK_LAYERS = 6
+BLOCK_ROWS = (128, 512)
+#: Prompt attention probe: those heads, a 1024-token prompt in the executor's two chunks of 512 (the
+#: first causal from position 0, the second after 512 cached keys, through the mask path).
+ATTN_CHUNK, ATTN_CHUNKS = 512, 2
 
 Progress = Callable[[str], None]
 
@@ -116,7 +125,7 @@ def gemm_route(dtype: torch.dtype, threads: int, quick: bool = False,
     """The fastest path for a prompt chunk of this weight dtype, the batch from which it beats the
     GEMV tiles (min_rows) and its rate: {path, min_rows, gflops, candidates}."""
     from executor import kernels
-    reps = 2 if quick else 4
+    reps = 1 if quick else 3
     candidates = gemm_candidates(dtype, threads, PROBE_ROWS, reps, shape=shape)
     path = max(candidates, key=candidates.get)
     min_rows = kernels.MAX_TILE_B + 1
@@ -131,22 +140,67 @@ def gemm_route(dtype: torch.dtype, threads: int, quick: bool = False,
     return {"path": path, "min_rows": min_rows, "gflops": candidates[path], "candidates": candidates}
 
 
-def prompt_attention_gflops(dtype: torch.dtype, threads: int, reps: int) -> float:
-    """GFLOP/s (4·D FLOPs per visible query-key pair and head) of the executor's prompt attention
-    for a KV cache of `dtype` (executor.backends.fused_prompt_attention) on the probe chunk."""
-    from executor.backends import fused_prompt_attention
+def prompt_block_gflops(dtype: torch.dtype, threads: int, routes: dict, rows: int, reps: int,
+                        layers: int = BLOCK_LAYERS) -> float:
+    """Projection GFLOP/s of the prompt-block probe (see BLOCK_*) at `rows` tokens, the executor's
+    kernels taking `routes`: projection FLOPs / the time of everything but attention."""
+    from executor import kernels
+    h, i, d = BLOCK_HIDDEN, BLOCK_MLP, ATTN_HEAD_DIM
+    q, kv = ATTN_HEADS * d, ATTN_KV_HEADS * d
+    ks = kernels.KernelSet(kernels.KERNEL_ISA, routes)
     gen = torch.Generator().manual_seed(0)
-    n, start, d = ATTN_QUERIES, ATTN_PREFIX, ATTN_HEAD_DIM
-    q = torch.randn(n, ATTN_HEADS * d, generator=gen)
-    k = torch.randn(ATTN_KV_HEADS, start + n, d, generator=gen).to(dtype)
-    v = torch.randn(ATTN_KV_HEADS, start + n, d, generator=gen).to(dtype)
+
+    def weight(n, k):
+        return kernels.prepare_linear(torch.empty(n, k).uniform_(-0.03, 0.03, generator=gen).to(dtype))
+
+    blocks = [(weight(q + 2 * kv, h), weight(h, q), weight(2 * i, h), weight(h, i)) for _ in range(layers)]
+    norm, head_norm = torch.ones(h), torch.ones(d)
+    x = torch.randn(rows, h, generator=gen)
+    cos, sin = torch.randn(rows, d // 2, generator=gen), torch.randn(rows, d // 2, generator=gen)
+
+    def chunk() -> None:
+        for qkv_w, o_w, gate_up_w, down_w in blocks:
+            qkv = ks.linear(kernels.rms_norm(x, norm, 1e-6, num_threads=threads), qkv_w, num_threads=threads)
+            kernels.rope_qk_(qkv, ATTN_HEADS, ATTN_KV_HEADS, cos, sin, head_norm, head_norm, 1e-6,
+                             num_threads=threads)
+            ks.linear(qkv[:, :q].contiguous(), o_w, x, num_threads=threads, accumulate=True)
+            gate_up = ks.linear(kernels.rms_norm(x, norm, 1e-6, num_threads=threads), gate_up_w, num_threads=threads)
+            act = kernels.silu_mul(gate_up[:, :i], gate_up[:, i:], num_threads=threads)
+            ks.linear(act, down_w, x, num_threads=threads, accumulate=True)
+            x.mul_(0.5)  # keep the residual stream bounded across repetitions
+
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        seconds = _best_seconds(lambda: fused_prompt_attention(q, k, v, start, ATTN_HEADS, d ** -0.5), reps)
+        seconds = _best_seconds(chunk, reps)
     finally:
         torch.set_num_threads(previous)
-    pairs = n * start + n * (n + 1) / 2
+    flops = 2.0 * rows * layers * (h * (q + 2 * kv) + q * h + 2 * i * h + i * h)
+    return round(flops / seconds / 1e9, 1)
+
+
+def prompt_attention_gflops(dtype: torch.dtype, threads: int, reps: int) -> float:
+    """GFLOP/s (4·D FLOPs per visible query-key pair and head) of the executor's prompt attention
+    for a KV cache of `dtype` (executor.backends.fused_prompt_attention) over the probe prompt's
+    chunks."""
+    from executor.backends import fused_prompt_attention
+    gen = torch.Generator().manual_seed(0)
+    n, d, total = ATTN_CHUNK, ATTN_HEAD_DIM, ATTN_CHUNK * ATTN_CHUNKS
+    q = torch.randn(n, ATTN_HEADS * d, generator=gen)
+    k = torch.randn(ATTN_KV_HEADS, total, d, generator=gen).to(dtype)
+    v = torch.randn(ATTN_KV_HEADS, total, d, generator=gen).to(dtype)
+
+    def prompt() -> None:
+        for start in range(0, total, n):
+            fused_prompt_attention(q, k[:, :start + n], v[:, :start + n], start, ATTN_HEADS, d ** -0.5)
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        seconds = _best_seconds(prompt, reps)
+    finally:
+        torch.set_num_threads(previous)
+    pairs = total * (total + 1) / 2
     return round(4.0 * d * ATTN_HEADS * pairs / seconds / 1e9, 1)
 
 
@@ -155,7 +209,7 @@ def probe_cpu_kernels(dtypes, threads: int, quick: bool = False, buffer_bytes: i
     """Every rate and choice of the CPU stage's kernels for the weight dtypes named (float32,
     bfloat16, float16), as plain data for the machine profile's `cpu.kernels`:
     {isa, threads, fma_peak_gflops, dtypes: [{dtype, gemv_gibps, gemm_path, gemm_min_rows,
-    gemm_gflops, gemm_candidates, attention_gflops}]}."""
+    gemm_gflops, gemm_candidates, prompt_gflops, attention_gflops}]}."""
     from executor import kernels
     peak = round(fma_peak_gflops(threads), 1)
     progress(f"kernels {kernels.KERNEL_ISA}, {threads} threads: fp32 FMA peak {peak:.0f} GFLOP/s")
@@ -164,14 +218,20 @@ def probe_cpu_kernels(dtypes, threads: int, quick: bool = False, buffer_bytes: i
         dtype = DTYPES[name]
         reads = gemv_read_gibps(dtype, threads, buffer_bytes, 3 if quick else 5)
         route = gemm_route(dtype, threads, quick)
+        routes = gemm_routes([{"dtype": name, "gemm_path": route["path"], "gemm_min_rows": route["min_rows"]}])
+        block = [{"rows": r, "gflops": prompt_block_gflops(dtype, threads, routes, r, 1 if quick else 3,
+                                                           BLOCK_LAYERS // 3 if quick else BLOCK_LAYERS)}
+                 for r in BLOCK_ROWS]
         attention = prompt_attention_gflops(dtype, threads, 2 if quick else 3)
         others = ", ".join(f"{p} {r:.0f}" for p, r in route["candidates"].items() if p != route["path"])
         progress(f"{name}: decode GEMV {statistics.median(reads):.1f} GiB/s; prompt GEMM {route['path']} "
-                 f"{route['gflops']:.0f} GFLOP/s from {route['min_rows']} rows ({others}); "
-                 f"prompt attention {attention:.0f} GFLOP/s")
+                 f"{route['gflops']:.0f} GFLOP/s from {route['min_rows']} rows ({others}); prompt block "
+                 + ", ".join(f"{b['gflops']:.0f} at {b['rows']} rows" for b in block)
+                 + f"; prompt attention {attention:.0f} GFLOP/s")
         rows.append({"dtype": name, "gemv_gibps": round(statistics.median(reads), 2), "gemm_path": route["path"],
                      "gemm_min_rows": route["min_rows"], "gemm_gflops": route["gflops"],
-                     "gemm_candidates": route["candidates"], "attention_gflops": attention})
+                     "gemm_candidates": route["candidates"], "prompt_gflops": block,
+                     "attention_gflops": attention})
     return {"isa": kernels.KERNEL_ISA, "threads": threads, "fma_peak_gflops": peak, "dtypes": rows}
 
 

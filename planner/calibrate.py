@@ -31,8 +31,10 @@ from planner.yamlio import read_text_file
 
 MIN_ROW_SAMPLES = 5           # decode steps a report row needs to enter the fit
 MIN_STAGE_SAMPLES = 20        # decode steps (in usable rows) every stage needs: fewer is "too few samples"
-MIN_PREFILL_ROW_SAMPLES = 2   # prefill steps (prompt chunks) a report row needs to enter the prefill fit
-MIN_PREFILL_STEPS = 4         # prefill steps a device needs before η_c is fitted (else kept, with a note)
+# A prompt chunk is a long step (tens of ms to seconds), so one is a measurement in itself: a
+# daemon that saw each prompt length once still has its prefill fitted.
+MIN_PREFILL_ROW_SAMPLES = 1   # prefill steps (prompt chunks) a report row needs to enter the prefill fit
+MIN_PREFILL_STEPS = 2         # prefill steps a device needs before η_c is fitted (else kept, with a note)
 
 
 # ---- the report: read, fetch, check ------------------------------------------------------------
@@ -270,7 +272,7 @@ def recalibrate(plan: Plan, report, source: str, min_samples: int = MIN_STAGE_SA
         elif row.phase == "decode":
             status = f"too few steps (< {MIN_ROW_SAMPLES})"
         else:
-            status = f"not fitted (< {MIN_PREFILL_ROW_SAMPLES} steps, or too few prefill steps)"
+            status = f"not fitted (fewer than {MIN_PREFILL_STEPS} prefill steps in all)"
         table.append(TableRow(row.stage, row.device, row.phase, row.context_min, row.context_max, row.samples,
                               row.measured_mean_ms, row.predicted_ms, after_ms, status))
 

@@ -12,8 +12,9 @@ For k units on the CPU (units 0..k-1) and the rest on the GPU:
 F and W come from the traced IR (planner/trace.py), M, P, C_L3, B_L3, ℓ and B from the machine
 profile, η and δ from the calibration. Where the profile measured the executor's CPU kernels for
 the model's weight dtype (`cpu.kernels`), the CPU's weights stream at the GEMV's measured rate
-(M_w in T_proj), its prompt GEMMs run at the chosen path's rate (P) and prompt attention at its
-own measured rate: the kernels that will run, not a generic fp32 GEMM. Two additions DESIGN §5 leaves open, both documented in
+(M_w in T_proj), a prompt chunk's projections run at the measured rate of a decoder block on a
+chunk of that size (P(n): the chosen GEMM path with the element-wise work around it) and prompt
+attention at its own measured rate: the kernels that will run, not a generic fp32 GEMM. Two additions DESIGN §5 leaves open, both documented in
 the plan: with KV offload, pages parked on the host are streamed back over the link every step
 (added to the GPU's KV read time); TTFT is the same roofline for a prefill of the prompt, where
 the output projection computes logits for the last position only and the attention FLOPs (of a
@@ -31,12 +32,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 from planner.machine import DeviceCalibration, MachineProfile
 from planner.trace import SharedWeight, UnitIR
 from planner.units import GIB, fmt_bytes
 
 MIN_DEVICE_PAGES_WITH_OFFLOAD = 2  # the page being written + one page streamed back
+PREFILL_CHUNK_TOKENS = 512  # the executor prefills a long prompt in steps of at most this many tokens
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,10 @@ class DeviceRates:
     calibration: DeviceCalibration
     weight_gibps: float = 0.0   # rate at which the projections stream their weights (0: mem_gibps)
     attn_gflops: float = 0.0    # prompt attention's FLOP rate before η_attn (0: prefill_gflops)
+    prefill_rate: Callable[[float], float] | None = None  # P for a chunk of n tokens (None: prefill_gflops)
+
+    def prefill_gflops_at(self, rows: float) -> float:
+        return self.prefill_rate(rows) if self.prefill_rate is not None else self.prefill_gflops
 
 
 def device_rates(machine: MachineProfile, device: str, calibration=None, dtype: str | None = None) -> DeviceRates:
@@ -65,8 +72,9 @@ def device_rates(machine: MachineProfile, device: str, calibration=None, dtype: 
         if k is None:
             return DeviceRates("cpu", c.dram_read_gibps, c.compute_gflops, c.compute_gflops, c.l3_bytes,
                                c.l3_read_gibps, calibration.cpu)
-        return DeviceRates("cpu", c.dram_read_gibps, k.gemm_gflops, k.gemm_gflops, c.l3_bytes, c.l3_read_gibps,
-                           calibration.cpu, weight_gibps=k.gemv_gibps, attn_gflops=k.attention_gflops)
+        return DeviceRates("cpu", c.dram_read_gibps, k.gemm_gflops, k.prompt_gflops_at(512), c.l3_bytes,
+                           c.l3_read_gibps, calibration.cpu, weight_gibps=k.gemv_gibps,
+                           attn_gflops=k.attention_gflops, prefill_rate=k.prompt_gflops_at)
     if machine.gpu is None:
         raise ValueError("machine profile has no GPU")
     g = machine.gpu
@@ -124,7 +132,7 @@ def unit_prefill_ms(unit: UnitIR, rates: DeviceRates, batch: int, prompt: int, p
     reading the prefix's KV."""
     cal = rates.calibration
     rows = 1 if unit.kind == "head" else prompt
-    t_proj = _ms(batch * rows * unit.proj_flops_per_token, rates.prefill_gflops,
+    t_proj = _ms(batch * rows * unit.proj_flops_per_token, rates.prefill_gflops_at(batch * prompt),
                  weight_read_bytes(unit, batch * prompt), rates.weight_gibps or rates.mem_gibps, cal)
     pairs = prompt * prefix + prompt * (prompt + 1) / 2  # (query, visible key) pairs
     t_attn = _ms(batch * pairs * unit.attn_flops_per_context_token,

@@ -7,6 +7,7 @@ made on different machines can be diffed. Bandwidths are GiB/s (2^30 bytes per s
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -14,6 +15,12 @@ from planner.errors import PlanError
 from planner.serial import OMIT_IF_NONE
 
 MACHINE_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class PromptRate:
+    rows: int                            # tokens in the prompt chunk
+    gflops: float
 
 
 @dataclass(frozen=True)
@@ -25,7 +32,21 @@ class KernelRates:
     gemm_min_rows: int                   # the batch from which that path beats the GEMV tiles
     gemm_gflops: float                   # its rate on a prompt chunk (256 rows x a 2048 x 2048 weight)
     gemm_candidates: dict[str, float]    # every path's rate on that chunk, GFLOP/s
+    prompt_gflops: tuple[PromptRate, ...]  # a prompt chunk through a decoder block, per projection
+                                         # FLOP (element-wise work included), at a few chunk sizes
     attention_gflops: float              # prompt attention (fused SDPA) over a KV cache of this dtype
+
+    def prompt_gflops_at(self, rows: float) -> float:
+        """The block rate at a chunk of `rows` tokens: linear in log(rows) between the measured
+        sizes, the nearest one outside them."""
+        points = sorted((p.rows, p.gflops) for p in self.prompt_gflops)
+        if rows <= points[0][0]:
+            return points[0][1]
+        for (r0, g0), (r1, g1) in zip(points, points[1:]):
+            if rows <= r1:
+                f = math.log(rows / r0) / math.log(r1 / r0)
+                return g0 + f * (g1 - g0)
+        return points[-1][1]
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from planner.config import config_digest, config_dtype, read_config
-from planner.cost import SplitCost, evaluate_split
+from planner.cost import PREFILL_CHUNK_TOKENS, SplitCost, evaluate_split
 from planner.errors import PlanError
 from planner.machine import Calibration, MachineProfile, placeholder_machine
 from planner.search import SearchSpace, best_split, evaluate_all
@@ -34,6 +34,7 @@ __all__ = [
     "KVPlan", "StagePrediction", "Prediction", "Candidate", "Search", "UnitIR", "SharedWeight",
     "Recalibration", "MeasurementSource", "DeviceFit", "PrefillFit", "FitResidual",
     "load_plan", "save_plan", "make_plan", "plan_for_split", "replan", "config_digest", "plan_digest", "predict",
+    "predict_ttft_ms",
     "PLAN_SCHEMA_VERSION",
 ]
 
@@ -631,6 +632,17 @@ def predict(plan: Plan, context_tokens: int, batch_size: int | None = None, pref
                           host_budget_bytes=plan.limits.host_budget_bytes, calibration=plan.calibration,
                           prefix=prefix_tokens, dtype=plan.model.dtype)
     return _prediction(cost, wl, context_tokens)
+
+
+def predict_ttft_ms(plan: Plan, prompt_tokens: int, chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> float:
+    """The plan's time to first token for a prompt of `prompt_tokens` at batch 1, prefilled the way
+    the executor does it: in steps of at most chunk_tokens, each after the chunks before it."""
+    total = 0.0
+    for start in range(0, prompt_tokens, chunk_tokens):
+        n = min(chunk_tokens, prompt_tokens - start)
+        chunk = replace(plan, workload=replace(plan.workload, prompt_tokens=n))
+        total += predict(chunk, start + n, 1, prefix_tokens=start).ttft_ms
+    return total
 
 
 def _check_workload(w: Workload) -> None:

@@ -1,16 +1,24 @@
-"""Benchmark: HELM's executor versus Hugging Face transformers decoding the same checkpoint.
+"""Benchmark: HELM's executor against Hugging Face transformers and (with --llama-cpp) llama.cpp
+on the same random-weight checkpoints: TTFT per prompt length and decode tok/s, per model size
+and weight dtype, with the ratio to each peer.
 
-Both run on the CPU with the same threads, batch 1, a fixed prompt, greedy, a fixed number of new
-tokens (EOS ignored); runs alternate (HELM, HF, HELM, HF, ...) so machine noise hits both alike.
-Printed per run and as medians: TTFT, decode tok/s, achieved GB/s (weight bytes read per decode
-token × tok/s), its fraction of the DRAM read bandwidth measured in the same run, and HELM/HF.
+All run on the CPU with the same threads, batch 1, greedy, EOS ignored; for every measurement the
+engines alternate (HELM, HF, llama.cpp, HELM, ...) so machine noise hits them alike; medians over
+--runs. Decode: --new-tokens after a 128-token prompt; TTFT: the prompt and its first token.
+llama.cpp runs through ../shared/anchors/llama-cpp.sh (llama-bench on a GGUF of the same weights;
+its TTFT is the prompt at its measured prompt-processing rate, its decode a run from an empty
+context). transformers' bf16 prompt GEMMs are slow on CPUs without AVX512-BF16/AMX: prompts
+longer than --hf-max-prompt are left out for it. Also printed: the decode's share of the DRAM read
+bandwidth measured in the same run, and a HELM decode run's peak RSS in its own process.
 
-    python tools/bench_decode.py --model models/qwen3-0.6b        # built with tools/make_model.py if missing
-    python tools/bench_decode.py --model models/qwen3-1.7b --size qwen3-1.7b
+    python tools/bench_decode.py                                   # Qwen3-0.6B bf16, HELM vs HF
+    python tools/bench_decode.py --sizes qwen3-0.6b,qwen3-1.7b --dtypes bf16,fp16 \
+        --prompts 128,512,2048 --llama-cpp --runs 2                # the issue-15 table
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -121,24 +129,32 @@ def run_hf(model, prompt: list[int], new_tokens: int) -> tuple[float, float]:
     return ttft * 1e3, (new_tokens - 1) / (total - ttft)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="models/qwen3-0.6b")
-    parser.add_argument("--size", default="qwen3-0.6b", help="preset to build if --model is missing")
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--runs", type=int, default=2, help="alternating runs of each engine")
-    args = parser.parse_args(argv)
+LLAMA_CPP = REPO.parent / "shared" / "anchors" / "llama-cpp.sh"
 
-    torch.set_num_threads(args.threads)
-    if not (Path(args.model) / "config.json").is_file():
-        from tools.make_model import make_model
 
-        print(f"building {args.size} (bf16, random weights) in {args.model}", file=sys.stderr)
-        make_model(None, args.size, "bf16", 0, args.model)
-    rss = peak_rss(args.model, args.prompt_tokens, args.new_tokens, args.threads)
+def run_llama_cpp(model_dir: str, dtype: str, prompt_tokens: int, new_tokens: int, threads: int) -> dict:
+    """One llama-bench measurement through the anchor script: {ttft_ms, tg_tokens_per_s, ...}."""
+    import json
+    import subprocess
 
+    gguf_dtype = {"bf16": "bf16", "fp16": "f16"}[dtype]
+    out = subprocess.run(["bash", str(LLAMA_CPP), model_dir, gguf_dtype, str(prompt_tokens), str(new_tokens),
+                          str(threads)], capture_output=True, text=True, cwd=REPO)
+    if out.returncode != 0:
+        raise RuntimeError(f"llama.cpp anchor failed: {out.stderr.strip()[-500:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if a == a and b == b and b > 0 else "-"
+
+
+def bench_model(args, size: str, dtype: str) -> dict:
+    """Every measurement of one checkpoint; prints as it goes, returns the medians."""
     from transformers import AutoModelForCausalLM
 
     from executor.loader import load_model
@@ -146,35 +162,98 @@ def main(argv: list[str] | None = None) -> int:
     from executor.placement import Placement
     from executor.report import kernel_isa
 
-    config = ModelConfig.from_dir(args.model)
-    helm = load_model(args.model, Placement.from_split(config.num_units, config.num_units), config)
-    hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=config.dtype).eval()
-    nbytes = weight_bytes_per_token(helm)
-    prompt = [1000 + (i * 7919) % 50000 % (config.vocab_size - 1000) for i in range(args.prompt_tokens)]
+    model_dir = f"models/{size}" if dtype == "bf16" else f"models/{size}-{dtype}"
+    if not (Path(model_dir) / "config.json").is_file():
+        from tools.make_model import make_model
 
-    print(f"{args.model}: {nbytes / 1e9:.2f} GB of weights per decode token, {config.dtype}, "
-          f"prompt {args.prompt_tokens}, {args.new_tokens} new tokens, {args.threads} threads, "
-          f"HELM kernels {kernel_isa(helm)}")
+        print(f"building {size} ({dtype}, random weights) in {model_dir}", file=sys.stderr)
+        make_model(None, size, dtype, 0, model_dir)
+    rss = peak_rss(model_dir, 128, args.new_tokens, args.threads)
+    config = ModelConfig.from_dir(model_dir)
+    helm = load_model(model_dir, Placement.from_split(config.num_units, config.num_units), config)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=config.dtype).eval()
+    nbytes = weight_bytes_per_token(helm)
+    prompt = [1000 + (i * 7919) % 50000 % (config.vocab_size - 1000) for i in range(max(args.prompts + [128]))]
+    print(f"\n== {model_dir}: {size} {dtype}, {nbytes / 1e9:.2f} GB of weights per decode token, "
+          f"{args.threads} threads, HELM kernels {kernel_isa(helm)}, routes {helm.stages[0].ops.kernel_set.routes}")
     run_helm(helm, prompt[:8], 4)  # warm up both
     run_hf(hf, prompt[:8], 4)
-    rows = {"helm": [], "hf": []}
-    print(f"{'run':>4} {'engine':>6} {'read GB/s':>9} {'TTFT ms':>8} {'tok/s':>7} {'GB/s':>6} {'of read':>7}")
+    engines = ["helm", "hf"] + (["llama.cpp"] if args.llama_cpp else [])
+    decode = {e: [] for e in engines}
+    ttft = {(e, p): [] for e in engines for p in args.prompts}
+    read = []
     for r in range(args.runs):
-        for name, fn, model in (("helm", run_helm, helm), ("hf", run_hf, hf)):
-            bw = read_gbps(args.threads)
-            ttft, tps = fn(model, prompt, args.new_tokens)
-            rows[name].append((bw, ttft, tps))
-            print(f"{r + 1:>4} {name:>6} {bw:>9.1f} {ttft:>8.0f} {tps:>7.2f} {tps * nbytes / 1e9:>6.1f} "
-                  f"{tps * nbytes / 1e9 / bw:>6.0%}")
-    med = {k: [statistics.median(col) for col in zip(*v)] for k, v in rows.items()}
-    (hbw, httft, htps), (_, fttft, ftps) = med["helm"], med["hf"]
-    print(f"median: HELM {htps:.2f} tok/s ({htps * nbytes / 1e9 / hbw:.0%} of read bandwidth), TTFT {httft:.0f} ms; "
-          f"HF {ftps:.2f} tok/s, TTFT {fttft:.0f} ms")
-    print(f"HELM/HF decode {htps / ftps:.2f}x, TTFT ratio HELM/HF {httft / fttft:.2f}")
+        bw = read_gbps(args.threads)
+        read.append(bw)
+        for engine in engines:
+            if engine == "helm":
+                t, tps = run_helm(helm, prompt[:128], args.new_tokens)
+            elif engine == "hf":
+                t, tps = run_hf(hf, prompt[:128], args.new_tokens)
+            else:
+                tps = run_llama_cpp(model_dir, dtype, 128, args.new_tokens, args.threads)["tg_tokens_per_s"]
+            decode[engine].append(tps)
+            print(f"  run {r + 1} decode {engine:>9}: {tps:6.2f} tok/s ({tps * nbytes / 1e9 / bw:.0%} of read "
+                  f"{bw:.1f} GB/s) (load {os.getloadavg()[0]:.2f})", flush=True)
+        for p in args.prompts:
+            for engine in engines:
+                if engine == "helm":
+                    t, _ = run_helm(helm, prompt[:p], 1)
+                elif engine == "hf":
+                    if p > args.hf_max_prompt:
+                        continue
+                    t, _ = run_hf(hf, prompt[:p], 1)
+                else:
+                    t = run_llama_cpp(model_dir, dtype, p, 0, args.threads)["ttft_ms"]
+                ttft[engine, p].append(t)
+                print(f"  run {r + 1} TTFT {p:>5} {engine:>9}: {t:8.0f} ms (load {os.getloadavg()[0]:.2f})", flush=True)
+    del hf, helm
+    med_bw = _median(read)
     grown, budget = rss["peak"] - rss["baseline"], rss["weights"] + rss["kv"]
-    print(f"peak RSS of a HELM decode run (own process): +{grown / 2**20:.0f} MiB over its baseline for "
-          f"{rss['weights'] / 2**20:.0f} MiB of weights + {rss['kv'] / 2**20:.0f} MiB of KV pages "
-          f"= {grown / budget:.1%} of weights + KV (target <= 110%)")
+    return {"model": model_dir, "size": size, "dtype": dtype, "read_gbps": med_bw, "weight_bytes": nbytes,
+            "decode": {e: _median(v) for e, v in decode.items()},
+            "ttft": {f"{e}@{p}": _median(v) for (e, p), v in ttft.items()},
+            "rss_of_weights_kv": grown / budget}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="qwen3-0.6b", help="model presets, comma-separated (built if missing)")
+    parser.add_argument("--dtypes", default="bf16", help="weight dtypes: bf16, fp16, comma-separated")
+    parser.add_argument("--prompts", default="128", help="prompt lengths for TTFT, comma-separated")
+    parser.add_argument("--new-tokens", type=int, default=128, help="decode tokens after a 128-token prompt")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=2, help="alternating runs of each engine")
+    parser.add_argument("--llama-cpp", action="store_true", help=f"also run llama.cpp ({LLAMA_CPP})")
+    parser.add_argument("--hf-max-prompt", type=int, default=512, help="longest prompt run through transformers")
+    parser.add_argument("--json", help="also write the medians here")
+    args = parser.parse_args(argv)
+    args.prompts = sorted(int(p) for p in args.prompts.split(","))
+    torch.set_num_threads(args.threads)
+    print(f"load average at start: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    results = [bench_model(args, size, dtype) for size in args.sizes.split(",") for dtype in args.dtypes.split(",")]
+
+    engines = ["hf"] + (["llama.cpp"] if args.llama_cpp else [])
+    print(f"\nmedians over {args.runs} alternating runs ({args.threads} threads; ratios: the peer's time over "
+          f"HELM's for TTFT, HELM's tok/s over the peer's for decode: > 1 means HELM is faster)")
+    head = f"{'model':<24} {'measure':<13} {'HELM':>9} " + " ".join(f"{e:>10} {'ratio':>6}" for e in engines)
+    print(head)
+    for res in results:
+        name = f"{res['size']} {res['dtype']}"
+        for p in args.prompts:
+            h = res["ttft"][f"helm@{p}"]
+            cells = " ".join(f"{res['ttft'][f'{e}@{p}']:>10.0f} {_ratio(res['ttft'][f'{e}@{p}'], h):>6}"
+                             if res["ttft"][f"{e}@{p}"] == res["ttft"][f"{e}@{p}"] else f"{'-':>10} {'-':>6}"
+                             for e in engines)
+            print(f"{name:<24} {f'TTFT {p} ms':<13} {h:>9.0f} {cells}")
+        h = res["decode"]["helm"]
+        cells = " ".join(f"{res['decode'][e]:>10.2f} {_ratio(h, res['decode'][e]):>6}" for e in engines)
+        print(f"{name:<24} {'decode tok/s':<13} {h:>9.2f} {cells}   "
+              f"({h * res['weight_bytes'] / 1e9 / res['read_gbps']:.0%} of read; peak RSS "
+              f"{res['rss_of_weights_kv']:.1%} of weights + KV)")
+    if args.json:
+        import json
+        Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
 
 

@@ -1,7 +1,8 @@
 """How well the cost model predicts measured decode step time, before and after recalibration (a
 benchmark, not a test): plan → serve → requests at contexts 128..4096 → report → recalibrate →
 apply → the same requests → report, and per context bucket the predicted, measured and error
-before and after; then the same for the prompt chunks (prefill steps, no target).
+before and after; then the same for the prompt chunks (prefill steps) and for each prompt's
+TTFT (issue 15: within 15% before recalibration, 5% after).
 
     python tools/bench_prediction.py [--model models/qwen3-0.6b] [--machine FILE]
                                      [--contexts 128,256,512,1024,2048,4096] [--new-tokens 32]
@@ -24,6 +25,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -35,6 +37,7 @@ if str(REPO) not in sys.path:
 
 TARGET_BEFORE_PCT = 10.0
 TARGET_AFTER_PCT = 5.0
+TARGET_TTFT_BEFORE_PCT = 15.0
 START_TIMEOUT_S = 900
 
 
@@ -83,18 +86,23 @@ class Daemon:
         return self.proc.returncode
 
 
-def run_pass(client, pb, prompts: list[list[int]], new_tokens: int, repeat: int, label: str) -> float:
-    t0 = time.perf_counter()
+def run_pass(client, pb, prompts: list[list[int]], new_tokens: int, repeat: int, label: str) -> dict[int, list[float]]:
+    """Sends the requests; returns the daemon's TTFT (ms) of each, per prompt length."""
+    ttft: dict[int, list[float]] = {len(p): [] for p in prompts}
     for r in range(repeat):
         for prompt in prompts:
             request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
                                          sampling=pb.SamplingParameters(temperature=0.0),
                                          stopping=pb.StoppingCriteria(max_new_tokens=new_tokens, ignore_eos=True))
-            t = time.perf_counter()
-            n = sum(1 for msg in client.stub.Generate(request, timeout=3600) if msg.HasField("token"))
+            t, n = time.perf_counter(), 0
+            for msg in client.stub.Generate(request, timeout=3600):
+                n += msg.HasField("token")
+                if msg.HasField("result"):
+                    ttft[len(prompt)].append(msg.result.ttft_ns / 1e6)
             print(f"  {label} round {r + 1}/{repeat}: context {len(prompt)}: {n} tokens in "
-                  f"{time.perf_counter() - t:.1f} s (load {load()})", file=sys.stderr, flush=True)
-    return time.perf_counter() - t0
+                  f"{time.perf_counter() - t:.1f} s, TTFT {ttft[len(prompt)][-1]:.0f} ms (load {load()})",
+                  file=sys.stderr, flush=True)
+    return ttft
 
 
 def decode_rows(report, contexts: list[int]) -> dict[int, object]:
@@ -125,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     from executor.server.client import ExecutorClient
     from planner import cli as plan_cli
     from planner.machine import load_machine, save_machine
-    from planner.plan import load_plan, make_plan, save_plan, workload_for
+    from planner.plan import load_plan, make_plan, predict_ttft_ms, save_plan, workload_for
 
     contexts = sorted(int(c) for c in args.contexts.split(","))
     out = Path(args.out_dir)
@@ -163,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             vocab = client.info().model.vocab_size
             prompts = [[rng.randrange(vocab) for _ in range(c)] for c in contexts]
             print(f"== pass 1 on plan v1 ({daemon.addr})", file=sys.stderr)
-            run_pass(client, pb, prompts, args.new_tokens, args.repeat, "v1")
+            ttft1 = run_pass(client, pb, prompts, args.new_tokens, args.repeat, "v1")
             report1 = client.report(v1.digest)
             report1.write(out / "report.v1.json")
             load_mid = load()
@@ -175,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                 return code
             v2 = load_plan(v2_path)
             print(f"== pass 2 on plan v2 ({daemon.addr})", file=sys.stderr)
-            run_pass(client, pb, prompts, args.new_tokens, args.repeat, "v2")
+            ttft2 = run_pass(client, pb, prompts, args.new_tokens, args.repeat, "v2")
             report2 = client.report(v2.digest)
             report2.write(out / "report.v2.json")
     finally:
@@ -232,6 +240,25 @@ def main(argv: list[str] | None = None) -> int:
                                            "error_pct": b.error_pct, "samples": b.samples},
                                 "after": {"predicted_ms": a.predicted_ms, "measured_ms": a.measured_mean_ms,
                                           "error_pct": a.error_pct, "samples": a.samples}})
+    # Whole prompts: the daemon's TTFT (from accepting the request to its first token) against the
+    # plan's, summed over the prompt's chunks as the executor runs them.
+    print(f"{'prompt':>13} {'pred v1':>9} {'meas 1':>9} {'error':>8} {'pred v2':>9} {'meas 2':>9} {'error':>8}   "
+          f"(TTFT ms, median of {args.repeat}; target before <= {TARGET_TTFT_BEFORE_PCT:g}%)")
+    ttft_results, worst_ttft = [], {"before": 0.0, "after": 0.0}
+    for c in contexts:
+        row = {"prompt_tokens": c}
+        for key, plan, measured in (("before", v1, ttft1[c]), ("after", v2, ttft2[c])):
+            pred, meas = predict_ttft_ms(plan, c), statistics.median(measured)
+            err = 100.0 * (meas - pred) / pred
+            worst_ttft[key] = max(worst_ttft[key], abs(err))
+            row[key] = {"predicted_ms": pred, "measured_ms": meas, "error_pct": err, "samples": len(measured)}
+        b, a = row["before"], row["after"]
+        print(f"{c:>13} {b['predicted_ms']:>9.0f} {b['measured_ms']:>9.0f} {b['error_pct']:>+7.1f}% "
+              f"{a['predicted_ms']:>9.0f} {a['measured_ms']:>9.0f} {a['error_pct']:>+7.1f}%")
+        ttft_results.append(row)
+    print(f"worst TTFT error: before {worst_ttft['before']:.1f}% (target <= {TARGET_TTFT_BEFORE_PCT:g}%: "
+          f"{'met' if worst_ttft['before'] <= TARGET_TTFT_BEFORE_PCT else 'MISSED'}), after {worst_ttft['after']:.1f}% "
+          f"(target <= {TARGET_AFTER_PCT:g}%: {'met' if worst_ttft['after'] <= TARGET_AFTER_PCT else 'MISSED'})")
     ok_before, ok_after = worst_before <= TARGET_BEFORE_PCT, worst_after <= TARGET_AFTER_PCT
     print(f"worst bucket error: before {worst_before:.1f}% (target <= {TARGET_BEFORE_PCT:g}%: "
           f"{'met' if ok_before else 'MISSED'}), after {worst_after:.1f}% (target <= {TARGET_AFTER_PCT:g}%: "
@@ -249,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                                        "eta_attn": cal.for_device(d.device).eta_attn}
                             for d in v2.recalibration.devices},
             "load_average": {"start": started_load, "after_pass_1": load_mid, "end": ended_load},
-            "buckets": results, "prefill_buckets": prefill_results,
+            "buckets": results, "prefill_buckets": prefill_results, "ttft": ttft_results,
+            "worst_ttft_error_pct": worst_ttft,
             "worst_error_pct": {"before": worst_before, "after": worst_after}}, indent=1) + "\n")
     if daemon_code not in (0, None):
         print(f"the daemon exited with {daemon_code}; see {out / 'daemon.log'}", file=sys.stderr)

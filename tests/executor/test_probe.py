@@ -42,6 +42,7 @@ def test_probe_rows_fill_a_valid_machine_profile_and_give_kernel_routes():
     assert measured["isa"] == kernels.KERNEL_ISA and measured["fma_peak_gflops"] > 0
     (row,) = measured["dtypes"]
     assert row["dtype"] == "float16" and row["gemv_gibps"] > 0 and row["attention_gflops"] > 0
+    assert [p["rows"] for p in row["prompt_gflops"]] == [128, 512] and all(p["gflops"] > 0 for p in row["prompt_gflops"])
     assert any("prompt GEMM" in m for m in messages)
     m = placeholder_machine()
     m = replace(m, cpu=replace(m.cpu, kernels=from_dict(CpuKernels, measured)))

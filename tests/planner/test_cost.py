@@ -156,11 +156,14 @@ def test_measured_kernel_rates_price_the_model_dtype():
     from dataclasses import replace
 
     from planner.cost import unit_prefill_ms
-    from planner.machine import CpuKernels, KernelRates
+    from planner.machine import CpuKernels, KernelRates, PromptRate
 
     rates = KernelRates(dtype="bfloat16", gemv_gibps=20.0, gemm_path="gemm", gemm_min_rows=16,
-                        gemm_gflops=400.0, gemm_candidates={"gemm": 400.0, "gemv": 100.0},
-                        attention_gflops=50.0)
+                        gemm_gflops=450.0, gemm_candidates={"gemm": 450.0, "gemv": 100.0},
+                        prompt_gflops=(PromptRate(128, 200.0), PromptRate(512, 400.0)), attention_gflops=50.0)
+    # the block rate by chunk size: measured points, linear in log(rows) between them, flat outside
+    assert [rates.prompt_gflops_at(r) for r in (64, 128, 256, 512, 2048)] == \
+        pytest.approx([200.0, 200.0, 300.0, 400.0, 400.0])
     m = machine(cpu_gibps=10.0, cpu_gflops=100.0, l3_bytes=0)
     m = replace(m, cpu=replace(m.cpu, kernels=CpuKernels(isa="avx2", threads=4, fma_peak_gflops=500.0,
                                                           dtypes=(rates,))))
@@ -169,10 +172,14 @@ def test_measured_kernel_rates_price_the_model_dtype():
     proj, attn = unit_decode_ms(u, cpu, batch=1, context=1024)
     assert proj == pytest.approx(1e3 * GIB / (20 * GIB))               # the GEMV's 20 GiB/s
     assert attn == pytest.approx(1e3 * 1024 * 1024 / (10 * GIB))       # KV at DRAM's 10 GiB/s
-    # a 100-token prompt: projections at 400 GFLOP/s (compute-bound), attention at 50
+    # a 100-token prompt: projections at the 128-row block rate, 200 GFLOP/s (compute-bound),
+    # attention at 50; a 256-token chunk after 256 cached ones at 300
     pairs = 100 * 101 / 2
-    expected = 1e3 * (100 * 2 * GIB / 400e9 + pairs * 4096 / 50e9)
+    expected = 1e3 * (100 * 2 * GIB / 200e9 + pairs * 4096 / 50e9)
     assert unit_prefill_ms(u, cpu, batch=1, prompt=100) == pytest.approx(expected)
+    later = 256 * 256 + 256 * 257 / 2
+    expected = 1e3 * (256 * 2 * GIB / 300e9 + max(later * 4096 / 50e9, 256 * 1024 / (10 * GIB)))
+    assert unit_prefill_ms(u, cpu, batch=1, prompt=256, prefix=256) == pytest.approx(expected)
     for other in (device_rates(m, "cpu", dtype="float16"), device_rates(m, "cpu")):
         assert unit_decode_ms(u, other, batch=1, context=0)[0] == pytest.approx(1e3 * GIB / (10 * GIB))
         assert unit_prefill_ms(u, other, batch=1, prompt=100) == pytest.approx(

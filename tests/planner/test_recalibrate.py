@@ -180,10 +180,22 @@ def test_too_few_prompt_chunks_keep_eta_c(dev_plan):
     truth = Calibration(cpu=DeviceCalibration(eta_kv=0.7, delta_ms_per_block=0.3))
     result = recalibrate(dev_plan, synthetic_report(dev_plan, truth, LONG, seed=11), "synthetic")
     (fit,) = result.fits
-    assert fit.prefill is None and "η_c and η_attn kept: 0 prefill step(s)" in fit.note
+    assert fit.prefill is None and "η_c and η_attn kept: 1 prefill step(s)" in fit.note
     assert result.plan.calibration.cpu.eta_compute == dev_plan.calibration.cpu.eta_compute
     assert [r.status for r in result.rows if r.phase == "prefill"] == \
-        ["not fitted (< 2 steps, or too few prefill steps)"]
+        ["not fitted (fewer than 2 prefill steps in all)"]
+
+
+def test_each_prompt_length_seen_once_is_enough_for_eta_c(dev_plan):
+    """A daemon that served each prompt length once (one prefill step per bucket) still has its
+    prefill fitted: η_c recovered, η_attn kept where the few buckets do not pin it."""
+    truth = Calibration(cpu=DeviceCalibration(eta_kv=0.7, delta_ms_per_block=0.3, eta_compute=1.6))
+    result = recalibrate(dev_plan, synthetic_report(dev_plan, truth, LONG, seed=12, prompts=[128, 256]),
+                         "synthetic")
+    (fit,) = result.fits
+    assert fit.prefill is not None, fit.note
+    assert fit.prefill.eta_compute == pytest.approx(1.6, rel=RECOVERY_TOLERANCE)
+    assert result.plan.calibration.cpu.eta_compute == pytest.approx(1.6, rel=RECOVERY_TOLERANCE)
 
 
 def test_eta_m_is_kept_where_delta_describes_the_level(dev_plan):
