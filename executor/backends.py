@@ -27,7 +27,7 @@ class TorchBackend:
     def attention(self, config, kv):
         return TorchAttention(config, kv, self)
 
-    def fused_blocks(self, config, blocks, kv) -> None:
+    def fused_blocks(self, config, blocks, kv, attention) -> None:
         return None  # op by op
 
     @staticmethod
@@ -61,25 +61,22 @@ class KernelAttention:
     """The CPU stage's self-attention on the kernels: q/k RMSNorm and RoPE in place on the qkv
     projection, K/V stored straight into the sequence's pages, attention streamed over the pages
     in C (online softmax, GQA: each K/V read once for its query heads). A chunk of more than
-    KERNEL_MAX_QUERIES prompt tokens goes to PyTorch's fused CPU attention instead (a blocked-GEMM
-    flash kernel, `prompt_attention`): the kernel's per-query loop reads every key once per query.
+    `max_queries` prompt tokens goes to PyTorch's fused CPU attention instead (a blocked-GEMM
+    flash kernel, `prompt_attention`): the kernel's per-query loop reads every key once per query,
+    so from some chunk size on the GEMM wins; where is measured on the machine that runs
+    (executor/probe.py: the plan's profile, or the load)."""
 
-    Measured here (Qwen3-0.6B heads, bf16 KV, one layer, 2 threads; kernel vs prompt_attention,
-    two runs on a quiet and a busy moment): 16 queries from position 0: 0.04-0.05 vs 0.08-0.10 ms;
-    32: 0.12-0.17 vs 0.11-0.16; 128: 1.2-1.5 vs 0.34-0.63; 32 after 2048 cached tokens: 8.0-8.2 vs
-    2.0-2.7; 512 after 1536: 117-123 vs 14-21 ms (the PyTorch streaming attention this path used
-    before: 132). With fp32 queries prompt_attention took 1.1-3x longer than with bf16 ones."""
-
-    KERNEL_MAX_QUERIES = 16
-
-    @classmethod
-    def uses_kernel(cls, count: int) -> bool:
-        return count <= cls.KERNEL_MAX_QUERIES
-
-    def __init__(self, config, kv, kernels, num_threads: int):
+    def __init__(self, config, kv, kernels, num_threads: int, max_queries: int):
+        if max_queries < 1:
+            raise ValueError(f"max_queries must be >= 1, got {max_queries}")
         self.config, self.kv, self.kernels, self.num_threads = config, kv, kernels, num_threads
+        self.max_queries = max_queries
         self.layout = kernels.PagedKV(kv.num_layers, kv.num_kv_heads, kv.page_size, kv.head_dim, kv.dtype)
         self.scale = config.head_dim ** -0.5
+
+    def uses_kernel(self, count: int) -> bool:
+        """Whether a sequence's `count` queries of a step go to the attention kernel."""
+        return count <= self.max_queries
 
     def __call__(self, qkv: torch.Tensor, q_norm, k_norm, layer: int, batch, positions: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -124,7 +121,7 @@ def fused_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st
     """Causal attention of queries q [n, H_q·D] fp32 at positions start.. over k, v [H_kv, start + n, D]
     (the sequence's cached keys, this chunk's included) through PyTorch's fused CPU attention (a
     blocked-GEMM flash kernel) in prompt_attention_dtype; returns [n, H_q·D]. The executor's prompt
-    path and the profile's probe of it (executor/kernels/probe.py)."""
+    path and the profile's probe of it (executor/probe.py)."""
     n, head_dim = q.shape[0], k.shape[-1]
     dtype = prompt_attention_dtype(k.dtype)
     qh = q.view(n, num_heads, head_dim).transpose(0, 1).to(dtype)  # [H_q, n, D]
@@ -143,13 +140,14 @@ class FusedBlocks:
     (executor.kernels.BlockStack): the op-by-op kernel path, bit for bit, without Python and
     parallel-region start-up between the ops (at batch 1 those cost more than the small ops'
     arithmetic). Taken for steps of up to `max_rows` tokens, where every projection stays in our
-    GEMV (the backend's routes send larger ones to a GEMM), whose every sequence's queries go to the attention
-    kernel (at most KERNEL_MAX_QUERIES each: a longer prompt chunk needs PyTorch's attention)."""
+    GEMV (the backend's routes send larger ones to a GEMM), whose every sequence's queries go to
+    the attention kernel (`attention.uses_kernel`: a longer prompt chunk needs PyTorch's)."""
 
     MAX_ROWS = 32  # beyond this many tokens a step is prefill-like: op by op
 
-    def __init__(self, kernels, kernel_set, config, blocks, kv, num_threads: int):
+    def __init__(self, kernels, kernel_set, config, blocks, kv, num_threads: int, attention: KernelAttention):
         self.kv = kv
+        self.attention = attention
         layout = kernels.PagedKV(kv.num_layers, kv.num_kv_heads, kv.page_size, kv.head_dim, kv.dtype)
         spec = [(b.input_norm, b.qkv.prepared, b.q_norm, b.k_norm, b.o.prepared, b.post_norm,
                  b.gate_up.prepared, b.down.prepared) for b in blocks]
@@ -162,7 +160,7 @@ class FusedBlocks:
 
     def accepts(self, batch) -> bool:
         return batch.num_tokens <= self.max_rows and \
-            all(KernelAttention.uses_kernel(s.count) for s in batch.slices)
+            all(self.attention.uses_kernel(s.count) for s in batch.slices)
 
     def __call__(self, x: torch.Tensor, batch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         seqs = [(s.offset, s.count, s.start, self.kv.page_table(s.seq_id)) for s in batch.slices]
@@ -171,27 +169,30 @@ class FusedBlocks:
 
 class KernelBackend:
     """CPU only. Threads: passed explicitly to every kernel (default: torch's thread count).
-    routes: how prompt chunks' GEMMs run per weight dtype ({dtype: (path, min_rows)}, measured on
-    this machine: executor/probe.py); none: every batch in our GEMV."""
+    routes: how prompt chunks' GEMMs run per weight dtype ({dtype: (path, min_rows)}; none: every
+    batch in our GEMV); attention_max_queries: the longest chunk of a sequence's queries the
+    attention kernel takes. Both measured on this machine (executor/probe.py)."""
 
     name = "helm"
 
-    def __init__(self, num_threads: int | None = None, routes: dict | None = None):
+    def __init__(self, num_threads: int | None = None, routes: dict | None = None,
+                 attention_max_queries: int = 1):
         from executor import kernels
 
         self.kernels = kernels
         self.isa = kernels.KERNEL_ISA
         self.kernel_set = kernels.KernelSet(kernels.KERNEL_ISA, routes)
         self.num_threads = num_threads or torch.get_num_threads()
+        self.attention_max_queries = attention_max_queries
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None):
         return KernelLinear(self.kernel_set, weight, bias, self.num_threads)
 
     def attention(self, config, kv):
-        return KernelAttention(config, kv, self.kernels, self.num_threads)
+        return KernelAttention(config, kv, self.kernels, self.num_threads, self.attention_max_queries)
 
-    def fused_blocks(self, config, blocks, kv) -> FusedBlocks:
-        return FusedBlocks(self.kernels, self.kernel_set, config, blocks, kv, self.num_threads)
+    def fused_blocks(self, config, blocks, kv, attention: KernelAttention) -> FusedBlocks:
+        return FusedBlocks(self.kernels, self.kernel_set, config, blocks, kv, self.num_threads, attention)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.kernels.rms_norm(x.contiguous(), weight, eps, num_threads=self.num_threads)
@@ -214,11 +215,13 @@ def resolve_backend(backend: str = "auto") -> str:
     return "helm"
 
 
-def make_backend(name: str, device: torch.device, num_threads: int | None = None, routes: dict | None = None):
+def make_backend(name: str, device: torch.device, num_threads: int | None = None, routes: dict | None = None,
+                 attention_max_queries: int = 1):
     """The backend object for a stage on `device` (CUDA stages always use PyTorch); num_threads:
-    the kernels' threads (None: torch's current count); routes: see KernelBackend."""
+    the kernels' threads (None: torch's current count); routes, attention_max_queries: see
+    KernelBackend."""
     if device.type != "cpu" or name == "torch":
         return TorchBackend()
     if name == "helm":
-        return KernelBackend(num_threads, routes)
+        return KernelBackend(num_threads, routes, attention_max_queries)
     raise ValueError(f"unknown kernel backend {name!r}")

@@ -47,40 +47,48 @@ def load_model(model_dir: str | Path, placement: Placement, config: ModelConfig 
         # One OpenMP pool: PyTorch's ops (prefill GEMMs, the CUDA stage's host work) get the same
         # thread count as the kernels, so the two never oversubscribe the cores.
         torch.set_num_threads(placement.cpu_threads)
-    routes = _gemm_routes(placement, config, backend)
+    choice = _kernel_choice(placement, config, backend)
     reader = CheckpointReader(model_dir)
     try:
-        stages = [_load_stage(reader, config, spec, placement, backend, routes) for spec in placement.stages]
+        stages = [_load_stage(reader, config, spec, placement, backend, choice) for spec in placement.stages]
     finally:
         reader.close()
     return LoadedModel(config, stages, placement, model_dir)
 
 
-def _gemm_routes(placement: Placement, config: ModelConfig, backend: str) -> dict:
-    """The CPU kernels' prompt-GEMM routes: the plan's (its machine profile measured them), else
-    measured now on this model's largest projection (gate_up)."""
-    if backend != "helm" or not any(s.device == "cpu" or resolve_device(s.device).type == "cpu"
-                                    for s in placement.stages):
-        return {}
-    from executor.probe import DTYPES, measured_routes
-    if placement.gemm_routes is not None:
-        return {DTYPES[name]: (path, rows) for name, path, rows in placement.gemm_routes}
+def _kernel_choice(placement: Placement, config: ModelConfig, backend: str) -> tuple[dict, int]:
+    """(prompt-GEMM routes, attention kernel's longest query chunk) for the CPU stages: the
+    plan's, where its machine profile measured them with the kernels and threads that run here;
+    else measured now on this model's own shapes."""
+    if backend != "helm" or not any(resolve_device(s.device).type == "cpu" for s in placement.stages):
+        return {}, 1
+    from executor.kernels import KERNEL_ISA
+    from executor.probe import DTYPES, measured_choice
     threads = placement.cpu_threads or torch.get_num_threads()
-    routes = measured_routes(config.dtype, threads, (2 * config.intermediate_size, config.hidden_size))
-    log.info("no plan measured this machine's kernels: prompt GEMM routes measured at load: %s",
-             {str(d).removeprefix("torch."): r for d, r in routes.items()} or "gemv")
-    return routes
+    choice = placement.kernel_choice
+    if choice is not None and (choice.isa, choice.threads) == (KERNEL_ISA, threads):
+        routes = {DTYPES[name]: (path, rows) for name, path, rows in choice.gemm_routes}
+        return routes, choice.attention_max_queries
+    if choice is not None:
+        why = (f"the plan's profile measured the kernels as {choice.isa} with {choice.threads} threads, "
+               f"here they run as {KERNEL_ISA} with {threads}")
+    else:
+        why = "no plan measured this machine's kernels"
+    routes, max_queries = measured_choice(config, threads)
+    log.info("%s: measured at load: prompt GEMM routes %s, attention kernel up to %d queries", why,
+             {str(d).removeprefix("torch."): r for d, r in routes.items()} or "gemv", max_queries)
+    return routes, max_queries
 
 
 def _load_stage(reader: CheckpointReader, cfg: ModelConfig, spec: StageSpec, placement: Placement,
-                backend: str, routes: dict) -> Stage:
+                backend: str, choice: tuple[dict, int]) -> Stage:
     device = resolve_device(spec.device)
     if spec.device == "cuda" and device.type == "cpu":
         log.info("no CUDA device: the GPU stage (units %d..%d) runs its code on the CPU",
                  spec.unit_start, spec.unit_end - 1)
     wdtype, f32 = cfg.dtype, torch.float32
     H, V, D, I = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.intermediate_size
-    ops = make_backend(backend, device, placement.cpu_threads, routes)
+    ops = make_backend(backend, device, placement.cpu_threads, *choice)
 
     def get(name, shape, dtype=wdtype):
         return reader.get(name, shape, dtype, device)

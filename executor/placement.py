@@ -26,6 +26,18 @@ class StageSpec:
 
 
 @dataclass(frozen=True)
+class KernelChoice:
+    """What the CPU kernels take by measurement (executor/probe.py), as the plan's machine profile
+    recorded it: the prompt-GEMM route per weight dtype, (dtype name, path, min_rows), and the
+    longest chunk of a sequence's queries the attention kernel takes; with the kernel ISA and the
+    threads they were measured with (elsewhere they are measured again at load)."""
+    isa: str
+    threads: int
+    gemm_routes: tuple[tuple[str, str, int], ...]
+    attention_max_queries: int
+
+
+@dataclass(frozen=True)
 class Placement:
     stages: tuple[StageSpec, ...]
     num_units: int
@@ -33,9 +45,7 @@ class Placement:
     watermark: float = 0.8  # fraction of the device KV pool in use before eviction starts
     device_kv_pages: int | None = None  # KV pages the GPU-side stage may hold; None: unbounded
     cpu_threads: int | None = None  # threads of the CPU stages' kernels (and torch); None: torch's count
-    # How the CPU kernels multiply prompt chunks, per weight dtype: (dtype name, path, min_rows)
-    # from the plan's machine profile (executor/probe.py measured them); None: measure at load.
-    gemm_routes: tuple[tuple[str, str, int], ...] | None = None
+    kernel_choice: KernelChoice | None = None  # the plan's profile's; None: measured at load
 
     @property
     def split_k(self) -> int:

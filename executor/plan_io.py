@@ -9,7 +9,7 @@ from pathlib import Path
 
 from executor.errors import PlacementError
 from executor.model_config import ModelConfig
-from executor.placement import Placement, StageSpec
+from executor.placement import KernelChoice, Placement, StageSpec
 
 _DTYPE_NAMES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16", "torch.float32": "float32"}
 
@@ -53,17 +53,19 @@ def placement_from_plan(plan_path_or_text, model_dir: str | Path, config: ModelC
         page_size_tokens=page_size_tokens or kv.page_size_tokens,
         watermark=kv.watermark,
         device_kv_pages=device_kv_pages,
-        gemm_routes=gemm_routes_of(plan),
+        kernel_choice=kernel_choice_of(plan),
     )
     placement.validate()
     return placement.with_threads(cpu_threads or plan.machine.cpu.cores)
 
 
-def gemm_routes_of(plan) -> tuple[tuple[str, str, int], ...] | None:
-    """The prompt-GEMM routes the plan's machine profile measured for the plan's weight dtype,
-    as Placement.gemm_routes; None when the profile did not measure the kernels for it."""
+def kernel_choice_of(plan) -> KernelChoice | None:
+    """What the plan's machine profile measured the CPU kernels to take for the plan's weight
+    dtype; None when it did not measure them for it."""
     kernels = plan.machine.cpu.kernels
     rates = kernels.for_dtype(plan.model.dtype) if kernels is not None else None
     if rates is None:
         return None
-    return ((rates.dtype, rates.gemm_path, rates.gemm_min_rows),)
+    return KernelChoice(isa=kernels.isa, threads=kernels.threads,
+                        gemm_routes=((rates.dtype, rates.gemm_path, rates.gemm_min_rows),),
+                        attention_max_queries=rates.attention_kernel_max_queries)

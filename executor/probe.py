@@ -10,6 +10,7 @@ since a shared machine's noise only ever slows a run down.
 
     rates = probe_cpu_kernels(["bfloat16"], threads=2, quick=True)
     routes = gemm_routes(rates["dtypes"])      # {torch.bfloat16: ("gemm", 16)}
+    routes, max_queries = measured_choice(model_config, threads=2)   # without a plan
 """
 from __future__ import annotations
 
@@ -41,6 +42,10 @@ BLOCK_ROWS = (128, 512)
 #: Prompt attention probe: those heads, a 1024-token prompt in the executor's two chunks of 512 (the
 #: first causal from position 0, the second after 512 cached keys, through the mask path).
 ATTN_CHUNK, ATTN_CHUNKS = 512, 2
+#: Chunk sizes at which our attention kernel is raced against the fused attention, after
+#: ATTN_CROSSOVER_PREFIX cached keys in pages of ATTN_CROSSOVER_PAGE tokens.
+CROSSOVER_QUERIES = (2, 4, 8, 16, 32, 64)
+ATTN_CROSSOVER_PREFIX, ATTN_CROSSOVER_PAGE = 1024, 256
 
 Progress = Callable[[str], None]
 
@@ -91,6 +96,15 @@ def gemv_read_gibps(dtype: torch.dtype, threads: int, buffer_bytes: int, runs: i
     return out
 
 
+def candidate_paths(dtype: torch.dtype) -> tuple[str, ...]:
+    """The paths worth timing for a weight dtype: not "torch_fp32" for fp32 weights (it is the
+    "torch" call), not "torch" for fp16 ones (oneDNN's fp16 GEMM rounds the result to fp16, which
+    overflows past 65504: a prompt's activations can get there)."""
+    from executor import kernels
+    skip = {torch.float32: "torch_fp32", torch.float16: "torch"}.get(dtype)
+    return tuple(p for p in kernels.PROMPT_PATHS if p != skip)
+
+
 def gemm_candidates(dtype: torch.dtype, threads: int, rows: int, reps: int, paths=None,
                     shape: tuple[int, int] = (PROBE_N, PROBE_K)) -> dict[str, float]:
     """GFLOP/s of every path `linear` can take for `rows` rows of x against a weight of `shape`
@@ -98,14 +112,12 @@ def gemm_candidates(dtype: torch.dtype, threads: int, rows: int, reps: int, path
     from executor import kernels
     n, k = shape
     gen = torch.Generator().manual_seed(0)
-    w = kernels.prepare_linear((torch.randn(n, k, generator=gen) * 0.02).to(dtype))
+    w = kernels.prepare_linear(torch.empty(n, k, dtype=dtype).uniform_(-0.03, 0.03, generator=gen))
     x = torch.randn(rows, k, generator=gen)
     out = torch.empty(rows, n)
     flops = 2.0 * rows * n * k
     rates = {}
-    for path in paths or kernels.PROMPT_PATHS:
-        if path == "torch_fp32" and dtype == torch.float32:
-            continue  # the same call as "torch"
+    for path in paths or candidate_paths(dtype):
         if path == "gemv":
             ks = kernels.KernelSet(kernels.KERNEL_ISA)
         else:
@@ -204,12 +216,52 @@ def prompt_attention_gflops(dtype: torch.dtype, threads: int, reps: int) -> floa
     return round(4.0 * d * ATTN_HEADS * pairs / seconds / 1e9, 1)
 
 
+def attention_kernel_max_queries(dtype: torch.dtype, threads: int, reps: int,
+                                 heads: tuple[int, int, int] = (ATTN_HEADS, ATTN_KV_HEADS, ATTN_HEAD_DIM)) -> int:
+    """The longest chunk of queries (of CROSSOVER_QUERIES, at least 1) for which our paged
+    attention kernel is at least as fast as the fused attention of the prompt path, the page
+    gather included, over a KV cache of `dtype` with `heads` (query heads, KV heads, head dim)."""
+    from executor import kernels
+    from executor.backends import fused_prompt_attention
+    hq, hkv, d = heads
+    page, prefix = ATTN_CROSSOVER_PAGE, ATTN_CROSSOVER_PREFIX
+    pages = -(-(prefix + max(CROSSOVER_QUERIES)) // page)
+    gen = torch.Generator().manual_seed(0)
+    buf = torch.empty(pages, 2, hkv, page, d, dtype=dtype).uniform_(-1.0, 1.0, generator=gen)
+    table = torch.tensor([buf[i].data_ptr() for i in range(pages)], dtype=torch.int64)
+    layout = kernels.PagedKV(1, hkv, page, d, dtype)
+    scale = d ** -0.5
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    longest = 1
+    try:
+        for n in CROSSOVER_QUERIES:
+            qkv = torch.randn(n, (hq + 2 * hkv) * d, generator=gen)
+            out = torch.empty(n, hq * d)
+            q, keys = qkv[:, :hq * d], prefix + n
+            used = -(-keys // page)
+
+            def fused() -> None:
+                k = torch.cat([buf[i, 0] for i in range(used)], 1)[:, :keys]
+                v = torch.cat([buf[i, 1] for i in range(used)], 1)[:, :keys]
+                fused_prompt_attention(q, k, v, prefix, hq, scale)
+
+            ours = _best_seconds(lambda: kernels.paged_attention(qkv, out, layout, table, 0, prefix, hq, scale,
+                                                                 num_threads=threads), reps)
+            if ours > _best_seconds(fused, reps):
+                break
+            longest = n
+    finally:
+        torch.set_num_threads(previous)
+    return longest
+
+
 def probe_cpu_kernels(dtypes, threads: int, quick: bool = False, buffer_bytes: int = 1 << 30,
                       progress: Progress = _quiet) -> dict:
     """Every rate and choice of the CPU stage's kernels for the weight dtypes named (float32,
     bfloat16, float16), as plain data for the machine profile's `cpu.kernels`:
     {isa, threads, fma_peak_gflops, dtypes: [{dtype, gemv_gibps, gemm_path, gemm_min_rows,
-    gemm_gflops, gemm_candidates, prompt_gflops, attention_gflops}]}."""
+    gemm_gflops, gemm_candidates, prompt_gflops, attention_gflops, attention_kernel_max_queries}]}."""
     from executor import kernels
     peak = round(fma_peak_gflops(threads), 1)
     progress(f"kernels {kernels.KERNEL_ISA}, {threads} threads: fp32 FMA peak {peak:.0f} GFLOP/s")
@@ -223,15 +275,16 @@ def probe_cpu_kernels(dtypes, threads: int, quick: bool = False, buffer_bytes: i
                                                            BLOCK_LAYERS // 3 if quick else BLOCK_LAYERS)}
                  for r in BLOCK_ROWS]
         attention = prompt_attention_gflops(dtype, threads, 2 if quick else 3)
+        max_queries = attention_kernel_max_queries(dtype, threads, 2 if quick else 3)
         others = ", ".join(f"{p} {r:.0f}" for p, r in route["candidates"].items() if p != route["path"])
         progress(f"{name}: decode GEMV {statistics.median(reads):.1f} GiB/s; prompt GEMM {route['path']} "
                  f"{route['gflops']:.0f} GFLOP/s from {route['min_rows']} rows ({others}); prompt block "
                  + ", ".join(f"{b['gflops']:.0f} at {b['rows']} rows" for b in block)
-                 + f"; prompt attention {attention:.0f} GFLOP/s")
+                 + f"; prompt attention {attention:.0f} GFLOP/s, our kernel up to {max_queries} queries")
         rows.append({"dtype": name, "gemv_gibps": round(statistics.median(reads), 2), "gemm_path": route["path"],
                      "gemm_min_rows": route["min_rows"], "gemm_gflops": route["gflops"],
                      "gemm_candidates": route["candidates"], "prompt_gflops": block,
-                     "attention_gflops": attention})
+                     "attention_gflops": attention, "attention_kernel_max_queries": max_queries})
     return {"isa": kernels.KERNEL_ISA, "threads": threads, "fma_peak_gflops": peak, "dtypes": rows}
 
 
@@ -246,18 +299,26 @@ def gemm_routes(dtype_rows) -> dict:
     return routes
 
 
-_measured_routes: dict[tuple, dict] = {}
+#: The load-time probe times a model's largest projection, cut to at most this many rows and
+#: columns: a 7B model's gate/up weight would cost seconds and hundreds of MB to race.
+LOAD_PROBE_MAX = 4096
+
+_measured: dict[tuple, tuple[dict, int]] = {}
 
 
-def measured_routes(dtype: torch.dtype, threads: int, shape: tuple[int, int]) -> dict:
-    """Routes for one weight dtype measured now (quick) on a model's own projection `shape` (N, K),
-    once per process: what the executor uses when no plan says what this machine's profile
-    measured."""
+def measured_choice(config, threads: int) -> tuple[dict, int]:
+    """(routes, attention kernel's longest query chunk) for a model (an executor ModelConfig)
+    measured now, quickly, on its own shapes — its gate/up projection (cut to LOAD_PROBE_MAX) and
+    its heads — once per process: what the executor uses when no plan says what this machine's
+    profile measured."""
     from executor import kernels
-    key = (dtype, threads, kernels.KERNEL_ISA, shape)
-    if key not in _measured_routes:
+    dtype = config.dtype
+    shape = (min(2 * config.intermediate_size, LOAD_PROBE_MAX), min(config.hidden_size, LOAD_PROBE_MAX))
+    heads = (config.num_heads, config.num_kv_heads, config.head_dim)
+    key = (dtype, threads, kernels.KERNEL_ISA, shape, heads)
+    if key not in _measured:
         name = next(n for n, d in DTYPES.items() if d == dtype)
         route = gemm_route(dtype, threads, quick=True, shape=shape)
-        _measured_routes[key] = gemm_routes([{"dtype": name, "gemm_path": route["path"],
-                                             "gemm_min_rows": route["min_rows"]}])
-    return _measured_routes[key]
+        routes = gemm_routes([{"dtype": name, "gemm_path": route["path"], "gemm_min_rows": route["min_rows"]}])
+        _measured[key] = routes, attention_kernel_max_queries(dtype, threads, 2, heads)
+    return _measured[key]

@@ -57,7 +57,7 @@ class Stage:
         self.first_block = max(unit_start, 1) - 1  # model layer index of blocks[0]
         self.inv_freq = inverse_frequencies(config.rope, config.head_dim).to(self.device)
         self.attention = self.ops.attention(config, kv) if blocks else None
-        self.fused = self.ops.fused_blocks(config, blocks, kv) if blocks else None  # None: op by op
+        self.fused = self.ops.fused_blocks(config, blocks, kv, self.attention) if blocks else None  # None: op by op
         self._pinned: torch.Tensor | None = None  # staging buffer for CPU → CUDA hand-off
 
     def __repr__(self) -> str:

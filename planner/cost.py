@@ -72,7 +72,7 @@ def device_rates(machine: MachineProfile, device: str, calibration=None, dtype: 
         if k is None:
             return DeviceRates("cpu", c.dram_read_gibps, c.compute_gflops, c.compute_gflops, c.l3_bytes,
                                c.l3_read_gibps, calibration.cpu)
-        return DeviceRates("cpu", c.dram_read_gibps, k.gemm_gflops, k.prompt_gflops_at(512), c.l3_bytes,
+        return DeviceRates("cpu", c.dram_read_gibps, k.gemm_gflops, k.prompt_gflops_at(PREFILL_CHUNK_TOKENS), c.l3_bytes,
                            c.l3_read_gibps, calibration.cpu, weight_gibps=k.gemv_gibps,
                            attn_gflops=k.attention_gflops, prefill_rate=k.prompt_gflops_at)
     if machine.gpu is None:
@@ -221,10 +221,11 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
                    machine: MachineProfile, *, batch: int, context: int, prompt: int,
                    page_size_tokens: int, watermark: float, offload: bool,
                    gpu_budget_bytes: int, host_budget_bytes: int, calibration=None,
-                   prefix: int = 0, dtype: str | None = None) -> SplitCost:
+                   prefix: int = 0, dtype: str | None = None, logits: bool = True) -> SplitCost:
     """Cost and feasibility of putting units [0, k) on the CPU and [k, N) on the GPU. The prefill
-    figures are for `prompt` tokens after `prefix` cached ones (0: the whole prompt at once);
-    `dtype`: the weights' (selects the CPU kernels' measured rates, see device_rates)."""
+    figures are for `prompt` tokens after `prefix` cached ones (0: the whole prompt at once),
+    the output projection included only with `logits` (a prompt's last chunk); `dtype`: the
+    weights' (selects the CPU kernels' measured rates, see device_rates)."""
     n = len(units)
     if not 0 <= k <= n:
         raise ValueError(f"split {k} out of range 0..{n}")
@@ -284,7 +285,8 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
                                   link.h2d_gibps if link else 0.0, step_bytes)
             proj += p
             attn += a
-            prefill += unit_prefill_ms(u, rates, batch, prompt, prefix)
+            if logits or u.kind != "head":
+                prefill += unit_prefill_ms(u, rates, batch, prompt, prefix)
         blocks = sum(u.kind == "block" for u in units[start:end])
         overhead = blocks * rates.calibration.delta_ms_per_block
         stages.append(StageCost(

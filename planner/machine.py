@@ -35,6 +35,7 @@ class KernelRates:
     prompt_gflops: tuple[PromptRate, ...]  # a prompt chunk through a decoder block, per projection
                                          # FLOP (element-wise work included), at a few chunk sizes
     attention_gflops: float              # prompt attention (fused SDPA) over a KV cache of this dtype
+    attention_kernel_max_queries: int    # the longest chunk of queries our attention kernel beats it on
 
     def prompt_gflops_at(self, rows: float) -> float:
         """The block rate at a chunk of `rows` tokens: linear in log(rows) between the measured

@@ -619,7 +619,8 @@ def plan_for_split(model: str | Path | dict, split_k: int, machine: MachineProfi
                      allow_infeasible=True, dtype=dtype)
 
 
-def predict(plan: Plan, context_tokens: int, batch_size: int | None = None, prefix_tokens: int = 0) -> Prediction:
+def predict(plan: Plan, context_tokens: int, batch_size: int | None = None, prefix_tokens: int = 0,
+            logits: bool = True) -> Prediction:
     """The plan's cost model evaluated for one decode step at another context length / batch
     (what the executor compares its measurements against); its prefill figures are for the
     workload's prompt_tokens after `prefix_tokens` cached ones (a chunk of a longer prompt)."""
@@ -630,18 +631,19 @@ def predict(plan: Plan, context_tokens: int, batch_size: int | None = None, pref
                           page_size_tokens=plan.kv.page_size_tokens, watermark=plan.kv.watermark,
                           offload=plan.kv.offload, gpu_budget_bytes=plan.limits.gpu_budget_bytes,
                           host_budget_bytes=plan.limits.host_budget_bytes, calibration=plan.calibration,
-                          prefix=prefix_tokens, dtype=plan.model.dtype)
+                          prefix=prefix_tokens, dtype=plan.model.dtype, logits=logits)
     return _prediction(cost, wl, context_tokens)
 
 
 def predict_ttft_ms(plan: Plan, prompt_tokens: int, chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> float:
     """The plan's time to first token for a prompt of `prompt_tokens` at batch 1, prefilled the way
-    the executor does it: in steps of at most chunk_tokens, each after the chunks before it."""
+    the executor does it: in steps of at most chunk_tokens, each after the chunks before it, the
+    logits computed by the last one only."""
     total = 0.0
     for start in range(0, prompt_tokens, chunk_tokens):
         n = min(chunk_tokens, prompt_tokens - start)
         chunk = replace(plan, workload=replace(plan.workload, prompt_tokens=n))
-        total += predict(chunk, start + n, 1, prefix_tokens=start).ttft_ms
+        total += predict(chunk, start + n, 1, prefix_tokens=start, logits=start + n == prompt_tokens).ttft_ms
     return total
 
 

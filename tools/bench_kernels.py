@@ -87,7 +87,7 @@ class Row:
     k: int
     dtype: str
     batch: int
-    path: str  # what K.linear ran: "ours" or "torch" (prefill policy)
+    path: str  # what K.linear ran: "gemv" (the default KernelSet keeps every batch in our GEMV)
     weight_mib: float
     read_gbps: list[float] = field(default_factory=list)
     ours_gbps: list[float] = field(default_factory=list)
@@ -135,7 +135,7 @@ def bench_row(model, proj, n, k, dtype_name, batch, args, read_buf) -> Row:
     def torch_linear(w):
         F.linear(x_t, w)
 
-    path = "torch" if K.kernels.uses_torch(dtype, batch) else "ours"
+    path = K.kernels.path(dtype, batch)
     row = Row(model, proj, n, k, dtype_name, batch, path, nbytes / 2**20)
     pool_gbps(ours, prepared, nbytes)  # warm-up: page in, settle clocks
     if not args.no_torch:
@@ -173,7 +173,7 @@ CLEAN_SAMPLES = 3  # a row counts in the summary when at least this many samples
 
 def format_row(r: Row) -> str:
     rd, us, th = r.med(r.read_gbps), r.med(r.ours_gbps), r.med(r.torch_gbps)
-    ours = fmt_spread(r, r.ours_gbps) + ("*" if r.path == "torch" else "")
+    ours = fmt_spread(r, r.ours_gbps) + ("*" if r.path != "gemv" else "")
     return (f"{r.model:<11} {r.proj:<8} {f'{r.n}×{r.k}':>13} {r.dtype:<5} {r.batch:>3} "
             f"{r.weight_mib:7.1f}  {fmt_spread(r, r.read_gbps):>19}  {ours:>19}  "
             f"{fmt_spread(r, r.torch_gbps):>19}  {us / rd:9.0%} {us / th:10.2f} {r.redone:4d}"
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{torch.__version__} ({torch.get_num_threads()} threads); pool {args.pool_gib} GiB, "
           f"read probe {args.read_gib} GiB; load avg {os.getloadavg()[0]:.2f}")
     print(f"# GB/s: median (min–max) of {args.repeats} samples, those under foreign load left out "
-          f"where others exist; * = this batch runs in PyTorch (TORCH_PREFILL_MIN_B); "
+          f"where others exist; * = this batch left our GEMV (a GEMM route); "
           f"! = fewer than {CLEAN_SAMPLES} unloaded samples")
     print(HEADER)
     print("-" * len(HEADER))

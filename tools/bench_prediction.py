@@ -99,6 +99,8 @@ def run_pass(client, pb, prompts: list[list[int]], new_tokens: int, repeat: int,
                 n += msg.HasField("token")
                 if msg.HasField("result"):
                     ttft[len(prompt)].append(msg.result.ttft_ns / 1e6)
+            if len(ttft[len(prompt)]) <= r:
+                raise RuntimeError(f"the daemon ended a request of {len(prompt)} tokens without its result")
             print(f"  {label} round {r + 1}/{repeat}: context {len(prompt)}: {n} tokens in "
                   f"{time.perf_counter() - t:.1f} s, TTFT {ttft[len(prompt)][-1]:.0f} ms (load {load()})",
                   file=sys.stderr, flush=True)

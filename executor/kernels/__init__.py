@@ -10,7 +10,7 @@ the cores as long as they are called one after the other.
 
 Batches above MAX_TILE_B (prompt chunks) take a route per weight dtype (PROMPT_PATHS: our GEMV
 tiles, our packed GEMM, or PyTorch's GEMM on the stored or widened weights), chosen by
-measurement on the machine that runs (executor/kernels/probe.py) and given to KernelSet(isa,
+measurement on the machine that runs (executor/probe.py) and given to KernelSet(isa,
 routes); the default set `kernels` keeps every batch in our GEMV.
 
 Importing this package without the compiled extension raises ImportError (the executor then

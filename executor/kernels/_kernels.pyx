@@ -93,7 +93,7 @@ MAX_TILE_B = HELM_MAX_TILE_B
 
 #: How `linear` multiplies more than MAX_TILE_B rows of x (prompt chunks, large decode batches)
 #: by a weight, one choice per weight dtype, made by measurement on the machine that runs
-#: (executor/kernels/probe.py; the machine profile records it, the plan carries it):
+#: (executor/probe.py; the machine profile records it, the plan carries it):
 #:   "gemv":       our GEMV tiles, MAX_TILE_B rows at a time over L2-sized blocks of the weights;
 #:   "gemm":       our packed, register-blocked GEMM (csrc/gemm_core.h), weights widened to fp32
 #:                 while packing; fp32 arithmetic like the GEMV;

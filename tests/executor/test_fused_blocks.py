@@ -48,24 +48,25 @@ def test_fused_long_context_equals_op_by_op(checkpoint, monkeypatch):
     assert torch.equal(fused, helm_teacher_forced_logits(path, ids, prefill=2030))
 
 
-@pytest.mark.parametrize("dtype,route,max_rows", [("fp32", ("float32", "gemm", 20), 19),
-                                                  ("bf16", ("bfloat16", "torch", 13), 12),
-                                                  ("bf16", ("bfloat16", "gemv", 9), 32)])
-def test_fused_steps_are_decode_batches_and_short_chunks(checkpoint, dtype, route, max_rows):
+@pytest.mark.parametrize("dtype,route,limit,max_rows", [("fp32", ("float32", "gemm", 20), 16, 19),
+                                                        ("bf16", ("bfloat16", "torch", 13), 4, 12),
+                                                        ("bf16", ("bfloat16", "gemv", 9), 32, 32)])
+def test_fused_steps_are_decode_batches_and_short_chunks(checkpoint, dtype, route, limit, max_rows):
     """Up to max_rows tokens (where the placement's GEMM route keeps every projection in our GEMV;
-    at most FusedBlocks.MAX_ROWS) whose sequences each have at most KERNEL_MAX_QUERIES of them (the
-    attention kernel's share; a longer chunk needs PyTorch's)."""
+    at most FusedBlocks.MAX_ROWS) whose sequences each have at most `limit` of them (the
+    attention kernel's share, as measured; a longer chunk needs PyTorch's)."""
     from dataclasses import replace
 
-    from executor.backends import KernelAttention
     from executor.batch import StepBatch
+    from executor.kernels import KERNEL_ISA
+    from executor.placement import KernelChoice
 
     path = checkpoint("qwen3", dtype)
     cfg = ModelConfig.from_dir(path)
-    placement = replace(Placement.from_split(cfg.num_units, cfg.num_units), gemm_routes=(route,))
+    choice = KernelChoice(KERNEL_ISA, torch.get_num_threads(), (route,), limit)
+    placement = replace(Placement.from_split(cfg.num_units, cfg.num_units), kernel_choice=choice)
     model = load_model(path, placement, cfg, backend="helm")
     fused = model.stages[0].fused
-    limit = KernelAttention.KERNEL_MAX_QUERIES
     assert fused.max_rows == max_rows
     assert fused.accepts(StepBatch.build([(i, 5, 1) for i in range(max_rows)]))  # decode batch
     assert not fused.accepts(StepBatch.build([(i, 5, 1) for i in range(max_rows + 1)]))

@@ -19,6 +19,8 @@ def test_gemm_route_is_the_fastest_candidate_and_its_crossover():
 
     route = gemm_route(torch.bfloat16, threads=2, quick=True, shape=(512, 256))
     assert set(route["candidates"]) == set(kernels.PROMPT_PATHS)
+    # fp16 never goes to PyTorch's fp16 GEMM (its fp16 result can overflow)
+    assert "torch" not in gemm_route(torch.float16, threads=1, quick=True, shape=(64, 64))["candidates"]
     assert route["path"] == max(route["candidates"], key=route["candidates"].get)
     assert route["gflops"] == route["candidates"][route["path"]]
     if route["path"] == "gemv":
@@ -43,6 +45,8 @@ def test_probe_rows_fill_a_valid_machine_profile_and_give_kernel_routes():
     (row,) = measured["dtypes"]
     assert row["dtype"] == "float16" and row["gemv_gibps"] > 0 and row["attention_gflops"] > 0
     assert [p["rows"] for p in row["prompt_gflops"]] == [128, 512] and all(p["gflops"] > 0 for p in row["prompt_gflops"])
+    from executor.probe import CROSSOVER_QUERIES
+    assert row["attention_kernel_max_queries"] in (1, *CROSSOVER_QUERIES)
     assert any("prompt GEMM" in m for m in messages)
     m = placeholder_machine()
     m = replace(m, cpu=replace(m.cpu, kernels=from_dict(CpuKernels, measured)))
@@ -55,3 +59,38 @@ def test_probe_rows_fill_a_valid_machine_profile_and_give_kernel_routes():
         ks = kernels.KernelSet(kernels.KERNEL_ISA, routes)
         assert ks.path(torch.float16, row["gemm_min_rows"]) == row["gemm_path"]
         assert ks.path(torch.float16, row["gemm_min_rows"] - 1) == "gemv"
+
+
+@pytest.mark.parametrize("same_kernels", [True, False], ids=["measured-here", "measured-elsewhere"])
+def test_the_plan_routes_the_prompt_gemms_where_measured_with_these_kernels(checkpoint, tmp_path, same_kernels):
+    """A plan whose profile measured the kernels with this ISA and thread count routes the
+    prompt GEMMs its way; one measured with another ISA is re-measured at load instead."""
+    from executor import kernels
+    from executor.loader import load_model
+    from executor.model_config import ModelConfig
+    from executor.placement import usable_cpus
+    from executor.plan_io import placement_from_plan
+    from planner.machine import CpuKernels, KernelRates, PromptRate, placeholder_machine
+    from planner.plan import plan_for_split, save_plan
+
+    path = checkpoint("qwen3", "bf16")
+    cfg = ModelConfig.from_dir(path)
+    isa = kernels.KERNEL_ISA if same_kernels else next(i for i in kernels.ISAS if i != kernels.KERNEL_ISA)
+    rates = KernelRates(dtype="bfloat16", gemv_gibps=20.0, gemm_path="torch_fp32", gemm_min_rows=20,
+                        gemm_gflops=100.0, gemm_candidates={"torch_fp32": 100.0},
+                        prompt_gflops=(PromptRate(512, 90.0),), attention_gflops=50.0,
+                        attention_kernel_max_queries=3)
+    m = placeholder_machine()
+    threads = min(2, usable_cpus())
+    m = replace(m, cpu=replace(m.cpu, kernels=CpuKernels(isa=isa, threads=threads, fma_peak_gflops=100.0,
+                                                          dtypes=(rates,))))
+    plan_path = tmp_path / "plan.yaml"
+    save_plan(plan_for_split(path, cfg.num_units, machine=m), plan_path)
+    placement = placement_from_plan(plan_path, path, cfg, cpu_threads=threads)
+    model = load_model(path, placement, cfg, backend="helm")
+    routes = model.stages[0].ops.kernel_set.routes
+    max_queries = model.stages[0].attention.max_queries
+    if same_kernels:
+        assert routes == {torch.bfloat16: ("torch_fp32", 20)} and max_queries == 3
+    else:  # measured now: 20 rows and 3 queries are no crossovers the probe can find
+        assert routes != {torch.bfloat16: ("torch_fp32", 20)} and max_queries != 3

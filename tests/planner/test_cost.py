@@ -160,7 +160,8 @@ def test_measured_kernel_rates_price_the_model_dtype():
 
     rates = KernelRates(dtype="bfloat16", gemv_gibps=20.0, gemm_path="gemm", gemm_min_rows=16,
                         gemm_gflops=450.0, gemm_candidates={"gemm": 450.0, "gemv": 100.0},
-                        prompt_gflops=(PromptRate(128, 200.0), PromptRate(512, 400.0)), attention_gflops=50.0)
+                        prompt_gflops=(PromptRate(128, 200.0), PromptRate(512, 400.0)), attention_gflops=50.0,
+                        attention_kernel_max_queries=16)
     # the block rate by chunk size: measured points, linear in log(rows) between them, flat outside
     assert [rates.prompt_gflops_at(r) for r in (64, 128, 256, 512, 2048)] == \
         pytest.approx([200.0, 200.0, 300.0, 400.0, 400.0])

@@ -198,3 +198,27 @@ def test_config_digest_fingerprints_architecture_only(tmp_path):
     cfg.save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text()) != data
     assert config_digest(tmp_path) == d
+
+
+def test_ttft_is_priced_chunk_by_chunk_like_the_executor():
+    """predict_ttft_ms: a prompt of 1300 tokens is three prefill steps (512, 512, 276), each after
+    the ones before it, the output projection in the last one only; one chunk is the plan's own
+    one-shot prefill."""
+    from dataclasses import replace
+
+    from planner.machine import load_machine
+    from planner.plan import predict_ttft_ms
+    from tests.planner.conftest import DEV
+
+    plan = make_plan(config_path("qwen3-0.6b"), load_machine(DEV), workload=workload_for(512, 16))
+    one = predict(plan, 512, 1)
+    assert predict_ttft_ms(plan, 512) == pytest.approx(one.ttft_ms)
+
+    def chunk(n, start, logits):
+        p = replace(plan, workload=replace(plan.workload, prompt_tokens=n))
+        return predict(p, start + n, 1, prefix_tokens=start, logits=logits).ttft_ms
+
+    expected = chunk(512, 0, False) + chunk(512, 512, False) + chunk(276, 1024, True)
+    assert predict_ttft_ms(plan, 1300) == pytest.approx(expected)
+    # the head (Qwen3-0.6B's tied 311 MB output projection) is read once, not per chunk
+    assert chunk(512, 0, True) - chunk(512, 0, False) > 1.0

@@ -134,13 +134,14 @@ def test_paged_attention_matches_reference(isa, dtype, hq, hkv, D, P, start, T):
     (6, 6, 20, 7, 30, 17),  # MHA, D below one AVX-512 vector
 ])
 def test_prompt_attention_matches_reference(dtype, hq, hkv, D, P, start, T):
-    """Chunks of more than KERNEL_MAX_QUERIES prompt tokens: PyTorch's fused attention over the
-    gathered pages, queries in the KV dtype, against the fp32 reference with fp32 queries."""
+    """Chunks longer than the attention kernel takes: PyTorch's fused attention over the gathered
+    pages, queries in the KV dtype, against the fp32 reference with fp32 queries."""
     gen = torch.Generator().manual_seed(start + T + D)
     layer = 1
     kv = KVCache(2, hkv, D, dtype, torch.device("cpu"), P, 64, 1.0)
     kv.reserve("s", start + T)
-    att = KernelAttention(SimpleNamespace(num_heads=hq, num_kv_heads=hkv, head_dim=D, q_dim=hq * D), kv, K, 2)
+    att = KernelAttention(SimpleNamespace(num_heads=hq, num_kv_heads=hkv, head_dim=D, q_dim=hq * D), kv, K, 2,
+                          max_queries=16)
     history = torch.randn(start, (hq + 2 * hkv) * D, generator=gen)
     qkv = torch.randn(T, (hq + 2 * hkv) * D, generator=gen)
     table = kv.page_table("s")
@@ -181,12 +182,14 @@ def test_paged_attention_argument_errors():
         K.rope_qk_(qkv, 4, 2, cos[:2], sin[:2])
 
 
+@pytest.mark.parametrize("path", K.PROMPT_PATHS)
 @pytest.mark.parametrize("isa", ISAS_HERE)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_linear_accumulate_adds_into_out(isa, dtype):
-    """accumulate=True: out += x Wᵀ + b, the same bits as computing y and then out + y, on both
-    sides of the PyTorch prefill threshold."""
-    ks = K.KernelSet(isa)
+def test_linear_accumulate_adds_into_out(isa, dtype, path):
+    """accumulate=True: out += x Wᵀ + b, the same bits as computing y and then out + y, below
+    and above MAX_TILE_B on every route (K = 70: one GEMM panel; over several panels the GEMM
+    adds each panel's sum into out in turn, see helm_gemm_fn)."""
+    ks = K.KernelSet(isa, routes={dtype: (path, K.MAX_TILE_B + 1)})
     gen = torch.Generator().manual_seed(5)
     w = K.prepare_linear(torch.randn(37, 70, generator=gen).to(dtype), torch.randn(37, generator=gen))
     for b in (1, 3, 8, 40):
@@ -195,7 +198,7 @@ def test_linear_accumulate_adds_into_out(isa, dtype):
         got = residual.clone()
         assert ks.linear(x, w, got, num_threads=2, accumulate=True) is got
         assert torch.equal(got, expected), f"{isa} {dtype} B={b}"
-        # Within the linear tolerance of test_kernels.py (bf16 above MAX_TILE_B rounds like oneDNN).
+        # Within the linear tolerance of test_kernels.py (the "torch" route rounds like oneDNN).
         scale = (x.abs() @ w.weight.float().abs().t()).max()
         assert (got - residual - linear_ref(x, w.weight, w.bias)).abs().max() <= 8e-3 * scale
     with pytest.raises(ValueError, match="needs out"):

@@ -25,7 +25,7 @@ THREADS = (1, 2)
 # split into two bf16 halves (≈16 mantissa bits of x), near 2e-6.
 LINEAR_TOL = {torch.float32: 1e-5, torch.float16: 1e-5, torch.bfloat16: 1e-5}
 # The "torch" route on the weight's own dtype: fp32 stays exact (MKL); bf16 and fp16 run oneDNN's
-# GEMM, which rounds x and the result to that dtype (≤ 2^-9 / 2^-12 each, relative).
+# GEMM, which rounds x and the result to that dtype (unit roundoff 2^-8 / 2^-11 each, relative).
 LINEAR_TOL_TORCH = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}
 # Element-wise ops: allclose tolerances (rtol, atol) against the fp32 reference.
 RMS_NORM_TOL = (1e-5, 1e-6)
@@ -47,7 +47,8 @@ def _rel_err(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, ref: torch.Tenso
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("isa", ISAS_HERE)
 def test_linear_matches_reference(isa, dtype, path):
-    """Every route batches above MAX_TILE_B can take (from 12 rows here), every dtype and ISA."""
+    """Every route batches above MAX_TILE_B can take (from 12 rows here), every dtype, every ISA
+    this CPU runs (for fp32 weights "torch_fp32" is the "torch" call)."""
     ks = K.KernelSet(isa, routes={dtype: (path, 12)})
     gen = torch.Generator().manual_seed(1)
     worst = {}
