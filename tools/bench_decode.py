@@ -62,7 +62,7 @@ def read_gbps(threads: int, nbytes: int = 2 << 30) -> float:
 
 
 RSS_CHILD = r"""
-import json, resource, sys
+import json, sys
 import torch
 from executor.engine import Engine
 from executor.loader import load_model
@@ -72,9 +72,18 @@ from executor.sampling import StopCriteria
 from tools.bench_decode import weight_bytes_per_token
 
 model_dir, prompt_tokens, new_tokens, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+
+
+def peak_rss_bytes():
+    # VmHWM: this process's own high-water mark. ru_maxrss is not: Linux carries the parent's
+    # high-water mark over fork and exec, so a child of a big benchmark process would report it.
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+
+
 torch.set_num_threads(threads)
 config = ModelConfig.from_dir(model_dir)
-baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+baseline = peak_rss_bytes()
 model = load_model(model_dir, Placement.from_split(config.num_units, config.num_units), config)
 engine = Engine(model, eos_token_ids=())
 prompt = [1000 + (i * 7919) % 50000 % (config.vocab_size - 1000) for i in range(prompt_tokens)]
@@ -88,7 +97,7 @@ emb = model.stages[0].embedding
 weights = weight_bytes_per_token(model)
 if emb is not None and all(emb.data_ptr() != s.head.lm_head.weight.data_ptr() for s in model.stages if s.head):
     weights += emb.numel() * emb.element_size()
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = peak_rss_bytes()
 print(json.dumps({"baseline": baseline, "peak": peak, "weights": weights, "kv": kv_bytes}))
 """
 
@@ -213,7 +222,7 @@ def bench_model(args, size: str, dtype: str) -> dict:
     return {"model": model_dir, "size": size, "dtype": dtype, "read_gbps": med_bw, "weight_bytes": nbytes,
             "decode": {e: _median(v) for e, v in decode.items()},
             "ttft": {f"{e}@{p}": _median(v) for (e, p), v in ttft.items()},
-            "rss_of_weights_kv": grown / budget}
+            "rss_of_weights_kv": grown / budget, "rss_grown_mib": grown / 2**20, "weights_kv_mib": budget / 2**20}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -249,8 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         h = res["decode"]["helm"]
         cells = " ".join(f"{res['decode'][e]:>10.2f} {_ratio(h, res['decode'][e]):>6}" for e in engines)
         print(f"{name:<24} {'decode tok/s':<13} {h:>9.2f} {cells}   "
-              f"({h * res['weight_bytes'] / 1e9 / res['read_gbps']:.0%} of read; peak RSS "
-              f"{res['rss_of_weights_kv']:.1%} of weights + KV)")
+              f"({h * res['weight_bytes'] / 1e9 / res['read_gbps']:.0%} of read; peak RSS +"
+              f"{res['rss_grown_mib']:.0f} MiB = {res['rss_of_weights_kv']:.1%} of weights + KV)")
     if args.json:
         import json
         Path(args.json).write_text(json.dumps(results, indent=1))

@@ -19,10 +19,13 @@
 #endif
 #define GEMM_NR (2 * VL) /* weight rows (output columns) per micro-tile */
 #ifndef GEMM_KC
-#define GEMM_KC 256 /* k per packed panel: a weight panel is GEMM_KC x GEMM_NR floats (16 KiB on AVX2) */
+/* k per packed panel: a weight micro-panel of GEMM_KC x GEMM_NR floats is 32 KiB (an L1), and the
+ * output tile is loaded and stored once per panel, so deeper panels cost fewer passes over it
+ * (512 measured 5-7% faster than 256 on AVX2 for Qwen3-0.6B/1.7B projections, 128-512 rows). */
+#define GEMM_KC (8192 / GEMM_NR)
 #endif
 #ifndef GEMM_NC
-#define GEMM_NC 128 /* weight rows packed at a time: GEMM_NC x GEMM_KC floats (128 KiB), kept in L2 */
+#define GEMM_NC 128 /* weight rows packed at a time: GEMM_NC x GEMM_KC floats (256 KiB on AVX2), in L2 */
 #endif
 #define GEMM_MB (96 * GEMM_MR) /* rows of x packed at a time (a 512-token prompt chunk in one block) */
 

@@ -131,7 +131,8 @@ typedef void (*helm_from_f16_fn)(float *dst, const uint16_t *src, long i0, long 
 /* The packed GEMM of prompt chunks (gemm_core.h): out[m*ldo + n] (+)= bias[n] + x[m, :] . w[n, :]
  * for m < M, n < N, as helm_gemm_fn below but register-blocked for many rows of x; thread t of nt
  * computes the columns n of its share (whole micro-tiles), so there are no claims. fp32
- * accumulation in k order per panel of GEMM_KC (256) columns, each panel's sum added to out in
+ * accumulation in k order per panel of GEMM_KC columns (8192 / (2 x vector width): 512 on AVX2,
+ * 256 on AVX-512), each panel's sum added to out in
  * turn (with accum, out's old value is where the first panel's sum + bias lands: for K > GEMM_KC
  * that rounds differently from out + (x . w + bias)); the result depends on neither nt nor M. */
 typedef void (*helm_gemm_fn)(float *out, long ldo, const float *x, const void *w, const float *bias,

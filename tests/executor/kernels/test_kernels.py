@@ -83,13 +83,13 @@ def test_linear_matches_reference(isa, dtype, path):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("isa", ISAS_HERE)
 def test_gemm_panels_and_blocks(isa, dtype):
-    """The packed GEMM across its blocking edges: K over several 256-column panels with a ragged
-    last one, N over several 128-row packs with a partial micro-tile, M over a whole row block
-    (GEMM_MB: 576 rows on 16-register ISAs) plus a partial one; a row's result does not depend on
-    how many rows share the call."""
+    """The packed GEMM across its blocking edges: K over several panels (GEMM_KC: 256 to 1024
+    columns by ISA) with a ragged last one, N over several 128-row packs with a partial micro-tile,
+    M over a whole row block (GEMM_MB: 576 rows on 16-register ISAs) plus a partial one; a row's
+    result does not depend on how many rows share the call."""
     ks = K.KernelSet(isa)
     gen = torch.Generator().manual_seed(7)
-    n, k = 301, 700
+    n, k = 301, 2100
     weight = torch.randn(n, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen)
     prepared = K.prepare_linear(weight, bias)
