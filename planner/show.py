@@ -31,6 +31,20 @@ def _machine_line(plan: Plan) -> str:
     return line
 
 
+def _kernels_line(plan: Plan) -> str | None:
+    """What the profile measured the CPU kernels to do for the plan's weight dtype (None: not
+    measured; the cost model then used the DRAM and fp32 GEMM figures)."""
+    k = plan.machine.cpu.kernels
+    r = k.for_dtype(plan.model.dtype) if k is not None else None
+    if r is None:
+        return None
+    block = ", ".join(f"{p.gflops:g} at {p.rows}" for p in r.prompt_gflops)
+    return (f"{k.isa}, {k.threads} threads, FMA peak {k.fma_peak_gflops:g} GFLOP/s; {r.dtype}: decode GEMV "
+            f"{r.gemv_gibps:g} GiB/s; prompt GEMMs on {r.gemm_path} from {r.gemm_min_rows} rows "
+            f"({r.gemm_gflops:g} GFLOP/s; a block {block} rows); attention {r.attention_gflops:g} GFLOP/s, "
+            f"our kernel up to {r.attention_kernel_max_queries} queries")
+
+
 def format_summary(plan: Plan) -> str:
     pr, kv, w = plan.prediction, plan.kv, plan.workload
     lines = [
@@ -39,6 +53,7 @@ def format_summary(plan: Plan) -> str:
         f"blocks, {plan.model.num_params / 1e9:.2f} B params, {fmt_bytes(plan.model.weight_bytes)}; "
         f"from {plan.model.source}",
         f"machine   {_machine_line(plan)}",
+        *([f"kernels   {line}"] if (line := _kernels_line(plan)) else []),
         f"workload  prompt {w.prompt_tokens} + {w.max_new_tokens} new tokens, batch {w.batch_size}, "
         f"context {w.context_tokens}",
         f"split     k={plan.partition.split_k} of {plan.partition.num_units} units on the CPU"

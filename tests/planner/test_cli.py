@@ -122,3 +122,19 @@ def test_show_plot_draws_a_png_when_matplotlib_is_installed(tmp_path, capsys):
 def test_console_script_is_installed():
     r = subprocess.run(["helm-plan", "validate", str(PLAN_8B)], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("ok")
+
+
+def test_show_names_the_measured_kernels_when_the_profile_has_them(capsys):
+    """A profile with `cpu.kernels` (helm-dev-2core-avx2) prints what they do for the plan's dtype;
+    one without (the laptop's, entered by hand) prints no kernels line."""
+    import yaml
+
+    machine = yaml.safe_load((REPO / "plans" / "machines" / "helm-dev-2core-avx2.yaml").read_text())
+    bf16 = next(r for r in machine["cpu"]["kernels"]["dtypes"] if r["dtype"] == "bfloat16")
+    code, out, _ = run(capsys, "show", REPO / "plans" / "qwen3-0.6b.helm-dev-2core-avx2.yaml")
+    assert code == 0
+    line = next(line for line in out.splitlines() if line.startswith("kernels"))
+    assert f"prompt GEMMs on {bf16['gemm_path']} from {bf16['gemm_min_rows']} rows" in line
+    assert f"our kernel up to {bf16['attention_kernel_max_queries']} queries" in line
+    code, out, _ = run(capsys, "show", PLAN_8B)
+    assert code == 0 and not any(line.startswith("kernels") for line in out.splitlines())

@@ -25,6 +25,8 @@ CHECKED_IN = {
         ["tools/model_configs/qwen3-8b.json", "--machine", "plans/machines/helm-dev-2core.yaml"],
     "plans/qwen3-0.6b.helm-dev-2core.yaml":
         ["tools/model_configs/qwen3-0.6b.json", "--machine", "plans/machines/helm-dev-2core.yaml"],
+    "plans/qwen3-0.6b.helm-dev-2core-avx2.yaml":
+        ["tools/model_configs/qwen3-0.6b.json", "--machine", "plans/machines/helm-dev-2core-avx2.yaml"],
     "plans/qwen3-32b.workstation-rtx4090.yaml":
         ["tools/model_configs/qwen3-32b.json", "--machine", "plans/machines/workstation-rtx4090-r9-7950x.yaml"],
 }
