@@ -39,7 +39,10 @@ class KernelRates:
 
     def prompt_gflops_at(self, rows: float) -> float:
         """The block rate at a chunk of `rows` tokens: linear in log(rows) between the measured
-        sizes, the nearest one outside them."""
+        sizes, the nearest one outside them; below gemm_min_rows, where the GEMV tiles take the
+        chunk, their measured rate."""
+        if rows < self.gemm_min_rows and "gemv" in self.gemm_candidates:
+            return self.gemm_candidates["gemv"]
         points = sorted((p.rows, p.gflops) for p in self.prompt_gflops)
         if rows <= points[0][0]:
             return points[0][1]

@@ -162,9 +162,10 @@ def test_measured_kernel_rates_price_the_model_dtype():
                         gemm_gflops=450.0, gemm_candidates={"gemm": 450.0, "gemv": 100.0},
                         prompt_gflops=(PromptRate(128, 200.0), PromptRate(512, 400.0)), attention_gflops=50.0,
                         attention_kernel_max_queries=16)
-    # the block rate by chunk size: measured points, linear in log(rows) between them, flat outside
-    assert [rates.prompt_gflops_at(r) for r in (64, 128, 256, 512, 2048)] == \
-        pytest.approx([200.0, 200.0, 300.0, 400.0, 400.0])
+    # the block rate by chunk size: measured points, linear in log(rows) between them, flat outside;
+    # below gemm_min_rows the GEMV tiles' rate
+    assert [rates.prompt_gflops_at(r) for r in (10, 16, 64, 128, 256, 512, 2048)] == \
+        pytest.approx([100.0, 200.0, 200.0, 200.0, 300.0, 400.0, 400.0])
     m = machine(cpu_gibps=10.0, cpu_gflops=100.0, l3_bytes=0)
     m = replace(m, cpu=replace(m.cpu, kernels=CpuKernels(isa="avx2", threads=4, fma_peak_gflops=500.0,
                                                           dtypes=(rates,))))
