@@ -20,7 +20,10 @@ MODULES = ["tests/executor/test_fused_blocks.py", "tests/executor/test_probe.py"
 
 
 def _other_isas() -> list[str]:
-    from executor import kernels
+    try:
+        from executor import kernels
+    except ImportError:  # not built: the module is skipped (pytestmark)
+        return []
     return [isa for isa in kernels.available_isas() if isa != kernels.KERNEL_ISA]
 
 

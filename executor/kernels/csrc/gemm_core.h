@@ -19,9 +19,10 @@
 #endif
 #define GEMM_NR (2 * VL) /* weight rows (output columns) per micro-tile */
 #ifndef GEMM_KC
-/* k per packed panel: a weight micro-panel of GEMM_KC x GEMM_NR floats is 32 KiB (an L1), and the
- * output tile is loaded and stored once per panel, so deeper panels cost fewer passes over it
- * (512 measured 5-7% faster than 256 on AVX2 for Qwen3-0.6B/1.7B projections, 128-512 rows). */
+/* k per packed panel: a weight micro-panel of GEMM_KC x GEMM_NR floats is 32 KiB, and the output
+ * tile is loaded and stored once per panel, so deeper panels cost fewer passes over it (on AVX2,
+ * 512 ran 5-10% faster than 256 on Qwen3-0.6B/1.7B projections at 128-512 rows, though the
+ * micro-panel and the x panel then no longer share a 32 KiB L1 and stream from L2). */
 #define GEMM_KC (8192 / GEMM_NR)
 #endif
 #ifndef GEMM_NC
