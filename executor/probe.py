@@ -14,6 +14,7 @@ since a shared machine's noise only ever slows a run down.
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from typing import Callable
@@ -52,6 +53,18 @@ Progress = Callable[[str], None]
 
 def _quiet(msg: str) -> None:
     pass
+
+
+@contextlib.contextmanager
+def _torch_threads(threads: int):
+    """PyTorch's pool at `threads` (its paths run there, the kernels take theirs as an argument),
+    restored afterwards: measuring must not change the caller's torch."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _best_seconds(fn: Callable[[], object], reps: int) -> float:
@@ -122,12 +135,8 @@ def gemm_candidates(dtype: torch.dtype, threads: int, rows: int, reps: int, path
             ks = kernels.KernelSet(kernels.KERNEL_ISA)
         else:
             ks = kernels.KernelSet(kernels.KERNEL_ISA, routes={dtype: (path, kernels.MAX_TILE_B + 1)})
-        previous = torch.get_num_threads()
-        torch.set_num_threads(threads)  # PyTorch's paths run on its own pool
-        try:
+        with _torch_threads(threads):
             seconds = _best_seconds(lambda: ks.linear(x, w, out, num_threads=threads), reps)
-        finally:
-            torch.set_num_threads(previous)
         rates[path] = round(flops / seconds / 1e9, 1)
     return rates
 
@@ -181,12 +190,8 @@ def prompt_block_gflops(dtype: torch.dtype, threads: int, routes: dict, rows: in
             ks.linear(act, down_w, x, num_threads=threads, accumulate=True)
             x.mul_(0.5)  # keep the residual stream bounded across repetitions
 
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _torch_threads(threads):
         seconds = _best_seconds(chunk, reps)
-    finally:
-        torch.set_num_threads(previous)
     flops = 2.0 * rows * layers * (h * (q + 2 * kv) + q * h + 2 * i * h + i * h)
     return round(flops / seconds / 1e9, 1)
 
@@ -206,12 +211,8 @@ def prompt_attention_gflops(dtype: torch.dtype, threads: int, reps: int) -> floa
         for start in range(0, total, n):
             fused_prompt_attention(q, k[:, :start + n], v[:, :start + n], start, ATTN_HEADS, d ** -0.5)
 
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _torch_threads(threads):
         seconds = _best_seconds(prompt, reps)
-    finally:
-        torch.set_num_threads(previous)
     pairs = total * (total + 1) / 2
     return round(4.0 * d * ATTN_HEADS * pairs / seconds / 1e9, 1)
 
@@ -231,10 +232,8 @@ def attention_kernel_max_queries(dtype: torch.dtype, threads: int, reps: int,
     table = torch.tensor([buf[i].data_ptr() for i in range(pages)], dtype=torch.int64)
     layout = kernels.PagedKV(1, hkv, page, d, dtype)
     scale = d ** -0.5
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
     longest = 1
-    try:
+    with _torch_threads(threads):
         for n in CROSSOVER_QUERIES:
             qkv = torch.randn(n, (hq + 2 * hkv) * d, generator=gen)
             out = torch.empty(n, hq * d)
@@ -251,8 +250,6 @@ def attention_kernel_max_queries(dtype: torch.dtype, threads: int, reps: int,
             if ours > _best_seconds(fused, reps):
                 break
             longest = n
-    finally:
-        torch.set_num_threads(previous)
     return longest
 
 
