@@ -267,7 +267,7 @@ def probe_cpu_kernels(dtypes, threads: int, quick: bool = False, buffer_bytes: i
         dtype = DTYPES[name]
         reads = gemv_read_gibps(dtype, threads, buffer_bytes, 3 if quick else 5)
         route = gemm_route(dtype, threads, quick)
-        routes = gemm_routes([{"dtype": name, "gemm_path": route["path"], "gemm_min_rows": route["min_rows"]}])
+        routes = _routes(name, route)
         block = [{"rows": r, "gflops": prompt_block_gflops(dtype, threads, routes, r, 1 if quick else 3,
                                                            BLOCK_LAYERS // 3 if quick else BLOCK_LAYERS)}
                  for r in BLOCK_ROWS]
@@ -283,6 +283,11 @@ def probe_cpu_kernels(dtypes, threads: int, quick: bool = False, buffer_bytes: i
                      "gemm_candidates": route["candidates"], "prompt_gflops": block,
                      "attention_gflops": attention, "attention_kernel_max_queries": max_queries})
     return {"isa": kernels.KERNEL_ISA, "threads": threads, "fma_peak_gflops": peak, "dtypes": rows}
+
+
+def _routes(dtype_name: str, route: dict) -> dict:
+    """KernelSet routes for one gemm_route result."""
+    return gemm_routes([{"dtype": dtype_name, "gemm_path": route["path"], "gemm_min_rows": route["min_rows"]}])
 
 
 def gemm_routes(dtype_rows) -> dict:
@@ -316,6 +321,6 @@ def measured_choice(config, threads: int) -> tuple[dict, int]:
     if key not in _measured:
         name = next(n for n, d in DTYPES.items() if d == dtype)
         route = gemm_route(dtype, threads, quick=True, shape=shape)
-        routes = gemm_routes([{"dtype": name, "gemm_path": route["path"], "gemm_min_rows": route["min_rows"]}])
+        routes = _routes(name, route)
         _measured[key] = routes, attention_kernel_max_queries(dtype, threads, 2, heads)
     return _measured[key]

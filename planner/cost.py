@@ -72,8 +72,8 @@ def device_rates(machine: MachineProfile, device: str, calibration=None, dtype: 
         if k is None:
             return DeviceRates("cpu", c.dram_read_gibps, c.compute_gflops, c.compute_gflops, c.l3_bytes,
                                c.l3_read_gibps, calibration.cpu)
-        return DeviceRates("cpu", c.dram_read_gibps, k.gemm_gflops, k.prompt_gflops_at(PREFILL_CHUNK_TOKENS), c.l3_bytes,
-                           c.l3_read_gibps, calibration.cpu, weight_gibps=k.gemv_gibps,
+        return DeviceRates("cpu", c.dram_read_gibps, k.gemm_gflops, k.prompt_gflops_at(PREFILL_CHUNK_TOKENS),
+                           c.l3_bytes, c.l3_read_gibps, calibration.cpu, weight_gibps=k.gemv_gibps,
                            attn_gflops=k.attention_gflops, prefill_rate=k.prompt_gflops_at)
     if machine.gpu is None:
         raise ValueError("machine profile has no GPU")

@@ -81,9 +81,9 @@ class CpuProfile:
     compute_gflops: float                # P_dec on the CPU: fp32 GEMM throughput, all cores
     ram_total_bytes: int                 # MemTotal
     ram_available_bytes: int             # MemAvailable when profiled: the host memory budget
-    kernels: CpuKernels | None = field(default=None, metadata=OMIT_IF_NONE)  # the executor's kernels measured (None: entered by hand or
-                                         # profiled before they were; the cost model then uses the
-                                         # DRAM and fp32 GEMM figures above)
+    # The executor's kernels as measured (None: entered by hand or profiled before they were; the
+    # cost model then uses the DRAM and fp32 GEMM figures above).
+    kernels: CpuKernels | None = field(default=None, metadata=OMIT_IF_NONE)
 
 
 @dataclass(frozen=True)
