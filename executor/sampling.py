@@ -76,7 +76,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """One token id from next-token logits [V] (fp32, CPU)."""
     if params.greedy:
         return int(torch.argmax(logits))
-    scores = logits / params.temperature
+    # In float64 and shifted by the maximum: any temperature > 0 is a valid double, but in fp32 a
+    # tiny one (1e-300) is 0 and one of 1e-40 makes the raw quotient overflow, so softmax gave NaN.
+    # Shifted, the best token scores 0 and the rest tend to -inf: greedy, as the limit should be.
+    logits = logits.to(torch.float64)
+    scores = (logits - logits.max()) / params.temperature
     if params.top_k and params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -86,6 +90,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
         before = torch.cumsum(probs, dim=-1) - probs
         drop = before >= params.top_p
+        drop[0] = False  # the most likely token always stays
         sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
         scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
     probs = torch.softmax(scores, dim=-1)

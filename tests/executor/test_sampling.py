@@ -40,6 +40,17 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert set(draws(SamplingParams(temperature=1.0, top_p=0.1, seed=0), logits, 50)) == {0}
 
 
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1e-40, seed=0),              # logits / T overflows fp32
+    SamplingParams(temperature=1e-300, seed=0),
+    SamplingParams(temperature=1.0, top_p=1e-300, seed=0),  # top_p rounds to 0 in fp32
+    SamplingParams(temperature=1e-40, top_k=3, top_p=1e-300, seed=0),
+])
+def test_vanishing_temperature_or_top_p_is_greedy(params):
+    logits = torch.randn(5000, generator=torch.Generator().manual_seed(4)) * 30
+    assert draws(params, logits, 20) == [int(torch.argmax(logits))] * 20
+
+
 def test_temperature_sampling_follows_softmax():
     logits = torch.tensor([1.0, 0.0, -1.0])
     n = 4000
