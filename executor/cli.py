@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="run the gRPC daemon (see protos/helm/executor/v1/executor.proto)")
     srv.add_argument("--plan", help="plan YAML to serve; without it the daemon waits NOT_SERVING for LoadPlan")
     srv.add_argument("--model", help="checkpoint directory (default: the plan's model.source)")
+    srv.add_argument("--plan-dir", help="directory LoadPlan may read plans from by path (default: none, so "
+                                        "LoadPlan takes inline YAML only)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     srv.add_argument("--port", type=int, default=50051, help="port (0: any free port, logged as 'listening')")
     srv.add_argument("--max-batch", type=int, default=64, help="most sequences in the running batch")
@@ -118,6 +120,7 @@ def _torch_threads() -> int:
 
 def _placement(args, config):
     from executor.placement import Placement
+    from executor.plan_io import fit_page_size
 
     kv = {}
     if args.page_size is not None:
@@ -129,7 +132,7 @@ def _placement(args, config):
 
         return placement_from_plan(args.plan, args.model, config, cpu_threads=args.threads, **kv)
     split = config.num_units if args.split is None else args.split
-    return Placement.from_split(config.num_units, split, **kv).with_threads(args.threads)
+    return fit_page_size(Placement.from_split(config.num_units, split, **kv), config).with_threads(args.threads)
 
 
 def _generate(args) -> int:

@@ -30,6 +30,10 @@ class PlanNotFoundError(PlacementError):
     """A plan path that does not exist."""
 
 
+class PlanLoadError(PlacementError):
+    """A valid plan that cannot serve here: its weights or warm-up failed (memory, device)."""
+
+
 class NotReadyError(HelmError):
     """The daemon has no plan loaded yet."""
 

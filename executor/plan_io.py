@@ -5,11 +5,15 @@ The plan type itself lives in `planner.plan` (one type, two users); this module 
 """
 from __future__ import annotations
 
+import logging
+from dataclasses import replace
 from pathlib import Path
 
 from executor.errors import PlacementError
 from executor.model_config import ModelConfig
 from executor.placement import KernelChoice, Placement, StageSpec
+
+log = logging.getLogger(__name__)
 
 _DTYPE_NAMES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16", "torch.float32": "float32"}
 
@@ -40,9 +44,15 @@ def load_checked_plan(plan_path_or_text, model_dir: str | Path, config: ModelCon
 def placement_from_plan(plan_path_or_text, model_dir: str | Path, config: ModelConfig,
                         page_size_tokens: int | None = None, device_kv_pages: int | None = None,
                         cpu_threads: int | None = None) -> Placement:
-    """The plan's stages and KV settings; CPU threads: `cpu_threads` if given, else the cores the
-    plan's machine profile measured with (its bandwidth figures assume that many)."""
+    """`placement_for` the plan at a path (or in YAML text), checked against the checkpoint."""
     plan = load_checked_plan(plan_path_or_text, model_dir, config)
+    return placement_for(plan, config, page_size_tokens, device_kv_pages, cpu_threads)
+
+
+def placement_for(plan, config: ModelConfig, page_size_tokens: int | None = None,
+                  device_kv_pages: int | None = None, cpu_threads: int | None = None) -> Placement:
+    """The stages and KV settings of a checked plan; CPU threads: `cpu_threads` if given, else the
+    cores the plan's machine profile measured with (its bandwidth figures assume that many)."""
     kv = plan.kv
     if device_kv_pages is None and kv.offload:
         # Offload on: the GPU stage holds this many pages in VRAM and evicts the rest to the host.
@@ -56,7 +66,17 @@ def placement_from_plan(plan_path_or_text, model_dir: str | Path, config: ModelC
         kernel_choice=kernel_choice_of(plan),
     )
     placement.validate()
-    return placement.with_threads(cpu_threads or plan.machine.cpu.cores)
+    return fit_page_size(placement, config).with_threads(cpu_threads or plan.machine.cpu.cores)
+
+
+def fit_page_size(placement: Placement, config: ModelConfig) -> Placement:
+    """The placement with its KV page at most the model's context: no sequence holds more tokens,
+    so a longer page (16M tokens, 32 GiB) only reserves memory that can never be used."""
+    if placement.page_size_tokens <= config.max_position_embeddings:
+        return placement
+    log.info("KV page of %d tokens is longer than the model's context: using %d", placement.page_size_tokens,
+             config.max_position_embeddings)
+    return replace(placement, page_size_tokens=config.max_position_embeddings)
 
 
 def kernel_choice_of(plan) -> KernelChoice | None:

@@ -3,9 +3,17 @@
 Rows (a list of flat mappings, e.g. the search table) and lists of scalars are written on one
 line each so a diff of two plans shows one changed row per changed candidate. Floats are already
 rounded by the producer (units.round_sig) and written as Python's shortest repr.
+
+Reading is hardened because the daemon reads plans sent over the network: files are size-checked
+before they are read (and must be regular files: a FIFO would block), YAML anchors and aliases
+are refused (a few KB of nested aliases expand to gigabytes), and error messages give a line and
+column, never the text around them.
 """
 from __future__ import annotations
 
+import os
+import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +30,12 @@ class _FlowList(list):
     pass
 
 
+MAX_FILE_BYTES = 4 << 20  # the largest plan in plans/ is under 40 KB
+
+
 class _Dumper(yaml.SafeDumper):
-    pass
+    def ignore_aliases(self, data) -> bool:
+        return True  # readers refuse aliases, so the writer never emits one
 
 
 def _repr_flow_map(dumper, data):
@@ -69,14 +81,68 @@ def dump_yaml(data: dict, header: list[str] | None = None) -> str:
     return "\n".join(lines) + ("\n" if lines else "") + body
 
 
-def read_text_file(path: Path, kind: str) -> str:
-    """The file's text; PlanError "<kind> not found" / "cannot read <kind>" otherwise."""
+def read_text_file(path: Path, kind: str, max_bytes: int = MAX_FILE_BYTES) -> str:
+    """The file's UTF-8 text; PlanError "<kind> not found" / "cannot read <kind>" otherwise.
+    Only a regular file of at most `max_bytes` is read; messages never quote its content."""
     try:
-        return path.read_text()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK: opening a FIFO must not block
     except FileNotFoundError:
         raise PlanError(f"{kind} not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise PlanError(f"cannot read {kind} {path}: {e}") from None
+    except OSError as e:
+        raise PlanError(f"cannot read {kind} {path}: {e.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise PlanError(f"cannot read {kind} {path}: not a regular file")
+        if info.st_size > max_bytes:
+            raise PlanError(f"cannot read {kind} {path}: {info.st_size} bytes, more than the limit of {max_bytes}")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(max_bytes + 1)
+    except OSError as e:
+        raise PlanError(f"cannot read {kind} {path}: {e.strerror}") from None
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:  # it grew after fstat
+        raise PlanError(f"cannot read {kind} {path}: more than the limit of {max_bytes} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PlanError(f"cannot read {kind} {path}: not UTF-8 text (byte {e.start})") from None
+
+
+class _SafeLoader(yaml.SafeLoader):
+    """PyYAML's safe loader without anchors and aliases (HELM files never need them)."""
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            raise yaml.composer.ComposerError(None, None, "anchors and aliases (&name, *name) are not allowed",
+                                              event.start_mark)
+        return super().compose_node(parent, index)
+
+
+_QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
+
+
+def parse_yaml(text: str, label: str, max_bytes: int = MAX_FILE_BYTES) -> Any:
+    """Parsed YAML; PlanError naming the line and column (never quoting the text) when it is not."""
+    if len(text) > max_bytes:  # characters: a cheap first bound before encoding
+        raise PlanError(f"{label}: more than the limit of {max_bytes} bytes")
+    if len(text.encode("utf-8")) > max_bytes:
+        raise PlanError(f"{label}: more than the limit of {max_bytes} bytes")
+    try:
+        return yaml.load(text, Loader=_SafeLoader)  # noqa: S506 — a SafeLoader subclass
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = _QUOTED.sub("'…'", e.problem or "")[:200]  # PyYAML quotes the offending text
+        raise PlanError(f"{label}: malformed YAML{where}: {problem}") from None
+    except yaml.YAMLError:
+        raise PlanError(f"{label}: malformed YAML") from None
+    except RecursionError:
+        raise PlanError(f"{label}: malformed YAML: nested too deeply") from None
+    except ValueError:  # e.g. an integer with more digits than Python converts
+        raise PlanError(f"{label}: malformed YAML: a value cannot be converted") from None
 
 
 def read_yaml(path_or_text: str | Path, kind: str) -> tuple[Any, str]:
@@ -87,7 +153,4 @@ def read_yaml(path_or_text: str | Path, kind: str) -> tuple[Any, str]:
         text = read_text_file(path, kind)
     else:
         text, label = str(path_or_text), kind
-    try:
-        return yaml.safe_load(text), label
-    except yaml.YAMLError as e:
-        raise PlanError(f"{label}: malformed YAML: {' '.join(str(e).split())}") from None
+    return parse_yaml(text, label), label

@@ -1,7 +1,7 @@
 """The daemon's core, free of gRPC: one model, the plan serving it, admission and shutdown.
 
-    daemon = Daemon("models/qwen3-0.6b", max_batch=64, max_queue=64)
-    daemon.load_plan(PlanSource(path="plan.yaml"))      # validate, load, warm up, then swap
+    daemon = Daemon("models/qwen3-0.6b", max_batch=64, max_queue=64, plan_dir="plans")
+    daemon.load_plan(PlanSource(path="qwen3.yaml"))     # validate, load, warm up, then swap
     for event in daemon.submit(spec): ...               # TokenChunk..., then GenerationResult
     daemon.info(); daemon.report(); daemon.drain(30.0)
 
@@ -22,15 +22,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from executor.engine import Engine
-from executor.errors import (NotReadyError, OverloadedError, PlanNotFoundError, RequestError,
-                             RequestFailedError, ShuttingDownError)
+from executor.errors import (HelmError, NotReadyError, OverloadedError, PlanLoadError, PlanNotFoundError,
+                             RequestError, RequestFailedError, ShuttingDownError)
+from executor.loader import load_model
 from executor.model_config import ModelConfig
+from executor.plan_io import load_checked_plan, placement_for
 from executor.report import PlanSummary, Recorder, Report, kernel_isa
 from executor.sampling import SamplingParams, StopCriteria
 from executor.server.messages import (GenerateSpec, GenerationResult, LoadResult, PlanSource, ServerInfo,
                                       StageInfo, StageTiming, TokenChunk)
 from executor.server.text import TextStream
 from executor.server.worker import EngineWorker, Ended, Produced, Rejected, Submission
+from planner.errors import PlanError
+from planner.yamlio import MAX_FILE_BYTES, read_text_file
 
 log = logging.getLogger("helm.daemon")
 
@@ -51,7 +55,7 @@ class _Serving:
 
 class Daemon:
     def __init__(self, model_dir: str | Path, max_batch: int = 64, max_queue: int = 64, backend: str = "auto",
-                 threads: int | None = None):
+                 threads: int | None = None, plan_dir: str | Path | None = None):
         from executor.tokenizer import Tokenizer
 
         if max_batch < 1 or max_queue < 0:
@@ -61,6 +65,7 @@ class Daemon:
         self.tokenizer = Tokenizer(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None
         self.max_batch, self.max_queue, self.backend = max_batch, max_queue, backend
         self.threads = threads  # CPU-stage threads for every plan; None: each plan's profiled cores
+        self.plan_dir = Path(plan_dir) if plan_dir is not None else None  # LoadPlan paths; None: inline only
         self.context_tokens = self.config.max_position_embeddings
         self.state = "loading"  # loading | serving | draining
         self.on_state_change = lambda state: None  # health checking hooks in here
@@ -74,26 +79,27 @@ class Daemon:
 
     # -- plans ----------------------------------------------------------------------------
     def load_plan(self, source: PlanSource) -> LoadResult:
-        """Validate, load and warm up a plan, then make it the one serving new requests."""
-        from executor.loader import load_model
-        from executor.plan_io import load_checked_plan, placement_from_plan
-
+        """Validate, load and warm up a plan, then make it the one serving new requests. Any
+        failure before the swap (a bad plan, weights that do not fit, a failed warm-up) raises
+        and leaves the plan that was serving in place."""
         with self._load_lock:
             if self.state == "draining":
                 raise ShuttingDownError("the daemon is shutting down; not loading a plan")
             t0 = time.perf_counter()
-            if source.path is not None:
-                if not Path(source.path).is_file():
-                    raise PlanNotFoundError(f"plan not found: {source.path} (a path on the daemon's machine)")
-                where = source.path
-            else:
-                where = source.yaml if source.yaml.endswith("\n") else source.yaml + "\n"  # YAML text, not a path
-            plan = load_checked_plan(where, self.model_dir, self.config)
-            placement = placement_from_plan(where, self.model_dir, self.config, cpu_threads=self.threads)
-            model = load_model(self.model_dir, placement, self.config, backend=self.backend)
-            engine = Engine(model, max_running=self.max_batch)
-            t1 = time.perf_counter()
-            self._warm_up(engine)
+            plan = load_checked_plan(self._plan_text(source), self.model_dir, self.config)
+            placement = placement_for(plan, self.config, cpu_threads=self.threads)
+            try:
+                model = load_model(self.model_dir, placement, self.config, backend=self.backend)
+                engine = Engine(model, max_running=self.max_batch)
+                t1 = time.perf_counter()
+                self._warm_up(engine)
+            except HelmError:
+                raise
+            except Exception as e:  # noqa: BLE001 — out of memory, a CUDA error...: the plan cannot serve here
+                log.warning("plan refused: its load or warm-up failed", exc_info=True,
+                            extra={"fields": {"digest": plan.digest, "source": source.label}})
+                raise PlanLoadError(f"the plan cannot serve on this machine: its load or warm-up generation "
+                                    f"failed ({type(e).__name__}: {str(e)[:300]}); the previous plan still serves") from None
             t2 = time.perf_counter()
 
             summary = PlanSummary.of(plan, source.label)
@@ -124,11 +130,38 @@ class Daemon:
                 "previous_digest": previous.summary.digest if previous else None}})
             return LoadResult(summary, previous.summary.digest if previous else None, t1 - t0, t2 - t1)
 
+    def _plan_text(self, source: PlanSource) -> str:
+        """The plan's YAML text. A path is only read inside --plan-dir (symlinks resolved first),
+        and every way it can fail there gives the same answer, so a caller learns nothing about
+        the daemon's files; the text is never quoted back."""
+        if source.yaml is not None:
+            if len(source.yaml.encode("utf-8")) > MAX_FILE_BYTES:
+                raise RequestError(f"the plan's YAML is more than the limit of {MAX_FILE_BYTES} bytes")
+            return source.yaml if source.yaml.endswith("\n") else source.yaml + "\n"  # text, not a path
+        if self.plan_dir is None:
+            raise PlanNotFoundError("LoadPlan by path is off: the daemon was started without --plan-dir; "
+                                    "send the plan's YAML instead")
+        unavailable = PlanNotFoundError(f"plan {source.path!r} is not available in the daemon's plans directory")
+        root = self.plan_dir.resolve()
+        try:
+            path = (root / source.path).resolve()
+        except (OSError, RuntimeError, ValueError):  # a symlink loop, a NUL byte
+            raise unavailable from None
+        if not path.is_relative_to(root) or path == root:
+            raise unavailable
+        try:
+            return read_text_file(path, "plan")
+        except PlanError:
+            raise unavailable from None
+
     def _warm_up(self, engine: Engine) -> None:
         """One short generation before the plan takes requests (first-call allocations, kernels)."""
         vocab = self.config.vocab_size
         prompt = [min(i + 1, vocab - 1) for i in range(WARMUP_PROMPT_TOKENS)]
-        engine.generate([prompt], SamplingParams(), StopCriteria(max_new_tokens=WARMUP_NEW_TOKENS, ignore_eos=True))
+        seq, = engine.generate([prompt], SamplingParams(), StopCriteria(max_new_tokens=WARMUP_NEW_TOKENS,
+                                                                         ignore_eos=True))
+        if seq.finish_reason == "error":  # the engine isolates a request's failure; here it fails the plan
+            raise RuntimeError(seq.error)
 
     def plan(self) -> tuple[PlanSummary, str]:
         serving = self._require_plan()

@@ -203,11 +203,16 @@ class LoadResult:
                                    load_ns=_ns(self.load_s), warmup_ns=_ns(self.warmup_s))
 
 
+MAX_PLAN_PATH_CHARS = 1024
+
+
 @dataclass(frozen=True)
 class PlanSource:
-    """Where LoadPlan reads a plan: a path on the daemon's machine, or the YAML itself."""
+    """Where LoadPlan reads a plan: a path inside the daemon's --plan-dir, or the YAML itself
+    (`name`: what the YAML is called in logs and reports; default "inline")."""
     path: str | None = None
     yaml: str | None = None
+    name: str | None = None
 
     @classmethod
     def from_pb(cls, msg) -> "PlanSource":
@@ -217,9 +222,11 @@ class PlanSource:
         if which == "path":
             if not msg.path:
                 raise RequestError("path is empty")
+            if len(msg.path) > MAX_PLAN_PATH_CHARS:
+                raise RequestError(f"path is longer than {MAX_PLAN_PATH_CHARS} characters")
             return cls(path=msg.path)
         return cls(yaml=msg.yaml)
 
     @property
     def label(self) -> str:
-        return self.path if self.path is not None else "inline"
+        return self.path if self.path is not None else self.name or "inline"

@@ -42,18 +42,22 @@ def configure_logging(verbose: bool = False) -> None:
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
 
 
-def model_dir_of_plan(plan_path: str) -> Path:
-    """The checkpoint a plan was made from (its model.source: a directory, or a config.json)."""
+def read_startup_plan(plan_path: str) -> tuple[str, Path]:
+    """(YAML text, checkpoint directory) of the plan given on the command line: the operator's
+    own file, so it is read from anywhere (within the size limit), unlike LoadPlan's paths."""
     from executor.errors import PlacementError, PlanNotFoundError
     from planner.plan import PlanError, load_plan
+    from planner.yamlio import read_text_file
 
-    if not Path(plan_path).is_file():
-        raise PlanNotFoundError(f"plan not found: {plan_path}")
     try:
-        source = Path(load_plan(plan_path).model.source)
+        text = read_text_file(Path(plan_path), "plan")
     except PlanError as e:
-        raise PlacementError(f"invalid plan: {e}") from None
-    return source.parent if source.suffix == ".json" else source
+        raise PlanNotFoundError(str(e)) from None
+    try:
+        source = Path(load_plan(text if text.endswith("\n") else text + "\n").model.source)
+    except PlanError as e:
+        raise PlacementError(f"invalid plan {plan_path}: {e}") from None
+    return text, source.parent if source.suffix == ".json" else source
 
 
 def start_server(daemon, host: str, port: int, max_workers: int):
@@ -115,9 +119,10 @@ def serve(args) -> int:
     signal.signal(signal.SIGINT, on_signal)
 
     try:
-        model_dir = args.model or model_dir_of_plan(args.plan)
+        plan_text, plan_model_dir = read_startup_plan(args.plan) if args.plan else (None, None)
+        model_dir = args.model or plan_model_dir
         daemon = Daemon(model_dir, max_batch=args.max_batch, max_queue=args.max_queue, backend=args.kernels,
-                        threads=args.threads)
+                        threads=args.threads, plan_dir=args.plan_dir)
         server, port = start_server(daemon, args.host, args.port, args.max_batch + args.max_queue + 16)
     except (HelmError, OSError, RuntimeError, ValueError) as e:
         log.error("cannot start", extra={"fields": {"error": str(e)}})
@@ -126,7 +131,7 @@ def serve(args) -> int:
                                             "model": str(model_dir), "threads": args.threads or "per plan"}})
     if args.plan:
         try:
-            daemon.load_plan(PlanSource(path=args.plan))
+            daemon.load_plan(PlanSource(yaml=plan_text, name=args.plan))
         except HelmError as e:
             log.error("cannot load the plan", extra={"fields": {"plan": args.plan, "error": str(e)}})
             server.stop(0)

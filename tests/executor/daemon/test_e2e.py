@@ -37,7 +37,8 @@ def plans(model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def daemon(plans, tmp_path_factory):
-    proc = DaemonProcess(["--plan", str(plans[2])], tmp_path_factory.mktemp("daemon") / "daemon.log")
+    proc = DaemonProcess(["--plan", str(plans[2]), "--plan-dir", str(plans[2].parent)],
+                         tmp_path_factory.mktemp("daemon") / "daemon.log")
     try:
         with ExecutorClient(proc.addr) as client:
             client.wait_serving(timeout_s=120)
@@ -210,7 +211,7 @@ def test_bad_plans_leave_the_old_plan_serving(client, plans, model, checkpoint, 
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "partition.split_k" in err.value.details()
     other = write_plan(checkpoint("llama", "fp32"), 2, tmp_path / "llama.yaml")
     with pytest.raises(grpc.RpcError) as err:
-        client.load_plan(path=str(other))
+        client.load_plan(yaml=other.read_text())
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "another model" in err.value.details()
     with pytest.raises(grpc.RpcError) as err:
         client.report("sha256:" + "0" * 64)
@@ -240,7 +241,7 @@ def test_plan_swap_under_load_loses_no_request(client, model, plans):
     assert info.plan.digest == new.digest and info.plan.split_k == 4
     assert [(s.unit_start, s.unit_end) for s in info.stages] == [(0, 4), (4, 6)]
     assert client.report(old.digest).steps > 0 and client.report().plan.digest == new.digest
-    client.load_plan(path=str(plans[2]))  # back to the module's plan
+    client.load_plan(path=plans[2].name)  # back to the module's plan (a path inside --plan-dir)
     assert client.info().plan.digest == old.digest
 
 

@@ -22,7 +22,7 @@ def request(prompt, n, request_id):
 def test_a_failing_request_fails_alone(checkpoint, tmp_path, monkeypatch):
     model = checkpoint("qwen3", "fp32")
     daemon = Daemon(model, max_batch=8, max_queue=8)
-    daemon.load_plan(PlanSource(path=str(write_plan(model, 2, tmp_path / "plan.yaml"))))
+    daemon.load_plan(PlanSource(yaml=write_plan(model, 2, tmp_path / "plan.yaml").read_text()))
     stage = daemon._serving.worker.engine.model.stages[0]
     real_forward = stage.forward
 

@@ -40,7 +40,8 @@ def code_of(call) -> grpc.StatusCode:
 
 
 def test_health_queue_limit_and_clean_drain(model, plan, tmp_path):
-    daemon = DaemonProcess(["--model", str(model), "--max-batch", "1", "--max-queue", "1", "--drain-timeout", "60"],
+    daemon = DaemonProcess(["--model", str(model), "--max-batch", "1", "--max-queue", "1", "--drain-timeout", "60",
+                            "--plan-dir", str(plan.parent)],
                            tmp_path / "daemon.log")
     try:
         with ExecutorClient(daemon.addr) as client:
@@ -51,7 +52,7 @@ def test_health_queue_limit_and_clean_drain(model, plan, tmp_path):
                 == grpc.StatusCode.FAILED_PRECONDITION
             assert code_of(lambda: client.get_plan()) == grpc.StatusCode.FAILED_PRECONDITION
 
-            client.load_plan(path=str(plan))
+            client.load_plan(path=plan.name)
             assert client.health_status() == SERVING
             assert client.health_status("helm.executor.v1.ExecutorService") == SERVING
 

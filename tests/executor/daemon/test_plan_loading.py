@@ -1,0 +1,118 @@
+"""LoadPlan's attack surface, on the daemon's core in-process: paths are read only inside
+--plan-dir and every way a path can fail gives one answer, a 16M-token KV page is refused and a
+page longer than the model's context shrinks to it before anything is allocated, and a plan whose
+warm-up fails is refused while the old plan keeps serving."""
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import pytest
+
+from executor.errors import PlacementError, PlanLoadError, PlanNotFoundError
+from executor.kv_cache import PagePool
+from executor.sampling import SamplingParams, StopCriteria
+from executor.server.daemon import Daemon
+from executor.server.messages import GenerateSpec, GenerationResult, PlanSource
+from planner.plan import load_plan, plan_digest
+from tests.executor.daemon.helpers import write_plan
+from tests.executor.helpers import helm_generate
+
+SECRET = "CANARY-51c2"
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return checkpoint("qwen3", "fp32")
+
+
+@pytest.fixture
+def plan_dir(model, tmp_path):
+    d = tmp_path / "plans"
+    d.mkdir()
+    write_plan(model, 2, d / "good.yaml")
+    return d
+
+
+def with_page_size(plan_path, tokens: int) -> str:
+    """The plan with another KV page size and a digest that matches it (what an attacker can make)."""
+    plan = load_plan(plan_path)
+    bad = replace(plan, kv=replace(plan.kv, page_size_tokens=tokens))
+    return replace(bad, digest=plan_digest(bad)).to_yaml()
+
+
+def tokens_of(daemon: Daemon, prompt=(11, 12, 13), n=4) -> list[int]:
+    spec = GenerateSpec(None, tuple(prompt), SamplingParams(), StopCriteria(max_new_tokens=n, ignore_eos=True))
+    events = list(daemon.submit(spec))
+    assert isinstance(events[-1], GenerationResult)
+    return [e.token_id for e in events[:-1]]
+
+
+def test_paths_outside_the_plans_directory_are_one_answer(model, plan_dir, tmp_path):
+    outside = tmp_path / "secret.yaml"
+    outside.write_text(f"password: {SECRET}\n")
+    (plan_dir / "escape.yaml").symlink_to(outside)
+    with open(plan_dir / "huge.yaml", "wb") as f:
+        f.truncate(200 << 20)  # 200 MB, sparse
+    os.mkfifo(plan_dir / "fifo.yaml")
+    (plan_dir / "subdir").mkdir()
+    daemon = Daemon(model, plan_dir=plan_dir)
+    try:
+        for path in ("../secret.yaml", str(outside), "escape.yaml", "huge.yaml", "fifo.yaml", "subdir",
+                     "missing.yaml", "/etc/passwd", ".", "a\0b"):
+            with pytest.raises(PlanNotFoundError) as err:
+                daemon.load_plan(PlanSource(path=path))
+            assert str(err.value) == f"plan {path!r} is not available in the daemon's plans directory"
+        assert daemon.state == "loading"  # nothing was loaded
+        daemon.load_plan(PlanSource(path="good.yaml"))
+        daemon.load_plan(PlanSource(path=str(plan_dir / "good.yaml")))  # absolute, but inside
+        assert daemon.state == "serving"
+    finally:
+        daemon.close()
+
+
+def test_without_a_plans_directory_paths_are_off(model, plan_dir):
+    daemon = Daemon(model)
+    with pytest.raises(PlanNotFoundError, match="without --plan-dir"):
+        daemon.load_plan(PlanSource(path=str(plan_dir / "good.yaml")))
+
+
+def test_oversized_pages_are_refused_or_bounded_and_the_old_plan_serves(model, plan_dir):
+    daemon = Daemon(model, plan_dir=plan_dir)
+    try:
+        daemon.load_plan(PlanSource(path="good.yaml"))
+        before = daemon.plan()[0].digest
+        with pytest.raises(PlacementError, match="page_size_tokens"):  # schema maximum
+            daemon.load_plan(PlanSource(yaml=with_page_size(plan_dir / "good.yaml", 16 << 20)))
+        assert daemon.plan()[0].digest == before and daemon.state == "serving"
+        assert tokens_of(daemon) == helm_generate(model, [[11, 12, 13]], split=2, max_new_tokens=4,
+                                                  page_size=16)[0][0]
+        # Within the schema but longer than the context: the page is the context, no longer.
+        daemon.load_plan(PlanSource(yaml=with_page_size(plan_dir / "good.yaml", 1 << 20)))
+        assert {s.page_size_tokens for s in daemon.info().stages} == {daemon.config.max_position_embeddings}
+        assert tokens_of(daemon) == helm_generate(model, [[11, 12, 13]], split=2, max_new_tokens=4,
+                                                  page_size=16)[0][0]
+    finally:
+        daemon.close()
+
+
+def test_a_failed_warm_up_refuses_the_plan_and_the_old_plan_serves(model, plan_dir, monkeypatch):
+    daemon = Daemon(model, plan_dir=plan_dir)
+    try:
+        daemon.load_plan(PlanSource(path="good.yaml"))
+        before = daemon.plan()[0].digest
+        other = write_plan(model, 4, plan_dir / "other.yaml")
+        real_allocate = PagePool.allocate
+
+        def allocate(self):
+            raise RuntimeError("simulated: cannot allocate a KV page")
+
+        monkeypatch.setattr(PagePool, "allocate", allocate)
+        with pytest.raises(PlanLoadError, match="warm-up.*cannot allocate a KV page.*previous plan still serves"):
+            daemon.load_plan(PlanSource(path=other.name))
+        monkeypatch.setattr(PagePool, "allocate", real_allocate)
+        assert daemon.plan()[0].digest == before and daemon.state == "serving"
+        assert tokens_of(daemon) == helm_generate(model, [[11, 12, 13]], split=2, max_new_tokens=4,
+                                                  page_size=16)[0][0]
+    finally:
+        daemon.close()
