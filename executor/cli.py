@@ -4,6 +4,7 @@
                            [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
                            [--seed S] [--ignore-eos] [--json]
     helm-executor serve --plan PLAN [--model DIR] [--host 127.0.0.1] [--port 50051] [--max-queue N]
+                        [--plan-dir DIR] [--tokens FILE] [--tls-cert PEM --tls-key PEM] [--metrics-port P]
     helm-executor generate --addr HOST:PORT (--prompt TEXT | --prompt-ids 1,2,3) [--stop STR] ...
     helm-executor report --addr HOST:PORT [-o report.json]
     helm-executor info --addr HOST:PORT [--wait SECONDS]
@@ -24,6 +25,27 @@ def _parse_ids(text: str) -> list[int]:
         return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
     except ValueError:
         raise argparse.ArgumentTypeError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+
+
+def _connection_args(parser) -> None:
+    """How a client reaches a daemon that needs TLS or a token."""
+    parser.add_argument("--token-file", metavar="FILE", help="file holding the bearer token (default: $HELM_TOKEN)")
+    parser.add_argument("--tls-ca", metavar="PEM", help="connect over TLS, trusting this CA for the daemon's certificate")
+    parser.add_argument("--tls-cert", metavar="PEM", help="client certificate (mutual TLS, with --tls-key)")
+    parser.add_argument("--tls-key", metavar="PEM", help="client private key (mutual TLS)")
+
+
+def _client(args):
+    from executor.server.client import ExecutorClient
+    from executor.server.guard import CredentialError, client_token
+
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise RequestError("--tls-cert and --tls-key go together")
+    try:
+        token = client_token(args.token_file)
+        return ExecutorClient(args.addr, token=token, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
+    except (CredentialError, OSError) as e:
+        raise RequestError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="CPU-stage kernels: helm (Cython SIMD), torch (reference), auto (helm when built)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("-v", "--verbose", action="store_true")
+    _connection_args(gen)
 
     srv = sub.add_parser("serve", help="run the gRPC daemon (see protos/helm/executor/v1/executor.proto)")
     srv.add_argument("--plan", help="plan YAML to serve; without it the daemon waits NOT_SERVING for LoadPlan")
@@ -66,6 +89,19 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-queue", type=int, default=64, help="most requests waiting beyond a full batch")
     srv.add_argument("--drain-timeout", type=float, default=30.0,
                      help="seconds requests in flight may take to finish after SIGTERM (then aborted)")
+    srv.add_argument("--stall-timeout", type=float, default=30.0, metavar="SECONDS",
+                     help="cut off a Generate stream whose client has not read for this long (default 30)")
+    sec = srv.add_argument_group("security", "beyond loopback, the daemon needs TLS and --tokens (or --insecure)")
+    sec.add_argument("--tokens", metavar="FILE", help="bearer tokens, one 'client TOKEN' or 'admin TOKEN' per line; "
+                     "clients may Generate and Info, admins also LoadPlan, GetPlan and GetReport")
+    sec.add_argument("--tls-cert", metavar="PEM", help="TLS certificate chain (with --tls-key): serve over TLS")
+    sec.add_argument("--tls-key", metavar="PEM", help="TLS private key")
+    sec.add_argument("--tls-client-ca", metavar="PEM", help="mutual TLS: clients must present a certificate "
+                     "signed by this CA")
+    sec.add_argument("--insecure", action="store_true", help="allow listening beyond loopback without TLS and tokens")
+    srv.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at /metrics on this port "
+                     "(0: any free port, logged as 'metrics'; default: off); HTTPS with --tls-cert")
+    srv.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint (default loopback)")
     srv.add_argument("--kernels", choices=("auto", "helm", "torch"), default="auto", help="CPU-stage kernels")
     srv.add_argument("--threads", type=int, help="CPU-stage threads, for every plan (default: each plan's profiled cores)")
     srv.add_argument("-v", "--verbose", action="store_true", help="debug logs")
@@ -75,12 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("-o", "--output", help="write the report as JSON (schemas/report.schema.json)")
     rep.add_argument("--plan-digest", default="", help="a plan the daemon served before (default: the current)")
     rep.add_argument("-v", "--verbose", action="store_true")
+    _connection_args(rep)
 
     inf = sub.add_parser("info", help="what a running daemon serves (JSON): model, plan, stages, KV pages, queue")
     inf.add_argument("--addr", required=True, help="HOST:PORT of the daemon")
     inf.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                      help="first wait up to this long for the daemon to be SERVING (health check)")
     inf.add_argument("-v", "--verbose", action="store_true")
+    _connection_args(inf)
     return parser
 
 
@@ -216,7 +254,6 @@ def _generate_remote(args) -> int:
     import grpc
 
     from executor.pb import executor_pb2 as pb
-    from executor.server.client import ExecutorClient
     from executor.server.messages import GenerateSpec, GenerationResult
 
     offline_only = [f"--{n.replace('_', '-')}" for n in ("plan", "split", "page_size", "device_kv_pages")
@@ -228,7 +265,7 @@ def _generate_remote(args) -> int:
     spec = GenerateSpec(prompt_text=args.prompt, prompt_ids=None if args.prompt_ids is None else tuple(args.prompt_ids),
                         sampling=sampling, stop=stop, stop_strings=tuple(args.stop))
     ids, pieces, request_id, result = [], [], "", None
-    with ExecutorClient(args.addr) as client:
+    with _client(args) as client:
         try:
             for msg in client.generate(spec, timeout_s=args.timeout):
                 request_id = msg.request_id
@@ -268,9 +305,8 @@ def _generate_remote(args) -> int:
 def _report(args) -> int:
     import grpc
 
-    from executor.server.client import ExecutorClient
 
-    with ExecutorClient(args.addr) as client:
+    with _client(args) as client:
         try:
             report = client.report(args.plan_digest)
         except grpc.RpcError as e:
@@ -287,9 +323,8 @@ def _info(args) -> int:
     import grpc
     from google.protobuf.json_format import MessageToJson
 
-    from executor.server.client import ExecutorClient
 
-    with ExecutorClient(args.addr) as client:
+    with _client(args) as client:
         try:
             if args.wait > 0:
                 client.wait_serving(timeout_s=args.wait)

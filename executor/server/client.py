@@ -16,12 +16,51 @@ from executor.server.messages import GenerateSpec
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
+class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds `authorization: Bearer TOKEN` to every call (works on plaintext loopback channels too,
+    where gRPC refuses call credentials)."""
+
+    def __init__(self, token: str):
+        self._metadata = (("authorization", f"Bearer {token}"),)
+
+    def _with_token(self, details):
+        return _CallDetails(details, self._metadata)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+
+class _CallDetails(grpc.ClientCallDetails):
+    def __init__(self, details, extra):
+        self.method, self.timeout, self.credentials = details.method, details.timeout, details.credentials
+        self.wait_for_ready, self.compression = details.wait_for_ready, details.compression
+        self.metadata = tuple(details.metadata or ()) + extra
+
+
 class ExecutorClient:
-    def __init__(self, addr: str):
+    """A channel to the daemon: plaintext, or TLS with `tls_ca` (the CA that signed the daemon's
+    certificate; `tls_cert` + `tls_key` for mutual TLS); `token` is sent with every call."""
+
+    def __init__(self, addr: str, token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None, server_name: str | None = None):
         self.addr = addr
-        self.channel = grpc.insecure_channel(addr)
-        self.stub = pb_grpc.ExecutorServiceStub(self.channel)
-        self.health = health_pb2_grpc.HealthStub(self.channel)
+        if tls_ca or tls_cert:
+            def read(path):
+                return open(path, "rb").read() if path else None
+
+            creds = grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
+            options = (("grpc.ssl_target_name_override", server_name),) if server_name else ()
+            channel = grpc.secure_channel(addr, creds, options=options)
+        else:
+            channel = grpc.insecure_channel(addr)
+        self.channel = channel
+        if token:
+            channel = grpc.intercept_channel(channel, _BearerToken(token))
+        self.stub = pb_grpc.ExecutorServiceStub(channel)
+        self.health = health_pb2_grpc.HealthStub(channel)
 
     def __enter__(self) -> "ExecutorClient":
         return self

@@ -12,6 +12,7 @@ at most `max_batch + max_queue` at once, beyond that OverloadedError.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -29,8 +30,8 @@ from executor.model_config import ModelConfig
 from executor.plan_io import load_checked_plan, placement_for
 from executor.report import PlanSummary, Recorder, Report, kernel_isa
 from executor.sampling import SamplingParams, StopCriteria
-from executor.server.messages import (GenerateSpec, GenerationResult, LoadResult, PlanSource, ServerInfo,
-                                      StageInfo, StageTiming, TokenChunk)
+from executor.server.messages import (MAX_PROMPT_BYTES_PER_TOKEN, GenerateSpec, GenerationResult, LoadResult,
+                                      PlanSource, ServerInfo, StageInfo, StageTiming, TokenChunk)
 from executor.server.text import TextStream
 from executor.server.worker import EngineWorker, Ended, Produced, Rejected, Submission
 from planner.errors import PlanError
@@ -69,9 +70,12 @@ class Daemon:
         self.context_tokens = self.config.max_position_embeddings
         self.state = "loading"  # loading | serving | draining
         self.on_state_change = lambda state: None  # health checking hooks in here
+        self.on_step = lambda phase, devices, stage_ms: None  # metrics hook in here (engine threads)
         self._serving: _Serving | None = None
         self._retired: list[EngineWorker] = []
-        self._active: dict[str, EngineWorker] = {}  # admitted requests → the worker running each
+        self._active: dict[str, EngineWorker] = {}  # engine key of each admitted request → its worker
+        self._client_ids: dict[str, str] = {}  # request_id in flight → its engine key
+        self._keys = itertools.count()
         self._recorders: OrderedDict[str, Recorder] = OrderedDict()
         self._lock = threading.Condition()
         self._load_lock = threading.Lock()
@@ -105,10 +109,13 @@ class Daemon:
             summary = PlanSummary.of(plan, source.label)
             isa = kernel_isa(model)
             recorder = Recorder(plan, source.label, self.config.architecture, isa)
-            worker = EngineWorker(engine, recorder, name=f"engine-v{plan.plan_version}-{plan.digest[7:15]}")
             stages = tuple(StageInfo(i, spec.device, str(stage.device), stage.unit_start, stage.unit_end,
                                      stage.backend, placement.page_size_tokens, None)
                            for i, (spec, stage) in enumerate(zip(placement.stages, model.stages)))
+            devices = tuple(s.planned_device for s in stages)
+            worker = EngineWorker(engine, recorder, name=f"engine-v{plan.plan_version}-{plan.digest[7:15]}",
+                                  on_end=self._release,
+                                  on_step=lambda phase, stage_ms: self.on_step(phase, devices, stage_ms))
             worker.start()
             with self._lock:
                 if self.state == "draining":  # shutdown began while the plan loaded
@@ -176,15 +183,21 @@ class Daemon:
     # -- requests -------------------------------------------------------------------------
     def submit(self, spec: GenerateSpec) -> "RequestHandle":
         """Admit a request; iterate the handle for its events. Raises before admitting when the
-        request is invalid, no plan is loaded, the queue is full or the daemon is draining."""
+        request is invalid, no plan is loaded, the queue is full or the daemon is draining.
+
+        A request holds its admission slot until the engine is done with it, not until its
+        client has read every token: a client that stops reading holds no slot (its tokens wait
+        in its own queue, at most max_new_tokens of them)."""
         if self.state == "draining":
             raise ShuttingDownError("the daemon is shutting down: not accepting new requests")
         self._require_plan()
-        prompt = self._prompt_ids(spec)
         spec.sampling.validate()
         spec.stop.validate()
         if spec.stop_strings and self.tokenizer is None:
             raise RequestError("stop_strings need the model's tokenizer.json, which this model lacks")
+        if any(t >= self.config.vocab_size for t in spec.stop.stop_token_ids):
+            raise RequestError(f"stop token ids must be in [0, {self.config.vocab_size})")
+        prompt = self._prompt_ids(spec)
         if len(prompt) + spec.stop.max_new_tokens > self.context_tokens:
             raise RequestError(
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({spec.stop.max_new_tokens}) exceeds the "
@@ -196,12 +209,14 @@ class Daemon:
                 raise OverloadedError(f"the daemon is full: {len(self._active)} requests in flight "
                                       f"(max batch {self.max_batch} + max queue {self.max_queue}); retry later")
             request_id = spec.request_id or f"req-{uuid.uuid4().hex[:16]}"
-            if request_id in self._active:
+            if request_id in self._client_ids:
                 raise RequestError(f"request_id {request_id!r} is already in flight")
+            key = f"{request_id}#{next(self._keys)}"  # the engine's id: unique even when a client reuses one
             serving = self._serving
-            events = serving.worker.submit(Submission(request_id, prompt, spec.sampling, spec.stop))
-            self._active[request_id] = serving.worker
-        return RequestHandle(self, serving, request_id, spec, len(prompt), events)
+            events = serving.worker.submit(Submission(key, prompt, spec.sampling, spec.stop))
+            self._active[key] = serving.worker
+            self._client_ids[request_id] = key
+        return RequestHandle(self, serving, request_id, key, spec, len(prompt), events)
 
     def _prompt_ids(self, spec: GenerateSpec) -> tuple[int, ...]:
         if spec.prompt_ids is not None:
@@ -210,17 +225,30 @@ class Daemon:
             return spec.prompt_ids
         if self.tokenizer is None:
             raise RequestError("this model has no tokenizer.json: send token_ids instead of text")
+        limit = self.context_tokens * MAX_PROMPT_BYTES_PER_TOKEN
+        if len(spec.prompt_text) > limit or len(spec.prompt_text.encode("utf-8")) > limit:  # before tokenizing
+            raise RequestError(f"the prompt text is more than {limit} bytes ({MAX_PROMPT_BYTES_PER_TOKEN} per token "
+                               f"of the {self.context_tokens}-token context)")
         ids = tuple(self.tokenizer.encode(spec.prompt_text))
         if not ids:
             raise RequestError("the prompt text is empty: give some text")
         return ids
 
-    def _release(self, request_id: str) -> None:
+    def _release(self, key: str) -> None:
+        """The engine is done with a request (or its client left): free its admission slot."""
         with self._lock:
-            if self._active.pop(request_id, None) is not None:
+            if self._active.pop(key, None) is not None:
+                client_id = key.rpartition("#")[0]
+                if self._client_ids.get(client_id) == key:
+                    del self._client_ids[client_id]
                 self._lock.notify_all()
 
     # -- inspection -----------------------------------------------------------------------
+    @property
+    def in_flight(self) -> int:
+        """Requests holding an admission slot (at most max_batch + max_queue)."""
+        return len(self._active)
+
     def info(self) -> ServerInfo:
         from planner import __version__
 
@@ -262,8 +290,8 @@ class Daemon:
             log.info("draining", extra={"fields": {"in_flight": len(self._active), "timeout_s": timeout_s}})
             self._lock.wait_for(lambda: not self._active, timeout=timeout_s)
             leftover = dict(self._active)
-        for request_id, worker in leftover.items():
-            worker.abort(request_id)
+        for key, worker in leftover.items():
+            worker.abort(key)
         if leftover:
             log.warning("drain timed out; aborted requests", extra={"fields": {"aborted": sorted(leftover)}})
             with self._lock:
@@ -292,22 +320,27 @@ class RequestHandle:
 
     EVENT_POLL_S = 1.0
 
-    def __init__(self, daemon: Daemon, serving: _Serving, request_id: str, spec: GenerateSpec,
+    def __init__(self, daemon: Daemon, serving: _Serving, request_id: str, key: str, spec: GenerateSpec,
                  prompt_tokens: int, events: queue.SimpleQueue):
         self._daemon, self._serving = daemon, serving
-        self.request_id = request_id
+        self.request_id = request_id  # the client's (or the one assigned)
+        self._key = key  # the engine's
         self._spec = spec
         self._prompt_tokens = prompt_tokens
         self._events = events
         self._arrival_s = time.perf_counter()
         self._done = False
+        self.tokens_sent = 0
 
-    def cancel(self) -> None:
-        """The client went away (cancel, disconnect, deadline): free the request's pages now.
-        A no-op once the request has ended (the id may already belong to a new request)."""
-        if not self._done:
-            self._serving.worker.abort(self.request_id)
-            self._daemon._release(self.request_id)
+    def cancel(self, why: str = "client cancelled or disconnected") -> None:
+        """The client went away (cancel, disconnect, deadline): free the request's pages now."""
+        if self._done:
+            return
+        self._done = True
+        self._serving.worker.abort(self._key)
+        self._daemon._release(self._key)
+        log.info("request cancelled", extra={"fields": {"request_id": self.request_id, "why": why,
+                                                        "tokens_sent": self.tokens_sent}})
 
     def __iter__(self):
         try:
@@ -317,7 +350,7 @@ class RequestHandle:
             yield from self._stream(first)
         finally:
             self._done = True
-            self._daemon._release(self.request_id)
+            self._daemon._release(self._key)  # already released when the engine ended it
 
     def _next(self):
         while True:
@@ -339,8 +372,9 @@ class RequestHandle:
                 timing.add(event.stage_ms)
                 delta = text.push(event.token_id)
                 if text.stopped_by is not None:
-                    self._serving.worker.abort(self.request_id)
+                    self._serving.worker.abort(self._key)
                 yield TokenChunk(event.token_id, delta, event.index, event.time_s - self._arrival_s)
+                self.tokens_sent += 1
             elif isinstance(event, Ended):
                 if event.reason == "error":
                     log.error("request failed", extra={"fields": {"request_id": self.request_id, "error": event.error}})

@@ -15,6 +15,14 @@ from executor.sampling import SamplingParams, StopCriteria
 
 FINISH_REASONS = ("stop", "stop_string", "length", "context", "aborted")
 
+# Limits on what a request may ask for, checked before any work (named in executor.proto). The
+# prompt's text has one more, per model: MAX_PROMPT_BYTES_PER_TOKEN bytes per context token.
+MAX_REQUEST_ID_CHARS = 128  # printable ASCII: the id is logged and sent back with every token
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 64  # each token's text is checked against every suffix of every stop string
+MAX_STOP_TOKEN_IDS = 256
+MAX_PROMPT_BYTES_PER_TOKEN = 16  # ordinary text is 3-6 bytes per token: the context fills first
+
 
 def _ns(seconds: float) -> int:
     return max(0, round(seconds * 1e9))
@@ -43,13 +51,22 @@ class GenerateSpec:
         which = msg.WhichOneof("prompt")
         if which is None:
             raise RequestError("the request has no prompt: set prompt text or token_ids")
+        request_id = msg.request_id
+        if len(request_id) > MAX_REQUEST_ID_CHARS or not all(" " < c <= "~" for c in request_id):
+            raise RequestError(f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable ASCII characters "
+                               "without spaces")
         stops = tuple(msg.stopping.stop_strings)
         if any(s == "" for s in stops):
             raise RequestError("stopping.stop_strings must not contain an empty string")
+        if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
+            raise RequestError(f"stopping.stop_strings: at most {MAX_STOP_STRINGS} strings of at most "
+                               f"{MAX_STOP_STRING_CHARS} characters each")
+        if len(msg.stopping.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise RequestError(f"stopping.stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids")
         return cls(prompt_text=msg.text if which == "text" else None,
                    prompt_ids=tuple(msg.token_ids.ids) if which == "token_ids" else None,
                    sampling=SamplingParams.from_pb(msg.sampling), stop=StopCriteria.from_pb(msg.stopping),
-                   stop_strings=stops, request_id=msg.request_id)
+                   stop_strings=stops, request_id=request_id)
 
     def to_pb(self, pb):
         s, st = self.sampling, self.stop

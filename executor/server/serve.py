@@ -60,18 +60,30 @@ def read_startup_plan(plan_path: str) -> tuple[str, Path]:
     return text, source.parent if source.suffix == ".json" else source
 
 
-def start_server(daemon, host: str, port: int, max_workers: int):
-    """The gRPC server with the executor, health and reflection services, started. (server, port)."""
+def start_server(daemon, host: str, port: int, tokens=None, credentials=None, stall_timeout_s: float = 30.0,
+                 metrics=None):
+    """The gRPC server with the executor, health and reflection services behind the RpcGuard,
+    started; TLS with `credentials` (grpc.ssl_server_credentials), else plaintext. (server, port)."""
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
 
     from executor.pb import executor_pb2_grpc as pb_grpc
+    from executor.server.guard import CONTROL_THREADS, RpcGuard
     from executor.server.service import SERVICE_NAME, ExecutorServicer
+    from planner.yamlio import MAX_FILE_BYTES
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
-                         maximum_concurrent_rpcs=max_workers)
-    pb_grpc.add_ExecutorServiceServicer_to_server(ExecutorServicer(daemon), server)
+    # Twice the admission slots: a stream whose client stopped reading keeps its thread (not its
+    # slot) until the stall timeout cuts it off, and must not starve the streams being admitted.
+    generate_streams = 2 * (daemon.max_batch + daemon.max_queue)
+    threads = generate_streams + CONTROL_THREADS
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rpc"),
+        interceptors=(RpcGuard(tokens, generate_streams),),
+        # A backstop for floods far beyond what the lanes serve; the lanes refuse long before it.
+        maximum_concurrent_rpcs=4 * threads,
+        options=(("grpc.max_receive_message_length", MAX_FILE_BYTES + (64 << 10)),))
+    pb_grpc.add_ExecutorServiceServicer_to_server(ExecutorServicer(daemon, stall_timeout_s, metrics), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -89,11 +101,36 @@ def start_server(daemon, host: str, port: int, max_workers: int):
     on_state(daemon.state)
     daemon.on_state_change = on_state
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-    bound = server.add_insecure_port(address)
+    bound = server.add_secure_port(address, credentials) if credentials is not None \
+        else server.add_insecure_port(address)
     if not bound:
         raise OSError(f"cannot listen on {address}")
     server.start()
     return server, bound
+
+
+def security_of(args):
+    """(tokens, TLS credentials) from the serve flags; refuses (ValueError) to expose a daemon
+    without both beyond loopback unless --insecure says so."""
+    from executor.server.guard import Tokens, is_loopback, server_credentials
+
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+    tokens = Tokens.from_file(args.tokens) if args.tokens else None
+    credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+    exposed = [(flag, host) for flag, host in (("--host", args.host), ("--metrics-host", args.metrics_host))
+               if not is_loopback(host) and (flag == "--host" or args.metrics_port is not None)]
+    if exposed and (tokens is None or credentials is None):
+        missing = " and ".join(m for m, have in (("TLS (--tls-cert, --tls-key)", credentials), ("--tokens", tokens))
+                               if have is None)
+        if not args.insecure:
+            raise ValueError(f"{exposed[0][0]} {exposed[0][1]} listens beyond loopback without {missing}: anyone who "
+                             "reaches it could load plans and read prompts. Add them, or pass --insecure to accept that")
+        log.warning("listening beyond loopback without protection (--insecure)",
+                    extra={"fields": {"missing": missing, "hosts": [h for _, h in exposed]}})
+    return tokens, credentials
 
 
 def serve(args) -> int:
@@ -104,6 +141,9 @@ def serve(args) -> int:
     configure_logging(args.verbose)
     if args.threads is not None and args.threads < 1:
         log.error("cannot start", extra={"fields": {"error": f"--threads must be >= 1, got {args.threads}"}})
+        return 2
+    if not args.stall_timeout > 0:
+        log.error("cannot start", extra={"fields": {"error": f"--stall-timeout must be > 0, got {args.stall_timeout}"}})
         return 2
     stop = threading.Event()
 
@@ -118,17 +158,31 @@ def serve(args) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
+    metrics = None
     try:
+        tokens, credentials = security_of(args)
         plan_text, plan_model_dir = read_startup_plan(args.plan) if args.plan else (None, None)
         model_dir = args.model or plan_model_dir
         daemon = Daemon(model_dir, max_batch=args.max_batch, max_queue=args.max_queue, backend=args.kernels,
                         threads=args.threads, plan_dir=args.plan_dir)
-        server, port = start_server(daemon, args.host, args.port, args.max_batch + args.max_queue + 16)
+        if args.metrics_port is not None:
+            from executor.server.metrics import DaemonMetrics
+
+            metrics = DaemonMetrics(daemon)
+            metrics_port = metrics.serve_http(args.metrics_host, args.metrics_port, args.tls_cert, args.tls_key)
+            log.info("metrics", extra={"fields": {"host": args.metrics_host, "port": metrics_port,
+                                                  "scheme": "https" if args.tls_cert else "http"}})
+        server, port = start_server(daemon, args.host, args.port, tokens, credentials, args.stall_timeout, metrics)
     except (HelmError, OSError, RuntimeError, ValueError) as e:
         log.error("cannot start", extra={"fields": {"error": str(e)}})
+        if metrics is not None:
+            metrics.close()
         return 2
-    log.info("listening", extra={"fields": {"host": args.host, "port": port, "pid": os.getpid(),
-                                            "model": str(model_dir), "threads": args.threads or "per plan"}})
+    log.info("listening", extra={"fields": {
+        "host": args.host, "port": port, "pid": os.getpid(), "model": str(model_dir),
+        "threads": args.threads or "per plan", "tls": credentials is not None,
+        "mutual_tls": bool(args.tls_client_ca), "auth": "tokens" if tokens else "none",
+        "plan_dir": args.plan_dir}})
     if args.plan:
         try:
             daemon.load_plan(PlanSource(yaml=plan_text, name=args.plan))
@@ -144,5 +198,7 @@ def serve(args) -> int:
     clean = daemon.drain(args.drain_timeout)
     server.stop(grace=5.0).wait(10.0)
     daemon.close()
+    if metrics is not None:
+        metrics.close()
     log.info("stopped", extra={"fields": {"drained": clean}})
     return 0

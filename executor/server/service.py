@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
+import time
 
 import grpc
 
@@ -16,7 +18,8 @@ from executor.errors import (ConfigError, HelmError, NotReadyError, OverloadedEr
 from executor.pb import executor_pb2 as pb
 from executor.pb import executor_pb2_grpc as pb_grpc
 from executor.server.daemon import Daemon
-from executor.server.messages import GenerateSpec, PlanSource
+from executor.server.messages import GenerateSpec, PlanSource, finish_reason_name
+from executor.server.metrics import DaemonMetrics
 
 log = logging.getLogger("helm.service")
 
@@ -73,16 +76,54 @@ def _streaming(method):
 
 
 class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
-    def __init__(self, daemon: Daemon):
+    def __init__(self, daemon: Daemon, stall_timeout_s: float = 30.0, metrics: DaemonMetrics | None = None):
         self.daemon = daemon
+        self.stalls = StallWatch(stall_timeout_s)
+        self.metrics = metrics
 
-    @_streaming
     def Generate(self, request, context):
+        outcome = "error"
+        try:
+            for message in self._generate(request, context):
+                if message.HasField("result"):
+                    r = message.result
+                    outcome = finish_reason_name(r.finish_reason, pb)
+                    if self.metrics:
+                        self.metrics.request_finished(outcome, r.ttft_ns / 1e9, r.decode_tokens_per_s,
+                                                      r.completion_tokens)
+                yield message
+        except GeneratorExit:  # gRPC stopped pulling: the client left or was cut off
+            if self.metrics and outcome == "error":
+                self.metrics.request_ended("cancelled", "CANCELLED")
+            raise
+        except Exception as e:  # noqa: BLE001 — every failure becomes a status
+            if self.metrics:
+                self.metrics.request_ended("refused" if status_for(e) != grpc.StatusCode.INTERNAL else "failed",
+                                           status_for(e).name)
+            _abort(context, "Generate", e)
+
+    def _generate(self, request, context):
         handle = self.daemon.submit(GenerateSpec.from_pb(request))
-        if not context.add_callback(handle.cancel):  # already over: the client left before we started
-            handle.cancel()
-        for event in handle:
-            yield event.to_pb(pb, handle.request_id)
+        sending = self.stalls.watch(context, handle.request_id)
+
+        def on_end():  # the RPC is over: a no-op if the request ended; else the client went away
+            if sending.cut_off:
+                why = "stalled"
+            elif (context.time_remaining() or 1.0) <= 0:
+                why = "deadline exceeded"
+            else:
+                why = "client cancelled or disconnected"
+            handle.cancel(why)
+
+        if not context.add_callback(on_end):  # already over: the client left before we started
+            on_end()
+        try:
+            for event in handle:
+                sending.begin()
+                yield event.to_pb(pb, handle.request_id)  # returns once gRPC has sent it
+                sending.end()
+        finally:
+            self.stalls.forget(sending)
 
     @_unary
     def LoadPlan(self, request, context):
@@ -100,3 +141,56 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     @_unary
     def GetReport(self, request, context):
         return self.daemon.report(request.plan_digest).to_pb(pb)
+
+
+class _Sending:
+    def __init__(self, context, request_id: str):
+        self.context, self.request_id = context, request_id
+        self.since: float | None = None  # when the message now being sent was handed to gRPC
+        self.cut_off = False
+
+    def begin(self) -> None:
+        self.since = time.monotonic()
+
+    def end(self) -> None:
+        self.since = None
+
+
+class StallWatch:
+    """Cuts off Generate streams whose client stopped reading: a send that has not completed
+    for `timeout_s` (HTTP/2 flow control holds it once the client's window is full) cancels the
+    RPC, which frees its thread and its Generate lane place. The engine freed the request's
+    admission slot as soon as it finished; this frees the rest."""
+
+    def __init__(self, timeout_s: float):
+        if not timeout_s > 0:
+            raise ValueError(f"the stall timeout must be > 0 s, got {timeout_s}")
+        self.timeout_s = timeout_s
+        self._open: set[_Sending] = set()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="stall-watch", daemon=True)
+        self._thread.start()
+
+    def watch(self, context, request_id: str) -> _Sending:
+        sending = _Sending(context, request_id)
+        with self._lock:
+            self._open.add(sending)
+        return sending
+
+    def forget(self, sending: _Sending) -> None:
+        with self._lock:
+            self._open.discard(sending)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.timeout_s / 4))
+            now = time.monotonic()
+            with self._lock:
+                stalled = [s for s in self._open if s.since is not None and now - s.since > self.timeout_s]
+            for s in stalled:
+                if s.cut_off:
+                    continue
+                s.cut_off = True
+                log.warning("client stopped reading: stream cut off", extra={"fields": {
+                    "request_id": s.request_id, "stalled_s": round(now - s.since, 1)}})
+                s.context.cancel()

@@ -79,10 +79,13 @@ class _Stream:
 class EngineWorker:
     IDLE_POLL_S = 1.0
 
-    def __init__(self, engine: Engine, recorder: Recorder, name: str):
+    def __init__(self, engine: Engine, recorder: Recorder, name: str, on_end=lambda request_id: None,
+                 on_step=lambda phase, stage_ms: None):
         self.engine = engine
         self.recorder = recorder
         self.name = name
+        self._on_end = on_end  # called on the engine thread when a request is over for the engine
+        self._on_step = on_step  # called on the engine thread with each step's (measured, predicted) ms
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._retired = False
@@ -144,6 +147,7 @@ class EngineWorker:
             except Exception:  # noqa: BLE001 — ending the stream matters more than freeing pages here
                 log.exception("abort of %s failed", request_id)
             stream.events.put(Ended("error", f"{type(error).__name__}: {error}", time.perf_counter()))
+            self._on_end(request_id)
         self._streams.clear()
 
     def _take_commands(self, block: bool) -> None:
@@ -166,9 +170,11 @@ class EngineWorker:
                 seq = self.engine.add_request(list(sub.prompt_ids), sub.sampling, sub.stop, sub.request_id)
             except HelmError as e:
                 events.put(Rejected(e))
+                self._on_end(sub.request_id)
                 return
             except Exception as e:  # noqa: BLE001 — refuse this request, keep serving
                 events.put(Rejected(RequestFailedError(f"{type(e).__name__}: {e}")))
+                self._on_end(sub.request_id)
                 return
             self._streams[sub.request_id] = _Stream(events, seq, len(sub.prompt_ids))
             events.put(Accepted())
@@ -177,6 +183,7 @@ class EngineWorker:
             if stream is not None:
                 self.engine.abort(command[1])
                 stream.events.put(Ended("aborted", None, time.perf_counter()))
+                self._on_end(command[1])
         elif kind == "retire":
             self._retired = True
 
@@ -195,6 +202,7 @@ class EngineWorker:
                 error = stream.sequence.error if event.finish_reason == "error" else None
                 stream.events.put(Ended(event.finish_reason, error, now))
                 del self._streams[event.request_id]
+                self._on_end(event.request_id)
 
     def _record(self, events) -> tuple[tuple[float, float], ...]:
         """Pair the step's stage times with the plan's prediction and store them."""
@@ -218,7 +226,9 @@ class EngineWorker:
                 context = round(sum(lengths) / len(lengths))
         measured = tuple(t.ms for t in record.stages)
         predicted = self.recorder.record(phase, context, batch, tokens, measured)
-        return tuple((m, p.ms) for m, p in zip(measured, predicted))
+        stage_ms = tuple((m, p.ms) for m, p in zip(measured, predicted))
+        self._on_step(phase, stage_ms)
+        return stage_ms
 
     def _snapshot(self) -> WorkerSnapshot:
         return WorkerSnapshot(len(self.engine.waiting), len(self.engine.running),

@@ -1,0 +1,113 @@
+"""Prometheus metrics of the daemon (`serve --metrics-port`), what an operator scrapes:
+
+    helm_requests_total{outcome,code}                 Generate calls by how they ended
+    helm_ttft_seconds, helm_decode_tokens_per_second  per finished request (histograms)
+    helm_stage_step_seconds{stage,device,phase}       measured time of each stage per engine step
+    helm_stage_predicted_step_seconds{...}            the plan's prediction for the same steps
+    helm_queue_requests{state}                        waiting / running / in flight (all plans)
+    helm_kv_pages{stage,pool,state}                   KV pages used / free per pool
+    helm_plan_info{digest,version,split_k}, helm_serving_state{state}
+
+Counters and histograms are updated as things happen; queue and KV gauges are read from the
+daemon when scraped. Each daemon has its own registry (no process-global state).
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+# Step times span a 1-token decode of a small stage (~0.1 ms) to a long prompt chunk (seconds).
+STEP_BUCKETS_S = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+RATE_BUCKETS = (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+STATES = ("loading", "serving", "draining")
+
+
+class DaemonMetrics:
+    def __init__(self, daemon):
+        self.daemon = daemon
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("helm_requests", "Generate calls by outcome (finish reason, or why not) and status",
+                                ("outcome", "code"), registry=self.registry)
+        self.ttft = Histogram("helm_ttft_seconds", "Time from accepting a request to its first token",
+                              buckets=TTFT_BUCKETS_S, registry=self.registry)
+        self.decode_rate = Histogram("helm_decode_tokens_per_second", "Decode rate of a finished request "
+                                     "(tokens after the first)", buckets=RATE_BUCKETS, registry=self.registry)
+        labels = ("stage", "device", "phase")
+        self.step = Histogram("helm_stage_step_seconds", "Measured time of a stage per engine step", labels,
+                              buckets=STEP_BUCKETS_S, registry=self.registry)
+        self.predicted = Histogram("helm_stage_predicted_step_seconds", "The plan's predicted time of a stage "
+                                   "for the same steps", labels, buckets=STEP_BUCKETS_S, registry=self.registry)
+        self.registry.register(_DaemonState(daemon))
+        daemon.on_step = self.observe_step
+
+    def observe_step(self, phase: str, devices: tuple[str, ...], stage_ms: tuple[tuple[float, float], ...]) -> None:
+        """One engine step (the worker's thread): measured and predicted ms per stage."""
+        for i, ((measured, predicted), device) in enumerate(zip(stage_ms, devices)):
+            self.step.labels(str(i), device, phase).observe(measured / 1e3)
+            self.predicted.labels(str(i), device, phase).observe(predicted / 1e3)
+
+    def request_finished(self, finish_reason: str, ttft_s: float, decode_tokens_per_s: float,
+                         completion_tokens: int) -> None:
+        self.requests.labels(finish_reason, "OK").inc()
+        if completion_tokens:
+            self.ttft.observe(ttft_s)
+        if completion_tokens > 1:
+            self.decode_rate.observe(decode_tokens_per_s)
+
+    def request_ended(self, outcome: str, code: str) -> None:
+        """A request refused, failed, cancelled or cut off (code: the gRPC status name)."""
+        self.requests.labels(outcome, code).inc()
+
+    def serve_http(self, host: str, port: int, certfile: str | None = None, keyfile: str | None = None) -> int:
+        """Start the /metrics endpoint (HTTPS with a certificate); the port it listens on."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry, certfile=certfile, keyfile=keyfile)
+        self._http = server
+        return server.server_port
+
+    def close(self) -> None:
+        if getattr(self, "_http", None) is not None:
+            self._http.shutdown()
+            self._http.server_close()
+
+
+class _DaemonState:
+    """Gauges read from the daemon at scrape time."""
+
+    def __init__(self, daemon):
+        self.daemon = daemon
+
+    def describe(self):
+        return []  # computed at scrape time: nothing to check at registration
+
+    def collect(self):
+        info = self.daemon.info()
+        queue = GaugeMetricFamily("helm_queue_requests", "Requests in the daemon", labels=("state",))
+        queue.add_metric(("waiting",), info.waiting)
+        queue.add_metric(("running",), info.running)
+        queue.add_metric(("on_previous_plans",), info.on_previous_plans)
+        queue.add_metric(("in_flight",), self.daemon.in_flight)
+        yield queue
+        limits = GaugeMetricFamily("helm_queue_limit", "Admission limits", labels=("limit",))
+        limits.add_metric(("max_batch",), info.max_batch)
+        limits.add_metric(("max_queue",), info.max_queue)
+        yield limits
+        pages = GaugeMetricFamily("helm_kv_pages", "KV cache pages per stage and pool",
+                                  labels=("stage", "pool", "state"))
+        for s in info.stages:
+            if s.kv is None:
+                continue
+            pages.add_metric((str(s.index), "device", "used"), s.kv.device_pages_used)
+            if s.kv.device_pages_capacity is not None:
+                pages.add_metric((str(s.index), "device", "free"),
+                                 max(0, s.kv.device_pages_capacity - s.kv.device_pages_used))
+            pages.add_metric((str(s.index), "host", "used"), s.kv.host_pages_used)
+        yield pages
+        state = GaugeMetricFamily("helm_serving_state", "1 for the daemon's state", labels=("state",))
+        for name in STATES:
+            state.add_metric((name,), 1.0 if info.state == name else 0.0)
+        yield state
+        if info.plan is not None:
+            plan = GaugeMetricFamily("helm_plan_info", "The plan serving", labels=("digest", "version", "split_k"))
+            plan.add_metric((info.plan.digest, str(info.plan.version), str(info.plan.split_k)), 1.0)
+            yield plan
