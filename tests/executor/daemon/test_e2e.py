@@ -189,6 +189,17 @@ BAD_REQUESTS = [
                                             stopping=pb.StoppingCriteria(max_new_tokens=2000)), "context"),
     ("empty stop string", pb.GenerateRequest(text="hi", stopping=pb.StoppingCriteria(stop_strings=[""])),
      "stop_strings"),
+    ("long request_id", pb.GenerateRequest(request_id="r" * (1 << 20), text="hi"), "request_id must be at most 128"),
+    ("request_id with a newline", pb.GenerateRequest(request_id="a\nb", text="hi"), "printable ASCII"),
+    ("too many stop strings", pb.GenerateRequest(text="hi", stopping=pb.StoppingCriteria(
+        stop_strings=[f"s{i}" for i in range(10000)])), "at most 16 strings"),
+    ("long stop string", pb.GenerateRequest(text="hi", stopping=pb.StoppingCriteria(stop_strings=["x" * 65])),
+     "at most 64 characters"),
+    ("too many stop ids", pb.GenerateRequest(text="hi", stopping=pb.StoppingCriteria(stop_token_ids=[1] * 257)),
+     "at most 256 ids"),
+    ("stop id outside the vocabulary", pb.GenerateRequest(text="hi", stopping=pb.StoppingCriteria(
+        stop_token_ids=[5000])), "stop token ids must be in [0, 1024)"),
+    ("prompt text over its byte limit", pb.GenerateRequest(text="word " * 7000), "bytes (16 per token"),
 ]
 
 

@@ -1,0 +1,141 @@
+"""Who may call what: TLS (and mutual TLS) with certificates made in the test, bearer tokens with a
+client and an admin role, health open to probes, and a daemon that will not listen beyond
+loopback unprotected unless told --insecure."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from executor.cli import main
+from executor.pb import executor_pb2 as pb
+from executor.server.client import ExecutorClient
+from executor.server.daemon import Daemon
+from executor.server.guard import CredentialError, Tokens, server_credentials
+from executor.server.messages import PlanSource
+from executor.server.serve import start_server
+from tests.executor.daemon.certs import make_certs
+from tests.executor.daemon.helpers import REPO, DaemonProcess, collect, write_plan
+from tests.executor.helpers import helm_generate
+
+CLIENT_TOKEN = "client-token-0123456789abcdef"
+ADMIN_TOKEN = "admin-token-0123456789abcdef"
+PROMPT = [11, 12, 13, 14]
+
+
+def request(n=5):
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), stopping=pb.StoppingCriteria(max_new_tokens=n,
+                                                                                              ignore_eos=True))
+
+
+def code_of(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    return err.value.code()
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint, tmp_path_factory):
+    model = checkpoint("qwen3", "fp32")
+    plans = tmp_path_factory.mktemp("plans")
+    write_plan(model, 2, plans / "plan.yaml")
+    daemon = Daemon(model, max_batch=2, max_queue=2, plan_dir=plans)
+    daemon.load_plan(PlanSource(path="plan.yaml"))
+    yield model, daemon
+    daemon.drain(5)
+    daemon.close()
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture(scope="module")
+def token_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tokens")
+    (d / "tokens").write_text(f"# roles\nclient {CLIENT_TOKEN}\nadmin  {ADMIN_TOKEN}  # the operator\n")
+    (d / "tokens").chmod(0o600)
+    (d / "client").write_text(CLIENT_TOKEN + "\n")
+    return d
+
+
+def test_roles_over_tls(served, certs, token_files, capsys):
+    model, daemon = served
+    credentials = server_credentials(str(certs.server_cert), str(certs.server_key), None)
+    server, port = start_server(daemon, "127.0.0.1", 0, Tokens.from_file(token_files / "tokens"), credentials)
+    addr = f"127.0.0.1:{port}"
+    want = helm_generate(model, [PROMPT], split=2, max_new_tokens=5, page_size=16)[0][0]
+    try:
+        with ExecutorClient(addr, tls_ca=str(certs.ca)) as anonymous:
+            assert anonymous.health_status() == health_pb2.HealthCheckResponse.SERVING  # probes need no token
+            assert code_of(lambda: collect(anonymous.stub.Generate(request(), timeout=30))) \
+                == grpc.StatusCode.UNAUTHENTICATED
+            assert code_of(lambda: anonymous.load_plan(path="plan.yaml")) == grpc.StatusCode.UNAUTHENTICATED
+            assert code_of(lambda: anonymous.info()) == grpc.StatusCode.UNAUTHENTICATED
+        with ExecutorClient(addr, token="x" * 32, tls_ca=str(certs.ca)) as stranger:
+            assert code_of(lambda: stranger.info()) == grpc.StatusCode.UNAUTHENTICATED
+        with ExecutorClient(addr, token=CLIENT_TOKEN, tls_ca=str(certs.ca)) as client:
+            ids, _, _ = collect(client.stub.Generate(request(), timeout=30))
+            assert ids == want and client.info().plan.split_k == 2
+            for admin_only in (lambda: client.load_plan(path="plan.yaml"), lambda: client.report(),
+                               lambda: client.get_plan()):
+                assert code_of(admin_only) == grpc.StatusCode.PERMISSION_DENIED
+        with ExecutorClient(addr, token=ADMIN_TOKEN, tls_ca=str(certs.ca)) as admin:
+            assert admin.report().steps > 0 and admin.get_plan().plan.split_k == 2
+            assert admin.load_plan(path="plan.yaml").plan.split_k == 2
+        with ExecutorClient(addr, token=ADMIN_TOKEN) as plaintext:  # TLS only: a plaintext channel fails
+            assert code_of(lambda: plaintext.info(timeout_s=5)) == grpc.StatusCode.UNAVAILABLE
+
+        assert main(["generate", "--addr", addr, "--tls-ca", str(certs.ca), "--token-file", str(token_files / "client"),
+                     "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "5", "--ignore-eos",
+                     "--json"]) == 0
+        assert f'"token_ids": {want}' in capsys.readouterr().out
+        assert main(["report", "--addr", addr, "--tls-ca", str(certs.ca), "--token-file",
+                     str(token_files / "client")]) == 2
+        assert "PERMISSION_DENIED" in capsys.readouterr().err
+    finally:
+        server.stop(0).wait(5)
+
+
+def test_mutual_tls_needs_a_client_certificate(served, certs):
+    _, daemon = served
+    credentials = server_credentials(str(certs.server_cert), str(certs.server_key), str(certs.ca))
+    server, port = start_server(daemon, "127.0.0.1", 0, None, credentials)
+    addr = f"127.0.0.1:{port}"
+    try:
+        with ExecutorClient(addr, tls_ca=str(certs.ca)) as no_cert:
+            assert code_of(lambda: no_cert.info(timeout_s=5)) == grpc.StatusCode.UNAVAILABLE
+        with ExecutorClient(addr, tls_ca=str(certs.ca), tls_cert=str(certs.client_cert),
+                            tls_key=str(certs.client_key)) as with_cert:
+            assert with_cert.info().plan.split_k == 2
+    finally:
+        server.stop(0).wait(5)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("client short\nadmin " + ADMIN_TOKEN, ":1: a token needs at least 16"),
+    ("root " + ADMIN_TOKEN, ":1: expected 'client TOKEN' or 'admin TOKEN'"),
+    ("client " + CLIENT_TOKEN, "no admin token"),
+    (f"admin {ADMIN_TOKEN}\nclient {ADMIN_TOKEN}", ":2: the same token appears twice"),
+])
+def test_token_file_mistakes_are_named(tmp_path, text, message):
+    path = tmp_path / "tokens"
+    path.write_text(text)
+    with pytest.raises(CredentialError, match=message):
+        Tokens.from_file(path)
+
+
+def test_no_listening_beyond_loopback_unprotected(served, tmp_path):
+    model, _ = served
+    run = subprocess.run([sys.executable, "-m", "executor.cli", "serve", "--model", str(model), "--host", "0.0.0.0",
+                          "--port", "0"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "beyond loopback without TLS (--tls-cert, --tls-key) and --tokens" in run.stderr
+    daemon = DaemonProcess(["--model", str(model), "--host", "0.0.0.0", "--insecure"], tmp_path / "daemon.log")
+    try:
+        assert any(e.get("msg") == "listening beyond loopback without protection (--insecure)" for e in daemon.logs())
+    finally:
+        daemon.kill()
