@@ -27,28 +27,16 @@ def _parse_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
 
 
-def _connection_args(parser) -> None:
-    """How a client reaches a daemon that needs TLS or a token."""
-    parser.add_argument("--token-file", metavar="FILE", help="file holding the bearer token (default: $HELM_TOKEN)")
-    parser.add_argument("--tls-ca", metavar="PEM", help="connect over TLS, trusting this CA for the daemon's certificate")
-    parser.add_argument("--tls-cert", metavar="PEM", help="client certificate (mutual TLS, with --tls-key)")
-    parser.add_argument("--tls-key", metavar="PEM", help="client private key (mutual TLS)")
-
-
 def _client(args):
+    from executor.server.auth import ClientAuth
     from executor.server.client import ExecutorClient
-    from executor.server.guard import CredentialError, client_token
 
-    if bool(args.tls_cert) != bool(args.tls_key):
-        raise RequestError("--tls-cert and --tls-key go together")
-    try:
-        token = client_token(args.token_file)
-        return ExecutorClient(args.addr, token=token, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
-    except (CredentialError, OSError) as e:
-        raise RequestError(str(e)) from None
+    return ExecutorClient(args.addr, ClientAuth.from_args(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from executor.server.auth import ClientAuth
+
     parser = argparse.ArgumentParser(prog="helm-executor", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate offline from a checkpoint, or from a daemon with --addr")
@@ -76,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="CPU-stage kernels: helm (Cython SIMD), torch (reference), auto (helm when built)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("-v", "--verbose", action="store_true")
-    _connection_args(gen)
+    ClientAuth.add_args(gen)
 
     srv = sub.add_parser("serve", help="run the gRPC daemon (see protos/helm/executor/v1/executor.proto)")
     srv.add_argument("--plan", help="plan YAML to serve; without it the daemon waits NOT_SERVING for LoadPlan")
@@ -111,14 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("-o", "--output", help="write the report as JSON (schemas/report.schema.json)")
     rep.add_argument("--plan-digest", default="", help="a plan the daemon served before (default: the current)")
     rep.add_argument("-v", "--verbose", action="store_true")
-    _connection_args(rep)
+    ClientAuth.add_args(rep)
 
     inf = sub.add_parser("info", help="what a running daemon serves (JSON): model, plan, stages, KV pages, queue")
     inf.add_argument("--addr", required=True, help="HOST:PORT of the daemon")
     inf.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                      help="first wait up to this long for the daemon to be SERVING (health check)")
     inf.add_argument("-v", "--verbose", action="store_true")
-    _connection_args(inf)
+    ClientAuth.add_args(inf)
     return parser
 
 

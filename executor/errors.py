@@ -48,3 +48,7 @@ class ShuttingDownError(HelmError):
 
 class RequestFailedError(HelmError):
     """A request failed while it ran; the other requests carry on."""
+
+
+class CredentialError(HelmError, ValueError):
+    """A token file, certificate or key that is missing, unreadable or malformed."""

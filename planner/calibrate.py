@@ -86,14 +86,15 @@ def _rpc_error(addr: str, what: str, e) -> PlanError:
     return PlanError(f"the executor daemon at {addr} refused {what}: {code.name}: {' '.join(details.split())}")
 
 
-def fetch_report(addr: str, plan: Plan, timeout_s: float = 30.0):
-    """The live report of `plan` from the daemon at `addr` (GetReport with the plan's digest)."""
+def fetch_report(addr: str, plan: Plan, timeout_s: float = 30.0, auth=None):
+    """The live report of `plan` from the daemon at `addr` (GetReport with the plan's digest;
+    `auth`: an executor.server.auth.ClientAuth for a daemon with TLS or tokens)."""
     import grpc
 
     from executor.server.client import ExecutorClient
 
     check_addr(addr)
-    with ExecutorClient(addr) as client:
+    with ExecutorClient(addr, auth) as client:
         try:
             return client.report(plan_digest=plan.digest, timeout_s=timeout_s)
         except grpc.RpcError as e:
@@ -104,14 +105,14 @@ def fetch_report(addr: str, plan: Plan, timeout_s: float = 30.0):
             raise _rpc_error(addr, "GetReport", e) from None
 
 
-def apply_plan(addr: str, plan: Plan, timeout_s: float = 600.0) -> str:
+def apply_plan(addr: str, plan: Plan, timeout_s: float = 600.0, auth=None) -> str:
     """LoadPlan the plan (inline YAML) into the daemon at `addr` and confirm it serves it.
     Returns a one-line confirmation."""
     import grpc
 
     from executor.server.client import ExecutorClient
 
-    with ExecutorClient(addr) as client:
+    with ExecutorClient(addr, auth) as client:
         try:
             loaded = client.load_plan(yaml=plan.to_yaml(), timeout_s=timeout_s)
             serving = client.get_plan(timeout_s=30.0)

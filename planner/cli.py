@@ -70,6 +70,8 @@ def _float_arg(text: str) -> float:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from executor.server.auth import ClientAuth  # the daemon's client flags (grpc only, no torch)
+
     p = argparse.ArgumentParser(prog="helm-plan", description="HELM planner: CPU/GPU split plans for LLM decode.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -132,6 +134,8 @@ def _parser() -> argparse.ArgumentParser:
     rc.add_argument("--min-samples", type=_int_arg("--min-samples", 1), default=None,
                     help="decode steps every stage needs (default 20)")
     rc.add_argument("--timeout", type=_float_arg, default=30.0, help="seconds to wait for the daemon's report")
+    ClientAuth.add_args(rc.add_argument_group("daemon credentials", "with --executor, for a daemon with TLS or --tokens "
+                                              "(GetReport and --apply need an admin token)"))
 
     tr = sub.add_parser("trace", help="trace MODEL and print its partition units (no machine needed)")
     tr.add_argument("model", metavar="MODEL")
@@ -264,6 +268,8 @@ def cmd_trace(args) -> int:
 
 def cmd_recalibrate(args) -> int:
     """Everything is read, checked and fitted before anything is written: bad input writes nothing."""
+    from executor.errors import CredentialError
+    from executor.server.auth import ClientAuth
     from planner.calibrate import (MIN_STAGE_SAMPLES, apply_plan, check_addr, fetch_report, format_table,
                                    read_report, recalibrate)
     from planner.plan import load_plan
@@ -276,11 +282,16 @@ def cmd_recalibrate(args) -> int:
     if out.exists() and out.resolve() == Path(args.plan).resolve():
         raise PlanError(f"-o {args.output} is PLAN itself: write the next version to a new file (the parent stays "
                         "as the executor measured it)")
+    auth = None
     if args.executor:
         check_addr(args.executor)
+        try:
+            auth = ClientAuth.from_args(args)
+        except CredentialError as e:
+            raise PlanError(str(e)) from None
     plan = load_plan(args.plan)
     if args.executor:
-        report, source, label = fetch_report(args.executor, plan, args.timeout), f"daemon {args.executor}", \
+        report, source, label = fetch_report(args.executor, plan, args.timeout, auth), f"daemon {args.executor}", \
             f"the report of the daemon at {args.executor}"
     else:
         report, source, label = read_report(args.report), f"report {args.report}", f"report {args.report}"
@@ -300,7 +311,7 @@ def cmd_recalibrate(args) -> int:
           f"{plan.digest[:19]}…")
     if args.apply:
         try:
-            print(apply_plan(args.executor, result.plan))
+            print(apply_plan(args.executor, result.plan, auth=auth))
         except PlanError as e:
             raise PlanError(f"{e} (the new plan is written to {args.output}; it was not applied)") from None
     return EXIT_OK

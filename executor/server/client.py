@@ -4,6 +4,7 @@ results convert to domain types with their `from_pb`."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -11,54 +12,30 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from executor.pb import executor_pb2 as pb
 from executor.pb import executor_pb2_grpc as pb_grpc
 from executor.report import Report
+from executor.server.auth import BearerToken, ClientAuth
 from executor.server.messages import GenerateSpec
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
-class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """Adds `authorization: Bearer TOKEN` to every call (works on plaintext loopback channels too,
-    where gRPC refuses call credentials)."""
-
-    def __init__(self, token: str):
-        self._metadata = (("authorization", f"Bearer {token}"),)
-
-    def _with_token(self, details):
-        return _CallDetails(details, self._metadata)
-
-    def intercept_unary_unary(self, continuation, details, request):
-        return continuation(self._with_token(details), request)
-
-    def intercept_unary_stream(self, continuation, details, request):
-        return continuation(self._with_token(details), request)
-
-
-class _CallDetails(grpc.ClientCallDetails):
-    def __init__(self, details, extra):
-        self.method, self.timeout, self.credentials = details.method, details.timeout, details.credentials
-        self.wait_for_ready, self.compression = details.wait_for_ready, details.compression
-        self.metadata = tuple(details.metadata or ()) + extra
-
-
 class ExecutorClient:
-    """A channel to the daemon: plaintext, or TLS with `tls_ca` (the CA that signed the daemon's
-    certificate; `tls_cert` + `tls_key` for mutual TLS); `token` is sent with every call."""
+    """A channel to the daemon: plaintext, or TLS when `auth` names a CA or a client certificate;
+    the token, if any, goes with every call."""
 
-    def __init__(self, addr: str, token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None, server_name: str | None = None):
+    def __init__(self, addr: str, auth: ClientAuth | None = None):
         self.addr = addr
-        if tls_ca or tls_cert:
+        auth = auth or ClientAuth()
+        if auth.tls_ca or auth.tls_cert:
             def read(path):
-                return open(path, "rb").read() if path else None
+                return Path(path).read_bytes() if path else None
 
-            creds = grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
-            options = (("grpc.ssl_target_name_override", server_name),) if server_name else ()
-            channel = grpc.secure_channel(addr, creds, options=options)
+            creds = grpc.ssl_channel_credentials(read(auth.tls_ca), read(auth.tls_key), read(auth.tls_cert))
+            channel = grpc.secure_channel(addr, creds)
         else:
             channel = grpc.insecure_channel(addr)
         self.channel = channel
-        if token:
-            channel = grpc.intercept_channel(channel, _BearerToken(token))
+        if auth.token:
+            channel = grpc.intercept_channel(channel, BearerToken(auth.token))
         self.stub = pb_grpc.ExecutorServiceStub(channel)
         self.health = health_pb2_grpc.HealthStub(channel)
 

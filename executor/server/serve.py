@@ -112,7 +112,7 @@ def start_server(daemon, host: str, port: int, tokens=None, credentials=None, st
 def security_of(args):
     """(tokens, TLS credentials) from the serve flags; refuses (ValueError) to expose a daemon
     without both beyond loopback unless --insecure says so."""
-    from executor.server.guard import Tokens, is_loopback, server_credentials
+    from executor.server.auth import Tokens, is_loopback, server_credentials
 
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ValueError("--tls-cert and --tls-key go together")

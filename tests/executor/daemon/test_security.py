@@ -12,9 +12,10 @@ from grpc_health.v1 import health_pb2
 
 from executor.cli import main
 from executor.pb import executor_pb2 as pb
+from executor.server.auth import ClientAuth, Tokens, server_credentials
 from executor.server.client import ExecutorClient
 from executor.server.daemon import Daemon
-from executor.server.guard import CredentialError, Tokens, server_credentials
+from executor.errors import CredentialError
 from executor.server.messages import PlanSource
 from executor.server.serve import start_server
 from tests.executor.daemon.certs import make_certs
@@ -70,24 +71,24 @@ def test_roles_over_tls(served, certs, token_files, capsys):
     addr = f"127.0.0.1:{port}"
     want = helm_generate(model, [PROMPT], split=2, max_new_tokens=5, page_size=16)[0][0]
     try:
-        with ExecutorClient(addr, tls_ca=str(certs.ca)) as anonymous:
+        with ExecutorClient(addr, ClientAuth(tls_ca=str(certs.ca))) as anonymous:
             assert anonymous.health_status() == health_pb2.HealthCheckResponse.SERVING  # probes need no token
             assert code_of(lambda: collect(anonymous.stub.Generate(request(), timeout=30))) \
                 == grpc.StatusCode.UNAUTHENTICATED
             assert code_of(lambda: anonymous.load_plan(path="plan.yaml")) == grpc.StatusCode.UNAUTHENTICATED
             assert code_of(lambda: anonymous.info()) == grpc.StatusCode.UNAUTHENTICATED
-        with ExecutorClient(addr, token="x" * 32, tls_ca=str(certs.ca)) as stranger:
+        with ExecutorClient(addr, ClientAuth(token="x" * 32, tls_ca=str(certs.ca))) as stranger:
             assert code_of(lambda: stranger.info()) == grpc.StatusCode.UNAUTHENTICATED
-        with ExecutorClient(addr, token=CLIENT_TOKEN, tls_ca=str(certs.ca)) as client:
+        with ExecutorClient(addr, ClientAuth(token=CLIENT_TOKEN, tls_ca=str(certs.ca))) as client:
             ids, _, _ = collect(client.stub.Generate(request(), timeout=30))
             assert ids == want and client.info().plan.split_k == 2
             for admin_only in (lambda: client.load_plan(path="plan.yaml"), lambda: client.report(),
                                lambda: client.get_plan()):
                 assert code_of(admin_only) == grpc.StatusCode.PERMISSION_DENIED
-        with ExecutorClient(addr, token=ADMIN_TOKEN, tls_ca=str(certs.ca)) as admin:
+        with ExecutorClient(addr, ClientAuth(token=ADMIN_TOKEN, tls_ca=str(certs.ca))) as admin:
             assert admin.report().steps > 0 and admin.get_plan().plan.split_k == 2
             assert admin.load_plan(path="plan.yaml").plan.split_k == 2
-        with ExecutorClient(addr, token=ADMIN_TOKEN) as plaintext:  # TLS only: a plaintext channel fails
+        with ExecutorClient(addr, ClientAuth(token=ADMIN_TOKEN)) as plaintext:  # TLS only: a plaintext channel fails
             assert code_of(lambda: plaintext.info(timeout_s=5)) == grpc.StatusCode.UNAVAILABLE
 
         assert main(["generate", "--addr", addr, "--tls-ca", str(certs.ca), "--token-file", str(token_files / "client"),
@@ -107,10 +108,10 @@ def test_mutual_tls_needs_a_client_certificate(served, certs):
     server, port = start_server(daemon, "127.0.0.1", 0, None, credentials)
     addr = f"127.0.0.1:{port}"
     try:
-        with ExecutorClient(addr, tls_ca=str(certs.ca)) as no_cert:
+        with ExecutorClient(addr, ClientAuth(tls_ca=str(certs.ca))) as no_cert:
             assert code_of(lambda: no_cert.info(timeout_s=5)) == grpc.StatusCode.UNAVAILABLE
-        with ExecutorClient(addr, tls_ca=str(certs.ca), tls_cert=str(certs.client_cert),
-                            tls_key=str(certs.client_key)) as with_cert:
+        with ExecutorClient(addr, ClientAuth(tls_ca=str(certs.ca), tls_cert=str(certs.client_cert),
+                                             tls_key=str(certs.client_key))) as with_cert:
             assert with_cert.info().plan.split_k == 2
     finally:
         server.stop(0).wait(5)

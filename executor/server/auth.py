@@ -1,0 +1,159 @@
+"""Credentials, both sides: the daemon's bearer tokens and roles, its TLS credentials and the
+loopback rule; a client's token, CA and certificate (`ClientAuth`, the flags every client
+command takes). Light on purpose (grpc, no torch): `helm-plan recalibrate` uses it too."""
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from executor.errors import CredentialError
+
+log = logging.getLogger("helm.auth")
+
+CLIENT, ADMIN = "client", "admin"
+RANK = {CLIENT: 1, ADMIN: 2}
+MIN_TOKEN_CHARS = 16
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Bearer tokens and their roles, from a file of `ROLE TOKEN` lines (`#` comments; several
+    tokens per role, so one can be rotated while the other still works)."""
+    by_role: tuple[tuple[str, str], ...]  # (token, role)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "Tokens":
+        path = Path(path)
+        try:
+            info = path.stat()
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise CredentialError(f"cannot read the token file {path}: {getattr(e, 'strerror', None) or e}") from None
+        if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            log.warning("the token file is readable by other users: chmod 600 it",
+                        extra={"fields": {"path": str(path)}})
+        pairs = []
+        for n, line in enumerate(text.splitlines(), 1):
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            parts = line.split()
+            if len(parts) != 2 or parts[0] not in RANK:
+                raise CredentialError(f"{path}:{n}: expected 'client TOKEN' or 'admin TOKEN'")
+            if len(parts[1]) < MIN_TOKEN_CHARS:
+                raise CredentialError(f"{path}:{n}: a token needs at least {MIN_TOKEN_CHARS} characters "
+                                     "(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
+            if any(parts[1] == t for t, _ in pairs):
+                raise CredentialError(f"{path}:{n}: the same token appears twice")
+            pairs.append((parts[1], parts[0]))
+        if not any(role == ADMIN for _, role in pairs):
+            raise CredentialError(f"{path}: no admin token (LoadPlan and reports would be unreachable)")
+        return cls(tuple(pairs))
+
+    def role_of(self, token: str | None) -> str | None:
+        if not token:
+            return None
+        found = None
+        for known, role in self.by_role:  # compare with every token, in constant time each
+            if hmac.compare_digest(known.encode(), token.encode()):
+                found = role
+        return found
+
+
+def bearer_token(metadata) -> str | None:
+    for key, value in metadata or ():
+        if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
+            return value[len("Bearer "):].strip()
+    return None
+
+
+
+def is_loopback(host: str) -> bool:
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve anywhere
+
+
+def server_credentials(cert: str, key: str, client_ca: str | None):
+    """TLS credentials; with `client_ca`, clients must present a certificate it signed (mutual TLS)."""
+    def read(path: str, what: str) -> bytes:
+        try:
+            return Path(path).read_bytes()
+        except OSError as e:
+            raise CredentialError(f"cannot read the {what} {path}: {e.strerror}") from None
+
+    root = read(client_ca, "client CA certificate") if client_ca else None
+    return grpc.ssl_server_credentials([(read(key, "TLS key"), read(cert, "TLS certificate"))],
+                                       root_certificates=root, require_client_auth=root is not None)
+
+
+class BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds `authorization: Bearer TOKEN` to every call (works on plaintext loopback channels too,
+    where gRPC refuses call credentials)."""
+
+    def __init__(self, token: str):
+        self._metadata = (("authorization", f"Bearer {token}"),)
+
+    def _with_token(self, details):
+        return _CallDetails(details, self._metadata)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+
+class _CallDetails(grpc.ClientCallDetails):
+    def __init__(self, details, extra):
+        self.method, self.timeout, self.credentials = details.method, details.timeout, details.credentials
+        self.wait_for_ready, self.compression = details.wait_for_ready, details.compression
+        self.metadata = tuple(details.metadata or ()) + extra
+
+
+@dataclass(frozen=True)
+class ClientAuth:
+    """How a client proves itself to a daemon started with TLS or --tokens: the CA that signed the
+    daemon's certificate (TLS), a client certificate and key (mutual TLS), a bearer token."""
+    token: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    @staticmethod
+    def add_args(parser) -> None:
+        parser.add_argument("--token-file", metavar="FILE", help="file holding the bearer token (default: $HELM_TOKEN)")
+        parser.add_argument("--tls-ca", metavar="PEM", help="connect over TLS, trusting this CA for the daemon")
+        parser.add_argument("--tls-cert", metavar="PEM", help="client certificate (mutual TLS, with --tls-key)")
+        parser.add_argument("--tls-key", metavar="PEM", help="client private key (mutual TLS)")
+
+    @classmethod
+    def from_args(cls, args) -> "ClientAuth":
+        """From the flags of `add_args`; CredentialError when they are inconsistent or unreadable."""
+        if bool(args.tls_cert) != bool(args.tls_key):
+            raise CredentialError("--tls-cert and --tls-key go together")
+        if args.token_file:
+            try:
+                token = Path(args.token_file).read_text().strip()
+            except (OSError, UnicodeDecodeError) as e:
+                raise CredentialError(f"cannot read the token file {args.token_file}: "
+                                      f"{getattr(e, 'strerror', None) or e}") from None
+            if not token or len(token.split()) != 1:
+                raise CredentialError(f"the token file {args.token_file} must hold one token")
+        else:
+            token = os.environ.get("HELM_TOKEN") or None
+        for flag in ("tls_ca", "tls_cert", "tls_key"):
+            path = getattr(args, flag)
+            if path and not Path(path).is_file():
+                raise CredentialError(f"--{flag.replace('_', '-')} {path}: no such file")
+        return cls(token, args.tls_ca, args.tls_cert, args.tls_key)
