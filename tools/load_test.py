@@ -90,6 +90,8 @@ def run_level(client, pb, clients: int, per_client: int, prompt_tokens: int, new
 
 
 def main(argv: list[str] | None = None) -> int:
+    from executor.server.auth import ClientAuth
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--addr", default="127.0.0.1:50051", help="HOST:PORT of the daemon")
     parser.add_argument("--clients", default="1,4,16", help="concurrency levels, comma-separated")
@@ -99,13 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800.0, help="deadline per request, seconds")
     parser.add_argument("--json", help="also write the results as JSON here")
+    ClientAuth.add_args(parser)
     args = parser.parse_args(argv)
 
     from executor.pb import executor_pb2 as pb
     from executor.server.client import ExecutorClient
 
     levels = [int(c) for c in args.clients.split(",")]
-    with ExecutorClient(args.addr) as client:
+    with ExecutorClient(args.addr, ClientAuth.from_args(args)) as client:
         client.wait_serving(timeout_s=60)
         info = client.info()
         vocab = info.model.vocab_size

@@ -2,7 +2,8 @@
 
 It only converts: protobuf in → domain objects → `Daemon` → domain objects → protobuf out, and
 maps the daemon's errors to status codes (`status_for`). Any other exception becomes INTERNAL
-with its message, so a request never crashes the daemon or leaves a stream hanging.
+with its message, so a request never crashes the daemon or leaves a stream hanging. Generate
+streams are watched for clients that stopped reading (`StallWatch`) and counted in the metrics.
 """
 from __future__ import annotations
 
@@ -65,14 +66,9 @@ def _unary(method):
     return wrapper
 
 
-def _streaming(method):
-    @functools.wraps(method)
-    def wrapper(self, request, context):
-        try:
-            yield from method(self, request, context)
-        except Exception as e:  # noqa: BLE001
-            _abort(context, method.__name__, e)
-    return wrapper
+def _past_deadline(context) -> bool:
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= 0
 
 
 class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
@@ -94,7 +90,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                 yield message
         except GeneratorExit:  # gRPC stopped pulling: the client left or was cut off
             if self.metrics and outcome == "error":
-                self.metrics.request_ended("cancelled", "CANCELLED")
+                self.metrics.request_ended("cancelled", "DEADLINE_EXCEEDED" if _past_deadline(context) else "CANCELLED")
             raise
         except Exception as e:  # noqa: BLE001 — every failure becomes a status
             if self.metrics:
@@ -109,7 +105,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         def on_end():  # the RPC is over: a no-op if the request ended; else the client went away
             if sending.cut_off:
                 why = "stalled"
-            elif (context.time_remaining() or 1.0) <= 0:
+            elif _past_deadline(context):
                 why = "deadline exceeded"
             else:
                 why = "client cancelled or disconnected"

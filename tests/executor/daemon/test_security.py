@@ -140,3 +140,23 @@ def test_no_listening_beyond_loopback_unprotected(served, tmp_path):
         assert any(e.get("msg") == "listening beyond loopback without protection (--insecure)" for e in daemon.logs())
     finally:
         daemon.kill()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--tls-cert", "c.pem"], "--tls-cert and --tls-key go together"),
+    (["--tls-ca", "no/such/ca.pem"], "--tls-ca no/such/ca.pem: no such file"),
+    (["--token-file", "no/such/token"], "cannot read the token file no/such/token"),
+    (["--token-file", "{two}"], "must hold one token"),
+])
+def test_client_credential_mistakes_are_one_line_errors(tmp_path, capsys, flags, message):
+    two = tmp_path / "two"
+    two.write_text("one two\n")
+    flags = [f.replace("{two}", str(two)) for f in flags]
+    assert main(["info", "--addr", "127.0.0.1:1", *flags]) == 2
+    assert message in capsys.readouterr().err
+    from planner import cli as plan_cli
+
+    plan = REPO / "plans" / "qwen3-8b.laptop-rtx4060.yaml"
+    assert plan_cli.main(["recalibrate", str(plan), "--executor", "127.0.0.1:1", "-o", str(tmp_path / "new.yaml"),
+                          *flags]) != 0
+    assert message in capsys.readouterr().err and not (tmp_path / "new.yaml").exists()
