@@ -8,10 +8,11 @@ bounded number of open Generate streams.
   balancers' probes send no credentials.
 - **Undecodable requests** (random bytes, a string field that is not UTF-8) are INVALID_ARGUMENT,
   not gRPC's INTERNAL "Exception deserializing request!" with an error-level traceback.
-- **Two lanes.** Generate streams hold a thread each for as long as they send, so they get their
-  own bounded lane (`generate_streams`); the pool has `CONTROL_THREADS` more, so Info, health and
-  LoadPlan answer while generation is saturated, and a Generate beyond the lane is refused at
-  once (RESOURCE_EXHAUSTED) instead of queueing behind the streams.
+- **Lanes.** A stream holds a thread for as long as it is open, so streams get bounded lanes:
+  Generate its own (`generate_streams`), health Watch and reflection another (`WATCH_STREAMS`,
+  open to anyone, so it must not take the pool); the pool has `CONTROL_THREADS` more, so Info,
+  health Check and LoadPlan answer while the lanes are full, and a stream beyond its lane is
+  refused at once (RESOURCE_EXHAUSTED) instead of queueing behind the others.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from executor.server.auth import ADMIN, CLIENT, RANK, Tokens, bearer_token
 
 log = logging.getLogger("helm.guard")
 
-CONTROL_THREADS = 8  # threads beyond the Generate lane, for every other call
+CONTROL_THREADS = 8  # threads beyond the lanes, for unary calls (Info, LoadPlan, health Check...)
+WATCH_STREAMS = 8  # streams other than Generate (health Watch, reflection): each holds a thread
 
 _SERVICE = "/helm.executor.v1.ExecutorService/"
 GENERATE = _SERVICE + "Generate"
@@ -46,11 +48,27 @@ class _Undecodable:
 _UNDECODABLE = _Undecodable()
 
 
+class _Lane:
+    """At most `size` calls of a kind at once; one more is refused at once (RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, size: int, what: str):
+        self.size, self.what = size, what
+        self._slots = threading.BoundedSemaphore(size)
+
+    def enter(self, context) -> None:
+        if not self._slots.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{self.size} {self.what} are open, the most this daemon serves at once; retry later")
+
+    def leave(self) -> None:
+        self._slots.release()
+
+
 class RpcGuard(grpc.ServerInterceptor):
     def __init__(self, tokens: Tokens | None, generate_streams: int):
         self.tokens = tokens
-        self.generate_streams = generate_streams
-        self._generate_lane = threading.BoundedSemaphore(generate_streams)
+        self.generate = _Lane(generate_streams, "Generate streams")
+        self.watches = _Lane(WATCH_STREAMS, "other streams (health Watch, reflection)")
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
@@ -69,10 +87,25 @@ class RpcGuard(grpc.ServerInterceptor):
         return self._checked(handler, method)
 
     def _checked(self, handler, method: str):
+        """`handler` with safe decoding, and in a lane when it streams (a stream holds a thread)."""
+        lane = self.generate if method == GENERATE else self.watches
+
         if handler.request_streaming:  # reflection: its messages are decoded one by one, as they come
-            return handler
+            if handler.stream_stream is None:
+                return handler  # client streaming: none in our services
+            duplex = handler.stream_stream
+
+            def laned(requests, context):
+                lane.enter(context)
+                try:
+                    yield from duplex(requests, context)
+                finally:
+                    lane.leave()
+
+            return grpc.stream_stream_rpc_method_handler(laned, handler.request_deserializer,
+                                                         handler.response_serializer)
+
         decode = handler.request_deserializer
-        lane = self._generate_lane if method == GENERATE else None
 
         def safe_decode(data: bytes):
             try:
@@ -102,15 +135,11 @@ class RpcGuard(grpc.ServerInterceptor):
         def stream(request, context):
             if request is _UNDECODABLE:
                 refuse_undecodable(context)
-            if lane is not None and not lane.acquire(blocking=False):
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"{self.generate_streams} Generate streams are open, the most this daemon sends at "
-                              "once; retry later")
+            lane.enter(context)
             try:
                 yield from inner(request, context)
             finally:
-                if lane is not None:
-                    lane.release()
+                lane.leave()
 
         return grpc.unary_stream_rpc_method_handler(stream, safe_decode, handler.response_serializer)
 

@@ -69,14 +69,14 @@ def start_server(daemon, host: str, port: int, tokens=None, credentials=None, st
     from grpc_reflection.v1alpha import reflection
 
     from executor.pb import executor_pb2_grpc as pb_grpc
-    from executor.server.guard import CONTROL_THREADS, RpcGuard
+    from executor.server.guard import CONTROL_THREADS, WATCH_STREAMS, RpcGuard
     from executor.server.service import SERVICE_NAME, ExecutorServicer
     from planner.yamlio import MAX_FILE_BYTES
 
     # Twice the admission slots: a stream whose client stopped reading keeps its thread (not its
     # slot) until the stall timeout cuts it off, and must not starve the streams being admitted.
     generate_streams = 2 * (daemon.max_batch + daemon.max_queue)
-    threads = generate_streams + CONTROL_THREADS
+    threads = generate_streams + WATCH_STREAMS + CONTROL_THREADS
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rpc"),
         interceptors=(RpcGuard(tokens, generate_streams),),

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from executor.pb import executor_pb2 as pb
 from executor.pb import executor_pb2_grpc as pb_grpc
 from executor.server.client import ExecutorClient
+from executor.server.guard import WATCH_STREAMS
 from tests.executor.daemon.helpers import DaemonProcess, collect, wait_until, write_plan
 from tests.planner.test_yamlio import SECRET, alias_bomb
 
@@ -24,11 +25,6 @@ SLOTS = 4  # --max-batch 1 + --max-queue 3
 GENERATE = "/helm.executor.v1.ExecutorService/Generate"
 # A client whose receive window is 1 KiB: once it stops reading, the daemon's sends block.
 SMALL_WINDOW = (("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0))
-
-
-@pytest.fixture(scope="module")
-def model(checkpoint):
-    return checkpoint("qwen3", "fp32")
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +129,28 @@ def test_control_calls_answer_during_a_generate_flood(daemon, client, plan_dir):
         for t in threads:
             t.join(60)
     assert set(refused) == {grpc.StatusCode.RESOURCE_EXHAUSTED} and slowest < 5
+
+
+def test_watch_streams_cannot_take_the_pool(daemon, client):
+    """Health Watch is open to anyone and holds a thread while open: its lane is bounded."""
+    from grpc_health.v1 import health_pb2
+
+    watches = [client.health.Watch(health_pb2.HealthCheckRequest(), timeout=60) for _ in range(WATCH_STREAMS + 4)]
+    try:
+        refused = 0
+        for w in watches:
+            try:
+                assert next(w).status == health_pb2.HealthCheckResponse.SERVING
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                refused += 1
+        assert refused == 4
+        assert client.info(timeout_s=5).state == pb.SERVING_STATE_SERVING  # control calls still answer
+        ids, _, _ = collect(client.stub.Generate(request(3), timeout=30))
+        assert len(ids) == 3
+    finally:
+        for w in watches:
+            w.cancel()
 
 
 def test_hostile_plans_fail_fast_with_bounded_memory_and_no_echo(daemon, client, tmp_path):

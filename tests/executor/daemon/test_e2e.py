@@ -25,11 +25,6 @@ SERVICE = "helm.executor.v1.ExecutorService"
 
 
 @pytest.fixture(scope="module")
-def model(checkpoint):
-    return checkpoint("qwen3", "fp32")
-
-
-@pytest.fixture(scope="module")
 def plans(model, tmp_path_factory):
     d = tmp_path_factory.mktemp("plans")
     return {k: write_plan(model, k, d / f"split{k}.yaml") for k in (2, 4)}

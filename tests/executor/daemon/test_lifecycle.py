@@ -19,11 +19,6 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 @pytest.fixture(scope="module")
-def model(checkpoint):
-    return checkpoint("qwen3", "fp32")
-
-
-@pytest.fixture(scope="module")
 def plan(model, tmp_path_factory):
     return write_plan(model, 2, tmp_path_factory.mktemp("plans") / "split2.yaml")
 

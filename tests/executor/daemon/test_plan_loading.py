@@ -21,11 +21,6 @@ from tests.executor.helpers import helm_generate
 SECRET = "CANARY-51c2"
 
 
-@pytest.fixture(scope="module")
-def model(checkpoint):
-    return checkpoint("qwen3", "fp32")
-
-
 @pytest.fixture
 def plan_dir(model, tmp_path):
     d = tmp_path / "plans"
