@@ -67,6 +67,8 @@ class Daemon:
         self.max_batch, self.max_queue, self.backend = max_batch, max_queue, backend
         self.threads = threads  # CPU-stage threads for every plan; None: each plan's profiled cores
         self.plan_dir = Path(plan_dir) if plan_dir is not None else None  # LoadPlan paths; None: inline only
+        if self.plan_dir is not None and not self.plan_dir.is_dir():
+            raise ValueError(f"--plan-dir {plan_dir}: not a directory")
         self.context_tokens = self.config.max_position_embeddings
         self.state = "loading"  # loading | serving | draining
         self.on_state_change = lambda state: None  # health checking hooks in here

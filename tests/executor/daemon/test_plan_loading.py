@@ -70,6 +70,8 @@ def test_without_a_plans_directory_paths_are_off(model, plan_dir):
     daemon = Daemon(model)
     with pytest.raises(PlanNotFoundError, match="without --plan-dir"):
         daemon.load_plan(PlanSource(path=str(plan_dir / "good.yaml")))
+    with pytest.raises(ValueError, match="not a directory"):
+        Daemon(model, plan_dir=plan_dir / "good.yaml")
 
 
 def test_oversized_pages_are_refused_or_bounded_and_the_old_plan_serves(model, plan_dir):
