@@ -18,22 +18,23 @@ log = logging.getLogger(__name__)
 _DTYPE_NAMES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16", "torch.float32": "float32"}
 
 
-def load_checked_plan(plan_path_or_text, model_dir: str | Path, config: ModelConfig):
-    """The plan, schema-validated and checked against the checkpoint's config.json and dtype."""
-    from planner.plan import PlanError, config_digest, load_plan
+def load_checked_plan(plan_path_or_text, model_dir: str | Path, config: ModelConfig, text: str | None = None):
+    """The plan, schema-validated and checked against the checkpoint's config.json and dtype.
+    With `text`, the plan is that YAML text and nothing is read from disk (whatever it says)."""
+    from planner.plan import PlanError, config_digest, load_plan, parse_plan
 
     try:
-        plan = load_plan(plan_path_or_text)
+        plan = parse_plan(text, plan_path_or_text) if text is not None else load_plan(plan_path_or_text)
     except PlanError as e:
         raise PlacementError(f"invalid plan: {e}") from None
     except OSError as e:
         raise PlacementError(f"cannot read plan {plan_path_or_text}: {e}") from None
     digest = config_digest(Path(model_dir) / "config.json")
     if plan.model.config_digest != digest:
-        raise PlacementError(
-            f"the plan was made for another model ({plan.model.architecture}, config {plan.model.config_digest[:19]}…, "
-            f"from {plan.model.source}); the checkpoint in {model_dir} has config {digest[:19]}…: "
-            f"make a plan for it with `helm-plan plan {model_dir}`"
+        raise PlacementError(  # strings from the plan are cut short: it may come from the network
+            f"the plan was made for another model ({plan.model.architecture[:80]}, config "
+            f"{plan.model.config_digest[:19]}…, from {plan.model.source[:200]}); the checkpoint in {model_dir} has "
+            f"config {digest[:19]}…: make a plan for it with `helm-plan plan {model_dir}`"
         )
     weights_dtype = _DTYPE_NAMES[str(config.dtype)]
     if plan.model.dtype != weights_dtype:

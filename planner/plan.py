@@ -305,6 +305,13 @@ def plan_from_dict(data: dict, what: str = "plan", verify_digest: bool = True) -
     return plan
 
 
+def parse_plan(text: str, label: str = "plan") -> Plan:
+    """A plan from its YAML text (never read as a path, whatever the text is)."""
+    from planner.yamlio import parse_yaml
+
+    return plan_from_dict(parse_yaml(text, label), label)
+
+
 def load_plan(path_or_text: str | Path, verify_digest: bool = True) -> Plan:
     """Read, schema-validate and digest-check a plan (a path or YAML text). PlanError when bad."""
     from planner.yamlio import read_yaml

@@ -30,7 +30,8 @@ class _FlowList(list):
     pass
 
 
-MAX_FILE_BYTES = 4 << 20  # the largest plan in plans/ is under 40 KB
+MAX_FILE_BYTES = 1 << 20  # the largest plan in plans/ is under 40 KB
+MAX_YAML_NODES = 20_000  # the largest checked-in plan has ~3,200; composing is pure Python
 
 
 class _Dumper(yaml.SafeDumper):
@@ -118,6 +119,9 @@ class _SafeLoader(yaml.SafeLoader):
         if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
             raise yaml.composer.ComposerError(None, None, "anchors and aliases (&name, *name) are not allowed",
                                               event.start_mark)
+        self._nodes = getattr(self, "_nodes", 0) + 1
+        if self._nodes > MAX_YAML_NODES:
+            raise yaml.composer.ComposerError(None, None, f"more than {MAX_YAML_NODES} values", event.start_mark)
         return super().compose_node(parent, index)
 
 

@@ -92,7 +92,7 @@ class Daemon:
             if self.state == "draining":
                 raise ShuttingDownError("the daemon is shutting down; not loading a plan")
             t0 = time.perf_counter()
-            plan = load_checked_plan(self._plan_text(source), self.model_dir, self.config)
+            plan = load_checked_plan("plan", self.model_dir, self.config, text=self._plan_text(source))
             placement = placement_for(plan, self.config, cpu_threads=self.threads)
             try:
                 model = load_model(self.model_dir, placement, self.config, backend=self.backend)
@@ -146,7 +146,7 @@ class Daemon:
         if source.yaml is not None:
             if len(source.yaml.encode("utf-8")) > MAX_FILE_BYTES:
                 raise RequestError(f"the plan's YAML is more than the limit of {MAX_FILE_BYTES} bytes")
-            return source.yaml if source.yaml.endswith("\n") else source.yaml + "\n"  # text, not a path
+            return source.yaml
         if self.plan_dir is None:
             raise PlanNotFoundError("LoadPlan by path is off: the daemon was started without --plan-dir; "
                                     "send the plan's YAML instead")
@@ -227,7 +227,7 @@ class Daemon:
             return spec.prompt_ids
         if self.tokenizer is None:
             raise RequestError("this model has no tokenizer.json: send token_ids instead of text")
-        limit = self.context_tokens * MAX_PROMPT_BYTES_PER_TOKEN
+        limit = self.max_prompt_bytes
         if len(spec.prompt_text) > limit or len(spec.prompt_text.encode("utf-8")) > limit:  # before tokenizing
             raise RequestError(f"the prompt text is more than {limit} bytes ({MAX_PROMPT_BYTES_PER_TOKEN} per token "
                                f"of the {self.context_tokens}-token context)")
@@ -246,6 +246,10 @@ class Daemon:
                 self._lock.notify_all()
 
     # -- inspection -----------------------------------------------------------------------
+    @property
+    def max_prompt_bytes(self) -> int:
+        return self.context_tokens * MAX_PROMPT_BYTES_PER_TOKEN
+
     @property
     def in_flight(self) -> int:
         """Requests holding an admission slot (at most max_batch + max_queue)."""

@@ -46,7 +46,7 @@ def read_startup_plan(plan_path: str) -> tuple[str, Path]:
     """(YAML text, checkpoint directory) of the plan given on the command line: the operator's
     own file, so it is read from anywhere (within the size limit), unlike LoadPlan's paths."""
     from executor.errors import PlacementError, PlanNotFoundError
-    from planner.plan import PlanError, load_plan
+    from planner.plan import PlanError, parse_plan
     from planner.yamlio import read_text_file
 
     try:
@@ -54,7 +54,7 @@ def read_startup_plan(plan_path: str) -> tuple[str, Path]:
     except PlanError as e:
         raise PlanNotFoundError(str(e)) from None
     try:
-        source = Path(load_plan(text if text.endswith("\n") else text + "\n").model.source)
+        source = Path(parse_plan(text, f"plan {plan_path}").model.source)
     except PlanError as e:
         raise PlacementError(f"invalid plan {plan_path}: {e}") from None
     return text, source.parent if source.suffix == ".json" else source
@@ -82,7 +82,7 @@ def start_server(daemon, host: str, port: int, tokens=None, credentials=None, st
         interceptors=(RpcGuard(tokens, generate_streams),),
         # A backstop for floods far beyond what the lanes serve; the lanes refuse long before it.
         maximum_concurrent_rpcs=4 * threads,
-        options=(("grpc.max_receive_message_length", MAX_FILE_BYTES + (64 << 10)),))
+        options=(("grpc.max_receive_message_length", max(MAX_FILE_BYTES, daemon.max_prompt_bytes) + (64 << 10)),))
     pb_grpc.add_ExecutorServiceServicer_to_server(ExecutorServicer(daemon, stall_timeout_s, metrics), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -45,9 +45,14 @@ def status_for(error: BaseException) -> grpc.StatusCode:
     return next((code for cls, code in _STATUS if isinstance(error, cls)), grpc.StatusCode.INTERNAL)
 
 
+MAX_MESSAGE_CHARS = 1024  # a status message never carries an unbounded value back (or into the log)
+
+
 def _abort(context, method: str, error: Exception):
     code = status_for(error)
     message = str(error) if isinstance(error, (HelmError, MemoryError)) else f"{type(error).__name__}: {error}"
+    if len(message) > MAX_MESSAGE_CHARS:
+        message = message[:MAX_MESSAGE_CHARS - 1] + "…"
     fields = {"rpc": method, "code": code.name, "message": message}
     if code == grpc.StatusCode.INTERNAL:
         log.error("rpc failed", extra={"fields": fields}, exc_info=not isinstance(error, HelmError))
@@ -180,13 +185,20 @@ class StallWatch:
     def _run(self) -> None:
         while True:
             time.sleep(min(1.0, self.timeout_s / 4))
-            now = time.monotonic()
-            with self._lock:
-                stalled = [s for s in self._open if s.since is not None and now - s.since > self.timeout_s]
-            for s in stalled:
-                if s.cut_off:
-                    continue
-                s.cut_off = True
-                log.warning("client stopped reading: stream cut off", extra={"fields": {
-                    "request_id": s.request_id, "stalled_s": round(now - s.since, 1)}})
-                s.context.cancel()
+            try:
+                self._cut_off_stalled()
+            except Exception:  # noqa: BLE001 — the watch must outlive any one stream's surprise
+                log.exception("stall watch: checking the open streams failed")
+
+    def _cut_off_stalled(self) -> None:
+        now = time.monotonic()
+        with self._lock:  # `since` is read once: the send may complete (since = None) meanwhile
+            stalled = [(s, now - since) for s in self._open
+                       for since in (s.since,) if since is not None and now - since > self.timeout_s]
+        for s, stalled_s in stalled:
+            if s.cut_off:
+                continue
+            s.cut_off = True
+            log.warning("client stopped reading: stream cut off", extra={"fields": {
+                "request_id": s.request_id, "stalled_s": round(stalled_s, 1)}})
+            s.context.cancel()

@@ -10,7 +10,8 @@ import yaml
 
 from planner.errors import PlanError
 from planner.plan import load_plan
-from planner.yamlio import MAX_FILE_BYTES, dump_yaml, parse_yaml, read_text_file
+from tests.planner.conftest import REPO
+from planner.yamlio import MAX_FILE_BYTES, MAX_YAML_NODES, dump_yaml, parse_yaml, read_text_file
 
 SECRET = "CANARY-7f3a9c"
 
@@ -39,6 +40,14 @@ def test_yaml_errors_give_the_place_not_the_text():
         assert SECRET not in str(err.value)
 
 
+def test_a_document_of_too_many_values_is_refused_early():
+    with pytest.raises(PlanError, match=f"more than {MAX_YAML_NODES} values"):
+        parse_yaml("[" + "1," * (MAX_YAML_NODES + 10) + "1]\n", "plan")
+    for plan in sorted((REPO / "plans").rglob("*.yaml")):  # with room to spare for every real file
+        text = plan.read_text()
+        assert len(text) * 10 < MAX_FILE_BYTES and parse_yaml(text, str(plan))
+
+
 @pytest.mark.parametrize("text", ["[" * 20000 + "\n", "a: " + "9" * 100000 + "\n"])
 def test_pathological_yaml_is_a_plan_error(text):
     with pytest.raises(PlanError, match="malformed YAML"):
@@ -55,7 +64,7 @@ def test_a_file_over_the_limit_is_refused_before_it_is_read(tmp_path):
     big = tmp_path / "big.yaml"
     with open(big, "wb") as f:
         f.truncate(MAX_FILE_BYTES + 1)  # sparse: no disk, and reading it would be the bug
-    with pytest.raises(PlanError, match="more than the limit"):
+    with pytest.raises(PlanError, match=f"{MAX_FILE_BYTES + 1} bytes, more than the limit"):  # from fstat
         load_plan(big)
     with pytest.raises(PlanError, match="more than the limit"):
         parse_yaml("a: 1\n" + "#" * MAX_FILE_BYTES, "plan")

@@ -51,8 +51,14 @@ def test_paths_outside_the_plans_directory_are_one_answer(model, plan_dir, tmp_p
         f.truncate(200 << 20)  # 200 MB, sparse
     os.mkfifo(plan_dir / "fifo.yaml")
     (plan_dir / "subdir").mkdir()
+    (plan_dir / "one-line.yaml").write_text(SECRET)  # no newline: must not be read as a path, nor echoed
+    (plan_dir / "redirect.yaml").write_text(str(outside))  # ...nor lead outside the directory
     daemon = Daemon(model, plan_dir=plan_dir)
     try:
+        for path in ("one-line.yaml", "redirect.yaml"):
+            with pytest.raises(PlacementError) as err:
+                daemon.load_plan(PlanSource(path=path))
+            assert SECRET not in str(err.value) and "expected a YAML mapping" in str(err.value)
         for path in ("../secret.yaml", str(outside), "escape.yaml", "huge.yaml", "fifo.yaml", "subdir",
                      "missing.yaml", "/etc/passwd", ".", "a\0b"):
             with pytest.raises(PlanNotFoundError) as err:
