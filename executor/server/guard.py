@@ -9,15 +9,19 @@ bounded number of open Generate streams.
 - **Undecodable requests** (random bytes, a string field that is not UTF-8) are INVALID_ARGUMENT,
   not gRPC's INTERNAL "Exception deserializing request!" with an error-level traceback.
 - **Lanes.** A stream holds a thread for as long as it is open, so streams get bounded lanes:
-  Generate its own (`generate_streams`), health Watch and reflection another (`WATCH_STREAMS`,
-  open to anyone, so it must not take the pool); the pool has `CONTROL_THREADS` more, so Info,
-  health Check and LoadPlan answer while the lanes are full, and a stream beyond its lane is
-  refused at once (RESOURCE_EXHAUSTED) instead of queueing behind the others.
+  Generate its own (`generate_streams`), health Watch (open to anyone) and reflection one each
+  (`WATCH_STREAMS`); the pool has `CONTROL_THREADS` more, so Info, health Check and LoadPlan
+  answer while the lanes are full, and a stream beyond its lane is refused at once
+  (RESOURCE_EXHAUSTED) instead of queueing behind the others.
+- **Request bodies.** gRPC reads a call's request on a pool thread; a client that opens calls
+  and never sends the body would hold them all. Requests are read here, and a call whose body
+  has not arrived within `BODY_TIMEOUT_S` is cancelled; refusals do not read the body at all.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import grpc
 
@@ -26,10 +30,12 @@ from executor.server.auth import ADMIN, CLIENT, RANK, Tokens, bearer_token
 log = logging.getLogger("helm.guard")
 
 CONTROL_THREADS = 8  # threads beyond the lanes, for unary calls (Info, LoadPlan, health Check...)
-WATCH_STREAMS = 8  # streams other than Generate (health Watch, reflection): each holds a thread
+WATCH_STREAMS = 8  # health Watch streams (open to anyone), and as many reflection streams
+BODY_TIMEOUT_S = 10.0  # from a call's start to its request message
 
 _SERVICE = "/helm.executor.v1.ExecutorService/"
 GENERATE = _SERVICE + "Generate"
+REFLECTION = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
 METHOD_ROLES = {  # the role a method needs; None: open to anyone; a method not listed needs CLIENT
     GENERATE: CLIENT,
     _SERVICE + "Info": CLIENT,
@@ -64,11 +70,50 @@ class _Lane:
         self._slots.release()
 
 
+class _BodyDeadlines:
+    """Cancels calls whose request message has not arrived `timeout_s` after they began: gRPC
+    reads a request on a pool thread, so a client that opens calls and never sends their body
+    would otherwise hold the pool's threads for as long as it likes."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._waiting: dict[object, float] = {}  # context → monotonic deadline
+        self._lock = threading.Lock()
+        threading.Thread(target=self._run, name="body-deadlines", daemon=True).start()
+
+    def first_message(self, requests, context):
+        """The call's one request message (None if the client sent none), waited for at most timeout_s."""
+        with self._lock:
+            self._waiting[context] = time.monotonic() + self.timeout_s
+        try:
+            return next(requests, None)
+        except Exception:  # noqa: BLE001 — the call was cancelled while we waited (by us or the client)
+            return None
+        finally:
+            with self._lock:
+                self._waiting.pop(context, None)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(min(0.5, self.timeout_s / 4))
+            now = time.monotonic()
+            with self._lock:
+                late = [c for c, deadline in self._waiting.items() if deadline < now]
+                for c in late:
+                    del self._waiting[c]
+            for context in late:
+                log.info("rpc cut off: its request did not arrive", extra={"fields": {
+                    "peer": context.peer(), "timeout_s": self.timeout_s}})
+                context.cancel()
+
+
 class RpcGuard(grpc.ServerInterceptor):
-    def __init__(self, tokens: Tokens | None, generate_streams: int):
+    def __init__(self, tokens: Tokens | None, generate_streams: int, body_timeout_s: float = BODY_TIMEOUT_S):
         self.tokens = tokens
         self.generate = _Lane(generate_streams, "Generate streams")
-        self.watches = _Lane(WATCH_STREAMS, "other streams (health Watch, reflection)")
+        self.lanes = {"/grpc.health.v1.Health/Watch": _Lane(WATCH_STREAMS, "health Watch streams"),
+                      REFLECTION: _Lane(WATCH_STREAMS, "reflection streams"), GENERATE: self.generate}
+        self.bodies = _BodyDeadlines(body_timeout_s)
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
@@ -87,8 +132,9 @@ class RpcGuard(grpc.ServerInterceptor):
         return self._checked(handler, method)
 
     def _checked(self, handler, method: str):
-        """`handler` with safe decoding, and in a lane when it streams (a stream holds a thread)."""
-        lane = self.generate if method == GENERATE else self.watches
+        """`handler` with its request read here (under a deadline, decoded safely) and, when it
+        streams, in its lane (a stream holds a thread for as long as it is open)."""
+        lane = self.lanes.get(method)
 
         if handler.request_streaming:  # reflection: its messages are decoded one by one, as they come
             if handler.stream_stream is None:
@@ -113,52 +159,57 @@ class RpcGuard(grpc.ServerInterceptor):
             except Exception:  # noqa: BLE001 — any decoding failure is the caller's bad bytes
                 return _UNDECODABLE
 
-        def refuse_undecodable(context) -> None:
-            log.info("rpc refused", extra={"fields": {"rpc": method, "code": "INVALID_ARGUMENT",
-                                                      "message": "undecodable request"}})
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          "the request is not a valid message: malformed protobuf, or a string field that is "
-                          "not valid UTF-8")
+        def request_of(requests, context):
+            request = self.bodies.first_message(requests, context)
+            if request is None:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT if context.is_active() else grpc.StatusCode.CANCELLED,
+                              f"no request message arrived within {self.bodies.timeout_s:g} s")
+            if request is _UNDECODABLE:
+                log.info("rpc refused", extra={"fields": {"rpc": method, "code": "INVALID_ARGUMENT",
+                                                          "message": "undecodable request"}})
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              "the request is not a valid message: malformed protobuf, or a string field that is "
+                              "not valid UTF-8")
+            return request
 
+        # Registered as request-streaming (the wire format is the same) so that the request is read
+        # here, under BODY_TIMEOUT_S, instead of by gRPC for as long as the client takes.
         if handler.unary_unary is not None:
             inner = handler.unary_unary
 
-            def unary(request, context):
-                if request is _UNDECODABLE:
-                    refuse_undecodable(context)
-                return inner(request, context)
+            def unary(requests, context):
+                return inner(request_of(requests, context), context)
 
-            return grpc.unary_unary_rpc_method_handler(unary, safe_decode, handler.response_serializer)
+            return grpc.stream_unary_rpc_method_handler(unary, safe_decode, handler.response_serializer)
 
-        inner = handler.unary_stream
+        inner_stream = handler.unary_stream
 
-        def stream(request, context):
-            if request is _UNDECODABLE:
-                refuse_undecodable(context)
+        def stream(requests, context):
+            request = request_of(requests, context)
+            if lane is None:
+                yield from inner_stream(request, context)
+                return
             lane.enter(context)
             try:
-                yield from inner(request, context)
+                yield from inner_stream(request, context)
             finally:
                 lane.leave()
 
-        return grpc.unary_stream_rpc_method_handler(stream, safe_decode, handler.response_serializer)
+        return grpc.stream_stream_rpc_method_handler(stream, safe_decode, handler.response_serializer)
 
 
 def _refusal(handler, method: str, code: grpc.StatusCode, message: str):
-    """A handler of the same shape as `handler` that only refuses (the request is not decoded)."""
+    """A handler that refuses without reading the request (registered as request-streaming: an
+    unauthenticated caller cannot hold a thread by sending its request slowly)."""
 
-    def refuse(request, context):
+    def refuse(requests, context):
         log.info("rpc refused", extra={"fields": {"rpc": method, "code": code.name, "peer": context.peer()}})
         context.abort(code, message)
 
-    def refuse_stream(request, context):
-        refuse(request, context)
+    def refuse_stream(requests, context):
+        refuse(requests, context)
         yield  # a generator, as a streaming handler must be
 
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse_stream)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse_stream)
-    return grpc.unary_unary_rpc_method_handler(refuse)
+        return grpc.stream_stream_rpc_method_handler(refuse_stream)
+    return grpc.stream_unary_rpc_method_handler(refuse)

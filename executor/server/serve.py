@@ -18,6 +18,8 @@ from concurrent import futures
 from datetime import datetime, timezone
 from pathlib import Path
 
+from executor.server.guard import BODY_TIMEOUT_S
+
 log = logging.getLogger("helm.serve")
 
 
@@ -61,7 +63,7 @@ def read_startup_plan(plan_path: str) -> tuple[str, Path]:
 
 
 def start_server(daemon, host: str, port: int, tokens=None, credentials=None, stall_timeout_s: float = 30.0,
-                 metrics=None):
+                 metrics=None, body_timeout_s: float = BODY_TIMEOUT_S):
     """The gRPC server with the executor, health and reflection services behind the RpcGuard,
     started; TLS with `credentials` (grpc.ssl_server_credentials), else plaintext. (server, port)."""
     import grpc
@@ -76,10 +78,10 @@ def start_server(daemon, host: str, port: int, tokens=None, credentials=None, st
     # Twice the admission slots: a stream whose client stopped reading keeps its thread (not its
     # slot) until the stall timeout cuts it off, and must not starve the streams being admitted.
     generate_streams = 2 * (daemon.max_batch + daemon.max_queue)
-    threads = generate_streams + WATCH_STREAMS + CONTROL_THREADS
+    threads = generate_streams + 2 * WATCH_STREAMS + CONTROL_THREADS
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rpc"),
-        interceptors=(RpcGuard(tokens, generate_streams),),
+        interceptors=(RpcGuard(tokens, generate_streams, body_timeout_s),),
         # A backstop for floods far beyond what the lanes serve; the lanes refuse long before it.
         maximum_concurrent_rpcs=4 * threads,
         options=(("grpc.max_receive_message_length", max(MAX_FILE_BYTES, daemon.max_prompt_bytes) + (64 << 10)),))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
 
 import grpc
 import pytest
@@ -160,3 +162,31 @@ def test_client_credential_mistakes_are_one_line_errors(tmp_path, capsys, flags,
     assert plan_cli.main(["recalibrate", str(plan), "--executor", "127.0.0.1:1", "-o", str(tmp_path / "new.yaml"),
                           *flags]) != 0
     assert message in capsys.readouterr().err and not (tmp_path / "new.yaml").exists()
+
+
+def test_calls_whose_request_never_arrives_cannot_hold_the_pool(served, token_files):
+    """Open more calls than the pool has threads and never send their request: they are cut
+    off after the body timeout (unauthenticated ones refused at once), and health answers."""
+    _, daemon = served
+    server, port = start_server(daemon, "127.0.0.1", 0, Tokens.from_file(token_files / "tokens"), body_timeout_s=1.0)
+    never = threading.Event()
+
+    def silent():
+        never.wait(30)
+        return
+        yield
+
+    token = (("authorization", f"Bearer {CLIENT_TOKEN}"),)
+    try:
+        with ExecutorClient(f"127.0.0.1:{port}") as client:
+            info = client.channel.stream_unary("/helm.executor.v1.ExecutorService/Info")
+            calls = [info.future(silent(), timeout=30, metadata=token if i % 2 else ()) for i in range(80)]
+            t0 = time.perf_counter()
+            assert client.health_status(timeout_s=10) == health_pb2.HealthCheckResponse.SERVING
+            assert time.perf_counter() - t0 < 5
+            codes = [c.exception(timeout=10).code() for c in calls]
+            assert codes.count(grpc.StatusCode.UNAUTHENTICATED) == 40  # refused without reading
+            assert codes.count(grpc.StatusCode.CANCELLED) == 40  # cut off after the body timeout
+    finally:
+        never.set()
+        server.stop(0).wait(5)
