@@ -86,10 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     sec.add_argument("--tls-key", metavar="PEM", help="TLS private key")
     sec.add_argument("--tls-client-ca", metavar="PEM", help="mutual TLS: clients must present a certificate "
                      "signed by this CA")
-    sec.add_argument("--insecure", action="store_true", help="allow listening beyond loopback without TLS and tokens")
-    srv.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at /metrics on this port "
-                     "(0: any free port, logged as 'metrics'; default: off); HTTPS with --tls-cert")
-    srv.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint (default loopback)")
+    sec.add_argument("--insecure", action="store_true", help="allow listening beyond loopback without TLS and tokens "
+                     "(and metrics beyond loopback)")
+    srv.add_argument("--metrics-port", type=int, help="serve Prometheus metrics (plain HTTP) at /metrics on this "
+                     "port (0: any free port, logged as 'metrics'; default: off)")
+    srv.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint (default loopback; "
+                     "anything else needs --insecure: the endpoint has no authentication)")
     srv.add_argument("--kernels", choices=("auto", "helm", "torch"), default="auto", help="CPU-stage kernels")
     srv.add_argument("--threads", type=int, help="CPU-stage threads, for every plan (default: each plan's profiled cores)")
     srv.add_argument("-v", "--verbose", action="store_true", help="debug logs")

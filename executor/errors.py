@@ -34,6 +34,10 @@ class PlanLoadError(PlacementError):
     """A valid plan that cannot serve here: its weights or warm-up failed (memory, device)."""
 
 
+class LoadInProgressError(HelmError):
+    """Another plan is being loaded; the daemon loads one at a time."""
+
+
 class NotReadyError(HelmError):
     """The daemon has no plan loaded yet."""
 

@@ -12,7 +12,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from executor.pb import executor_pb2 as pb
 from executor.pb import executor_pb2_grpc as pb_grpc
 from executor.report import Report
-from executor.server.auth import BearerToken, ClientAuth
+from executor.errors import CredentialError
+from executor.server.auth import BearerToken, ClientAuth, is_loopback
 from executor.server.messages import GenerateSpec
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -25,7 +26,10 @@ class ExecutorClient:
     def __init__(self, addr: str, auth: ClientAuth | None = None):
         self.addr = addr
         auth = auth or ClientAuth()
-        if auth.tls_ca or auth.tls_cert:
+        tls = bool(auth.tls_ca or auth.tls_cert)
+        if auth.token and not tls and not is_loopback(addr.rsplit(":", 1)[0]):
+            raise CredentialError(f"not sending a token in plaintext to {addr}: connect over TLS (--tls-ca)")
+        if tls:
             def read(path):
                 return Path(path).read_bytes() if path else None
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from executor.engine import Engine
-from executor.errors import (HelmError, NotReadyError, OverloadedError, PlanLoadError, PlanNotFoundError,
-                             RequestError, RequestFailedError, ShuttingDownError)
+from executor.errors import (HelmError, LoadInProgressError, NotReadyError, OverloadedError, PlanLoadError,
+                             PlanNotFoundError, RequestError, RequestFailedError, ShuttingDownError)
 from executor.loader import load_model
 from executor.model_config import ModelConfig
 from executor.plan_io import load_checked_plan, placement_for
@@ -88,56 +88,63 @@ class Daemon:
         """Validate, load and warm up a plan, then make it the one serving new requests. Any
         failure before the swap (a bad plan, weights that do not fit, a failed warm-up) raises
         and leaves the plan that was serving in place."""
-        with self._load_lock:
-            if self.state == "draining":
-                raise ShuttingDownError("the daemon is shutting down; not loading a plan")
-            t0 = time.perf_counter()
-            plan = load_checked_plan("plan", self.model_dir, self.config, text=self._plan_text(source))
-            placement = placement_for(plan, self.config, cpu_threads=self.threads)
-            try:
-                model = load_model(self.model_dir, placement, self.config, backend=self.backend)
-                engine = Engine(model, max_running=self.max_batch)
-                t1 = time.perf_counter()
-                self._warm_up(engine)
-            except HelmError:
-                raise
-            except Exception as e:  # noqa: BLE001 — out of memory, a CUDA error...: the plan cannot serve here
-                log.warning("plan refused: its load or warm-up failed", exc_info=True,
-                            extra={"fields": {"digest": plan.digest, "source": source.label}})
-                raise PlanLoadError(f"the plan cannot serve on this machine: its load or warm-up generation "
-                                    f"failed ({type(e).__name__}: {str(e)[:300]}); the previous plan still serves") from None
-            t2 = time.perf_counter()
+        if not self._load_lock.acquire(blocking=False):  # one load at a time; others get an answer now
+            raise LoadInProgressError("another LoadPlan is loading a plan; retry when it is done")
+        try:
+            return self._load(source)
+        finally:
+            self._load_lock.release()
 
-            summary = PlanSummary.of(plan, source.label)
-            isa = kernel_isa(model)
-            recorder = Recorder(plan, source.label, self.config.architecture, isa)
-            stages = tuple(StageInfo(i, spec.device, str(stage.device), stage.unit_start, stage.unit_end,
-                                     stage.backend, placement.page_size_tokens, None)
-                           for i, (spec, stage) in enumerate(zip(placement.stages, model.stages)))
-            devices = tuple(s.planned_device for s in stages)
-            worker = EngineWorker(engine, recorder, name=f"engine-v{plan.plan_version}-{plan.digest[7:15]}",
-                                  on_end=self._release,
-                                  on_step=lambda phase, stage_ms: self.on_step(phase, devices, stage_ms))
-            worker.start()
-            with self._lock:
-                if self.state == "draining":  # shutdown began while the plan loaded
-                    worker.retire()
-                    raise ShuttingDownError("the daemon is shutting down; the plan was loaded but not swapped in")
-                previous = self._serving
-                self._serving = _Serving(plan, summary, worker, stages, isa)
-                if previous is not None:
-                    previous.worker.retire()
-                    self._retired.append(previous.worker)
-                self._recorders.pop(plan.digest, None)
-                self._recorders[plan.digest] = recorder
-                while len(self._recorders) > KEEP_REPORTS:
-                    self._recorders.popitem(last=False)
-                self._set_state("serving")
-            log.info("plan loaded", extra={"fields": {
-                "plan_version": plan.plan_version, "digest": plan.digest, "split_k": plan.partition.split_k,
-                "source": source.label, "kernels": isa, "cpu_threads": placement.cpu_threads, "load_s": round(t1 - t0, 3), "warmup_s": round(t2 - t1, 3),
-                "previous_digest": previous.summary.digest if previous else None}})
-            return LoadResult(summary, previous.summary.digest if previous else None, t1 - t0, t2 - t1)
+    def _load(self, source: PlanSource) -> LoadResult:
+        if self.state == "draining":
+            raise ShuttingDownError("the daemon is shutting down; not loading a plan")
+        t0 = time.perf_counter()
+        plan = load_checked_plan("plan", self.model_dir, self.config, text=self._plan_text(source))
+        placement = placement_for(plan, self.config, cpu_threads=self.threads)
+        try:
+            model = load_model(self.model_dir, placement, self.config, backend=self.backend)
+            engine = Engine(model, max_running=self.max_batch)
+            t1 = time.perf_counter()
+            self._warm_up(engine)
+        except HelmError:
+            raise
+        except Exception as e:  # noqa: BLE001 — out of memory, a CUDA error...: the plan cannot serve here
+            log.warning("plan refused: its load or warm-up failed", exc_info=True,
+                        extra={"fields": {"digest": plan.digest, "source": source.label}})
+            raise PlanLoadError(f"the plan cannot serve on this machine: its load or warm-up generation "
+                                f"failed ({type(e).__name__}: {str(e)[:300]}); the previous plan still serves") from None
+        t2 = time.perf_counter()
+
+        summary = PlanSummary.of(plan, source.label)
+        isa = kernel_isa(model)
+        recorder = Recorder(plan, source.label, self.config.architecture, isa)
+        stages = tuple(StageInfo(i, spec.device, str(stage.device), stage.unit_start, stage.unit_end,
+                                 stage.backend, placement.page_size_tokens, None)
+                       for i, (spec, stage) in enumerate(zip(placement.stages, model.stages)))
+        devices = tuple(s.planned_device for s in stages)
+        worker = EngineWorker(engine, recorder, name=f"engine-v{plan.plan_version}-{plan.digest[7:15]}",
+                              on_end=self._release,
+                              on_step=lambda phase, stage_ms: self.on_step(phase, devices, stage_ms))
+        worker.start()
+        with self._lock:
+            if self.state == "draining":  # shutdown began while the plan loaded
+                worker.retire()
+                raise ShuttingDownError("the daemon is shutting down; the plan was loaded but not swapped in")
+            previous = self._serving
+            self._serving = _Serving(plan, summary, worker, stages, isa)
+            if previous is not None:
+                previous.worker.retire()
+                self._retired.append(previous.worker)
+            self._recorders.pop(plan.digest, None)
+            self._recorders[plan.digest] = recorder
+            while len(self._recorders) > KEEP_REPORTS:
+                self._recorders.popitem(last=False)
+            self._set_state("serving")
+        log.info("plan loaded", extra={"fields": {
+            "plan_version": plan.plan_version, "digest": plan.digest, "split_k": plan.partition.split_k,
+            "source": source.label, "kernels": isa, "cpu_threads": placement.cpu_threads, "load_s": round(t1 - t0, 3), "warmup_s": round(t2 - t1, 3),
+            "previous_digest": previous.summary.digest if previous else None}})
+        return LoadResult(summary, previous.summary.digest if previous else None, t1 - t0, t2 - t1)
 
     def _plan_text(self, source: PlanSource) -> str:
         """The plan's YAML text. A path is only read inside --plan-dir (symlinks resolved first),

@@ -59,9 +59,11 @@ class DaemonMetrics:
         """A request refused, failed, cancelled or cut off (code: the gRPC status name)."""
         self.requests.labels(outcome, code).inc()
 
-    def serve_http(self, host: str, port: int, certfile: str | None = None, keyfile: str | None = None) -> int:
-        """Start the /metrics endpoint (HTTPS with a certificate); the port it listens on."""
-        server, _ = start_http_server(port, addr=host, registry=self.registry, certfile=certfile, keyfile=keyfile)
+    def serve_http(self, host: str, port: int) -> int:
+        """Start the /metrics endpoint (plain HTTP: the serve command keeps it on loopback unless
+        told --insecure; prometheus_client's TLS does its handshakes on the accepting thread, where
+        one idle connection blocks every scrape); the port it listens on."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
         self._http = server
         return server.server_port
 

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from concurrent import futures
 from datetime import datetime, timezone
 from pathlib import Path
@@ -122,16 +123,20 @@ def security_of(args):
         raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
     tokens = Tokens.from_file(args.tokens) if args.tokens else None
     credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
-    exposed = [(flag, host) for flag, host in (("--host", args.host), ("--metrics-host", args.metrics_host))
-               if not is_loopback(host) and (flag == "--host" or args.metrics_port is not None)]
-    if exposed and (tokens is None or credentials is None):
+    if not is_loopback(args.host) and (tokens is None or credentials is None):
         missing = " and ".join(m for m, have in (("TLS (--tls-cert, --tls-key)", credentials), ("--tokens", tokens))
                                if have is None)
         if not args.insecure:
-            raise ValueError(f"{exposed[0][0]} {exposed[0][1]} listens beyond loopback without {missing}: anyone who "
-                             "reaches it could load plans and read prompts. Add them, or pass --insecure to accept that")
+            raise ValueError(f"--host {args.host} listens beyond loopback without {missing}: anyone who reaches it "
+                             "could load plans and read prompts. Add them, or pass --insecure to accept that")
         log.warning("listening beyond loopback without protection (--insecure)",
-                    extra={"fields": {"missing": missing, "hosts": [h for _, h in exposed]}})
+                    extra={"fields": {"missing": missing, "host": args.host}})
+    if args.metrics_port is not None and not is_loopback(args.metrics_host):
+        if not args.insecure:  # plain HTTP, no credentials: scrape it on the host, or through a proxy
+            raise ValueError(f"--metrics-host {args.metrics_host}: the metrics endpoint has no TLS or authentication; "
+                             "keep it on loopback (scrape through a proxy), or pass --insecure to accept that")
+        log.warning("metrics beyond loopback without protection (--insecure)",
+                    extra={"fields": {"metrics_host": args.metrics_host}})
     return tokens, credentials
 
 
@@ -171,9 +176,8 @@ def serve(args) -> int:
             from executor.server.metrics import DaemonMetrics
 
             metrics = DaemonMetrics(daemon)
-            metrics_port = metrics.serve_http(args.metrics_host, args.metrics_port, args.tls_cert, args.tls_key)
-            log.info("metrics", extra={"fields": {"host": args.metrics_host, "port": metrics_port,
-                                                  "scheme": "https" if args.tls_cert else "http"}})
+            metrics_port = metrics.serve_http(args.metrics_host, args.metrics_port)
+            log.info("metrics", extra={"fields": {"host": args.metrics_host, "port": metrics_port}})
         server, port = start_server(daemon, args.host, args.port, tokens, credentials, args.stall_timeout, metrics)
     except (HelmError, OSError, RuntimeError, ValueError) as e:
         log.error("cannot start", extra={"fields": {"error": str(e)}})
@@ -197,8 +201,12 @@ def serve(args) -> int:
 
     while not stop.wait(0.5):
         pass
+    drain_started = time.monotonic()
     clean = daemon.drain(args.drain_timeout)
-    server.stop(grace=5.0).wait(10.0)
+    # The engine is done (or aborted what was left); streams still being read get the rest of
+    # the drain time, at least 5 s, to be received.
+    grace = max(5.0, args.drain_timeout - (time.monotonic() - drain_started))
+    server.stop(grace=grace).wait(grace + 5.0)
     daemon.close()
     if metrics is not None:
         metrics.close()

@@ -14,8 +14,9 @@ import time
 
 import grpc
 
-from executor.errors import (ConfigError, HelmError, NotReadyError, OverloadedError, PlacementError,
-                             PlanNotFoundError, RequestError, RequestFailedError, ShuttingDownError, WeightsError)
+from executor.errors import (ConfigError, HelmError, LoadInProgressError, NotReadyError, OverloadedError,
+                             PlacementError, PlanNotFoundError, RequestError, RequestFailedError, ShuttingDownError,
+                             WeightsError)
 from executor.pb import executor_pb2 as pb
 from executor.pb import executor_pb2_grpc as pb_grpc
 from executor.server.daemon import Daemon
@@ -29,6 +30,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExecutorService"].full_name
 _STATUS = (  # the first matching class wins: subclasses before their bases
     (PlanNotFoundError, grpc.StatusCode.NOT_FOUND),
     (NotReadyError, grpc.StatusCode.FAILED_PRECONDITION),
+    (LoadInProgressError, grpc.StatusCode.ABORTED),
     (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ShuttingDownError, grpc.StatusCode.UNAVAILABLE),
     (RequestFailedError, grpc.StatusCode.INTERNAL),

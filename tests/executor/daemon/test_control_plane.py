@@ -187,7 +187,14 @@ def test_undecodable_requests_are_invalid_argument(client, body):
 
 
 def test_metrics_report_what_happened(daemon, client):
-    collect(client.stub.Generate(request(6, seed=3), timeout=30))
+    for seed in (3, 4):
+        collect(client.stub.Generate(request(6, seed=seed), timeout=30))
+    with pytest.raises(grpc.RpcError):
+        collect(client.stub.Generate(pb.GenerateRequest(), timeout=30))  # no prompt: refused
+    stream = client.stub.Generate(request(1500, seed=5), timeout=30)
+    next(stream)
+    stream.cancel()
+    wait_until(lambda: idle(client), timeout_s=30, what="the cancelled request ended")
     port = next(e["port"] for e in daemon.logs() if e.get("msg") == "metrics")
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     samples = {}
@@ -199,8 +206,8 @@ def test_metrics_report_what_happened(daemon, client):
         return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
     assert value("helm_requests_total", outcome="length", code="OK") >= 2
-    assert value("helm_requests_total", outcome="refused", code="RESOURCE_EXHAUSTED") > 0  # the flood
-    assert value("helm_requests_total", outcome="cancelled", code="CANCELLED") >= SLOTS  # the stalled clients
+    assert value("helm_requests_total", outcome="refused", code="INVALID_ARGUMENT") >= 1
+    assert value("helm_requests_total", outcome="cancelled", code="CANCELLED") >= 1
     for stage, device in (("0", "cpu"), ("1", "cuda")):
         steps = value("helm_stage_step_seconds_count", stage=stage, device=device, phase="decode")
         assert steps > 0 and steps == value("helm_stage_predicted_step_seconds_count", stage=stage, device=device,

@@ -5,11 +5,12 @@ warm-up fails is refused while the old plan keeps serving."""
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import replace
 
 import pytest
 
-from executor.errors import PlacementError, PlanLoadError, PlanNotFoundError
+from executor.errors import LoadInProgressError, PlacementError, PlanLoadError, PlanNotFoundError
 from executor.kv_cache import PagePool
 from executor.sampling import SamplingParams, StopCriteria
 from executor.server.daemon import Daemon
@@ -119,3 +120,27 @@ def test_a_failed_warm_up_refuses_the_plan_and_the_old_plan_serves(model, plan_d
                                                   page_size=16)[0][0]
     finally:
         daemon.close()
+
+
+def test_one_load_at_a_time(model, plan_dir, monkeypatch):
+    daemon = Daemon(model, plan_dir=plan_dir)
+    started, release = threading.Event(), threading.Event()
+    real_warm_up = Daemon._warm_up
+
+    def slow_warm_up(self, engine):
+        started.set()
+        release.wait(30)
+        real_warm_up(self, engine)
+
+    monkeypatch.setattr(Daemon, "_warm_up", slow_warm_up)
+    first = threading.Thread(target=daemon.load_plan, args=(PlanSource(path="good.yaml"),))
+    first.start()
+    try:
+        assert started.wait(30)
+        with pytest.raises(LoadInProgressError, match="another LoadPlan"):  # an answer now, not a wait
+            daemon.load_plan(PlanSource(path="good.yaml"))
+    finally:
+        release.set()
+        first.join(30)
+    assert daemon.state == "serving"
+    daemon.close()

@@ -3,6 +3,8 @@ client and an admin role, health open to probes, and a daemon that will not list
 loopback unprotected unless told --insecure."""
 from __future__ import annotations
 
+import argparse
+import logging
 import subprocess
 import sys
 import threading
@@ -14,14 +16,14 @@ from grpc_health.v1 import health_pb2
 
 from executor.cli import main
 from executor.pb import executor_pb2 as pb
-from executor.server.auth import ClientAuth, Tokens, server_credentials
+from executor.server.auth import ClientAuth, Tokens, is_loopback, server_credentials
 from executor.server.client import ExecutorClient
 from executor.server.daemon import Daemon
 from executor.errors import CredentialError
 from executor.server.messages import PlanSource
-from executor.server.serve import start_server
+from executor.server.serve import security_of, start_server
 from tests.executor.daemon.certs import make_certs
-from tests.executor.daemon.helpers import REPO, DaemonProcess, collect, write_plan
+from tests.executor.daemon.helpers import REPO, collect, write_plan
 from tests.executor.helpers import helm_generate
 
 CLIENT_TOKEN = "client-token-0123456789abcdef"
@@ -132,16 +134,16 @@ def test_token_file_mistakes_are_named(tmp_path, text, message):
         Tokens.from_file(path)
 
 
-def test_no_listening_beyond_loopback_unprotected(served, tmp_path):
+def test_no_listening_beyond_loopback_unprotected(served, caplog):
     model, _ = served
     run = subprocess.run([sys.executable, "-m", "executor.cli", "serve", "--model", str(model), "--host", "0.0.0.0",
                           "--port", "0"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "beyond loopback without TLS (--tls-cert, --tls-key) and --tokens" in run.stderr
-    daemon = DaemonProcess(["--model", str(model), "--host", "0.0.0.0", "--insecure"], tmp_path / "daemon.log")
-    try:
-        assert any(e.get("msg") == "listening beyond loopback without protection (--insecure)" for e in daemon.logs())
-    finally:
-        daemon.kill()
+    args = argparse.Namespace(host="0.0.0.0", tls_cert=None, tls_key=None, tls_client_ca=None, tokens=None,
+                              insecure=True, metrics_port=None, metrics_host="127.0.0.1")
+    with caplog.at_level(logging.WARNING):
+        assert security_of(args) == (None, None)  # allowed when told, and said (not binding here)
+    assert "listening beyond loopback without protection (--insecure)" in caplog.text
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -190,3 +192,29 @@ def test_calls_whose_request_never_arrives_cannot_hold_the_pool(served, token_fi
     finally:
         never.set()
         server.stop(0).wait(5)
+
+
+@pytest.mark.parametrize("host,loopback", [
+    ("127.0.0.1", True), ("127.8.9.10", True), ("localhost", True), ("LOCALHOST", True), ("::1", True),
+    ("[::1]", True), ("0.0.0.0", False), ("::", False), ("[::]", False), ("", False), ("10.0.0.5", False),
+    ("example.com", False), ("localhost.example.com", False),
+])
+def test_what_counts_as_loopback(host, loopback):
+    assert is_loopback(host) == loopback
+
+
+def test_metrics_beyond_loopback_need_insecure(served, token_files, certs):
+    args = argparse.Namespace(host="127.0.0.1", tls_cert=str(certs.server_cert), tls_key=str(certs.server_key),
+                              tls_client_ca=None, tokens=str(token_files / "tokens"), insecure=False,
+                              metrics_port=0, metrics_host="0.0.0.0")
+    with pytest.raises(ValueError, match="the metrics endpoint has no TLS or authentication"):
+        security_of(args)
+    args.insecure = True
+    tokens, credentials = security_of(args)
+    assert tokens is not None and credentials is not None
+
+
+def test_a_token_is_never_sent_in_plaintext_beyond_loopback():
+    with pytest.raises(CredentialError, match="not sending a token in plaintext"):
+        ExecutorClient("10.1.2.3:50051", ClientAuth(token=CLIENT_TOKEN))
+    ExecutorClient("127.0.0.1:50051", ClientAuth(token=CLIENT_TOKEN)).close()
