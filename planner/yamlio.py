@@ -139,7 +139,9 @@ def parse_yaml(text: str, label: str, max_bytes: int = MAX_FILE_BYTES) -> Any:
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = _QUOTED.sub("'…'", e.problem or "")[:200]  # PyYAML quotes the offending text
+        problem = _QUOTED.sub("'…'", e.problem or "")  # PyYAML quotes the offending text
+        problem = problem.split("'", 1)[0] if problem.count("'") % 2 else problem  # a quote left open
+        problem = problem.split('"', 1)[0][:200]
         raise PlanError(f"{label}: malformed YAML{where}: {problem}") from None
     except yaml.YAMLError:
         raise PlanError(f"{label}: malformed YAML") from None

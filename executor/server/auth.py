@@ -7,6 +7,7 @@ import hmac
 import ipaddress
 import logging
 import os
+import ssl
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,8 +70,8 @@ class Tokens:
 
 def bearer_token(metadata) -> str | None:
     for key, value in metadata or ():
-        if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
-            return value[len("Bearer "):].strip()
+        if key == "authorization" and isinstance(value, str) and value[:7].lower() == "bearer ":
+            return value[7:].strip()
     return None
 
 
@@ -93,6 +94,11 @@ def server_credentials(cert: str, key: str, client_ca: str | None):
             raise CredentialError(f"cannot read the {what} {path}: {e.strerror}") from None
 
     root = read(client_ca, "client CA certificate") if client_ca else None
+    try:  # gRPC reports a key that does not match its certificate as "failed to bind"
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+    except (ssl.SSLError, OSError) as e:
+        raise CredentialError(f"--tls-cert {cert} and --tls-key {key} are not a certificate and its key "
+                              f"({getattr(e, 'reason', None) or e})") from None
     return grpc.ssl_server_credentials([(read(key, "TLS key"), read(cert, "TLS certificate"))],
                                        root_certificates=root, require_client_auth=root is not None)
 

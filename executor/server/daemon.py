@@ -12,6 +12,7 @@ at most `max_batch + max_queue` at once, beyond that OverloadedError.
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import queue
@@ -21,6 +22,8 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from executor.engine import Engine
 from executor.errors import (HelmError, LoadInProgressError, NotReadyError, OverloadedError, PlanLoadError,
@@ -101,6 +104,7 @@ class Daemon:
         t0 = time.perf_counter()
         plan = load_checked_plan("plan", self.model_dir, self.config, text=self._plan_text(source))
         placement = placement_for(plan, self.config, cpu_threads=self.threads)
+        model = engine = None
         try:
             model = load_model(self.model_dir, placement, self.config, backend=self.backend)
             engine = Engine(model, max_running=self.max_batch)
@@ -111,6 +115,10 @@ class Daemon:
         except Exception as e:  # noqa: BLE001 — out of memory, a CUDA error...: the plan cannot serve here
             log.warning("plan refused: its load or warm-up failed", exc_info=True,
                         extra={"fields": {"digest": plan.digest, "source": source.label}})
+            model = engine = None  # give its memory back now, not at the next garbage collection
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
             raise PlanLoadError(f"the plan cannot serve on this machine: its load or warm-up generation "
                                 f"failed ({type(e).__name__}: {str(e)[:300]}); the previous plan still serves") from None
         t2 = time.perf_counter()

@@ -194,6 +194,11 @@ def test_calls_whose_request_never_arrives_cannot_hold_the_pool(served, token_fi
         server.stop(0).wait(5)
 
 
+def test_a_key_that_is_not_the_certificates_is_named(certs):
+    with pytest.raises(CredentialError, match="are not a certificate and its key"):
+        server_credentials(str(certs.server_cert), str(certs.client_key), None)
+
+
 @pytest.mark.parametrize("host,loopback", [
     ("127.0.0.1", True), ("127.8.9.10", True), ("localhost", True), ("LOCALHOST", True), ("::1", True),
     ("[::1]", True), ("0.0.0.0", False), ("::", False), ("[::]", False), ("", False), ("10.0.0.5", False),
