@@ -94,12 +94,13 @@ def server_credentials(cert: str, key: str, client_ca: str | None):
             raise CredentialError(f"cannot read the {what} {path}: {e.strerror}") from None
 
     root = read(client_ca, "client CA certificate") if client_ca else None
+    key_pem, cert_pem = read(key, "TLS key"), read(cert, "TLS certificate")
     try:  # gRPC reports a key that does not match its certificate as "failed to bind"
-        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password=lambda: b"")
     except (ssl.SSLError, OSError) as e:
-        raise CredentialError(f"--tls-cert {cert} and --tls-key {key} are not a certificate and its key "
+        raise CredentialError(f"--tls-cert {cert} and --tls-key {key} are not a certificate and its unencrypted key "
                               f"({getattr(e, 'reason', None) or e})") from None
-    return grpc.ssl_server_credentials([(read(key, "TLS key"), read(cert, "TLS certificate"))],
+    return grpc.ssl_server_credentials([(key_pem, cert_pem)],
                                        root_certificates=root, require_client_auth=root is not None)
 
 

@@ -104,7 +104,7 @@ class Daemon:
         t0 = time.perf_counter()
         plan = load_checked_plan("plan", self.model_dir, self.config, text=self._plan_text(source))
         placement = placement_for(plan, self.config, cpu_threads=self.threads)
-        model = engine = None
+        failure = None
         try:
             model = load_model(self.model_dir, placement, self.config, backend=self.backend)
             engine = Engine(model, max_running=self.max_batch)
@@ -115,12 +115,14 @@ class Daemon:
         except Exception as e:  # noqa: BLE001 — out of memory, a CUDA error...: the plan cannot serve here
             log.warning("plan refused: its load or warm-up failed", exc_info=True,
                         extra={"fields": {"digest": plan.digest, "source": source.label}})
-            model = engine = None  # give its memory back now, not at the next garbage collection
+            failure = f"{type(e).__name__}: {str(e)[:300]}"
+        if failure is not None:  # out of the except block: its traceback no longer holds the model
+            model = engine = None
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            raise PlanLoadError(f"the plan cannot serve on this machine: its load or warm-up generation "
-                                f"failed ({type(e).__name__}: {str(e)[:300]}); the previous plan still serves") from None
+            raise PlanLoadError(f"the plan cannot serve on this machine: its load or warm-up generation failed "
+                                f"({failure}); the previous plan still serves")
         t2 = time.perf_counter()
 
         summary = PlanSummary.of(plan, source.label)

@@ -15,7 +15,9 @@ bounded number of open Generate streams.
   (RESOURCE_EXHAUSTED) instead of queueing behind the others.
 - **Request bodies.** gRPC reads a call's request on a pool thread; a client that opens calls
   and never sends the body would hold them all. Requests are read here, and a call whose body
-  has not arrived within `BODY_TIMEOUT_S` is cancelled; refusals do not read the body at all.
+  has not arrived within `BODY_TIMEOUT_S` is cancelled; refusals do not read the body at all,
+  and the methods open to anyone (health) read theirs in a lane of `OPEN_READERS`, within
+  `OPEN_BODY_TIMEOUT_S`. (A server on grpc.aio would read bodies without threads at all.)
 """
 from __future__ import annotations
 
@@ -31,7 +33,9 @@ log = logging.getLogger("helm.guard")
 
 CONTROL_THREADS = 8  # threads beyond the lanes, for unary calls (Info, LoadPlan, health Check...)
 WATCH_STREAMS = 8  # health Watch streams (open to anyone), and as many reflection streams
-BODY_TIMEOUT_S = 10.0  # from a call's start to its request message
+BODY_TIMEOUT_S = 10.0  # from a call's start to its request message (a 1 MiB plan at 100 KB/s)
+OPEN_READERS = 4  # requests of calls open to anyone (health) being read at once
+OPEN_BODY_TIMEOUT_S = 2.0  # ... and how long each may take
 
 _SERVICE = "/helm.executor.v1.ExecutorService/"
 GENERATE = _SERVICE + "Generate"
@@ -60,13 +64,16 @@ class _Lane:
     def __init__(self, size: int, what: str):
         self.size, self.what = size, what
         self._slots = threading.BoundedSemaphore(size)
+        self.open = 0  # calls in the lane now
 
     def enter(self, context) -> None:
         if not self._slots.acquire(blocking=False):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"{self.size} {self.what} are open, the most this daemon serves at once; retry later")
+        self.open += 1
 
     def leave(self) -> None:
+        self.open -= 1
         self._slots.release()
 
 
@@ -75,19 +82,19 @@ class _BodyDeadlines:
     reads a request on a pool thread, so a client that opens calls and never sends their body
     would otherwise hold the pool's threads for as long as it likes."""
 
-    def __init__(self, timeout_s: float):
-        self.timeout_s = timeout_s
+    def __init__(self):
         self._waiting: dict[object, float] = {}  # context → monotonic deadline
         self._lock = threading.Lock()
         threading.Thread(target=self._run, name="body-deadlines", daemon=True).start()
 
-    def first_message(self, requests, context):
-        """The call's one request message (None if the client sent none), waited for at most timeout_s."""
+    def first_message(self, requests, context, timeout_s: float):
+        """The call's one request message, waited for at most timeout_s; NO_MESSAGE when the
+        client sent none, None when the call ended first (cut off here, or by the client)."""
         with self._lock:
-            self._waiting[context] = time.monotonic() + self.timeout_s
+            self._waiting[context] = time.monotonic() + timeout_s
         try:
-            return next(requests, None)
-        except Exception:  # noqa: BLE001 — the call was cancelled while we waited (by us or the client)
+            return next(requests, NO_MESSAGE)
+        except Exception:  # noqa: BLE001 — the call was cancelled while we waited
             return None
         finally:
             with self._lock:
@@ -95,16 +102,16 @@ class _BodyDeadlines:
 
     def _run(self) -> None:
         while True:
-            time.sleep(min(0.5, self.timeout_s / 4))
+            time.sleep(0.25)
             now = time.monotonic()
-            with self._lock:
-                late = [c for c, deadline in self._waiting.items() if deadline < now]
-                for c in late:
-                    del self._waiting[c]
-            for context in late:
-                log.info("rpc cut off: its request did not arrive", extra={"fields": {
-                    "peer": context.peer(), "timeout_s": self.timeout_s}})
-                context.cancel()
+            with self._lock:  # cancel under the lock: a body that arrives meanwhile pops its entry first
+                for context in [c for c, deadline in self._waiting.items() if deadline < now]:
+                    del self._waiting[context]
+                    log.debug("rpc cut off: its request did not arrive", extra={"fields": {"peer": context.peer()}})
+                    context.cancel()
+
+
+NO_MESSAGE = object()
 
 
 class RpcGuard(grpc.ServerInterceptor):
@@ -113,7 +120,11 @@ class RpcGuard(grpc.ServerInterceptor):
         self.generate = _Lane(generate_streams, "Generate streams")
         self.lanes = {"/grpc.health.v1.Health/Watch": _Lane(WATCH_STREAMS, "health Watch streams"),
                       REFLECTION: _Lane(WATCH_STREAMS, "reflection streams"), GENERATE: self.generate}
-        self.bodies = _BodyDeadlines(body_timeout_s)
+        # Methods open to anyone read their request in a small lane, with a short deadline: an
+        # unauthenticated caller holds at most OPEN_READERS threads, each for OPEN_BODY_TIMEOUT_S.
+        self.open_readers = _Lane(OPEN_READERS, "requests of unauthenticated calls being read")
+        self.body_timeout_s = body_timeout_s
+        self.bodies = _BodyDeadlines()
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
@@ -129,16 +140,16 @@ class RpcGuard(grpc.ServerInterceptor):
             if RANK[role] < RANK[required]:
                 return _refusal(handler, method, grpc.StatusCode.PERMISSION_DENIED,
                                 f"{method.rsplit('/', 1)[-1]} needs an {required} token")
-        return self._checked(handler, method)
+        return self._checked(handler, method, open_to_anyone=required is None)
 
-    def _checked(self, handler, method: str):
+    def _checked(self, handler, method: str, open_to_anyone: bool):
         """`handler` with its request read here (under a deadline, decoded safely) and, when it
         streams, in its lane (a stream holds a thread for as long as it is open)."""
         lane = self.lanes.get(method)
 
         if handler.request_streaming:  # reflection: its messages are decoded one by one, as they come
-            if handler.stream_stream is None:
-                return handler  # client streaming: none in our services
+            if handler.stream_stream is None or lane is None:
+                return handler  # client streaming, or a stream we do not know: none in our services
             duplex = handler.stream_stream
 
             def laned(requests, context):
@@ -159,11 +170,23 @@ class RpcGuard(grpc.ServerInterceptor):
             except Exception:  # noqa: BLE001 — any decoding failure is the caller's bad bytes
                 return _UNDECODABLE
 
+        timeout_s = OPEN_BODY_TIMEOUT_S if open_to_anyone else self.body_timeout_s
+
+        def read(requests, context):
+            if not open_to_anyone:
+                return self.bodies.first_message(requests, context, timeout_s)
+            self.open_readers.enter(context)
+            try:
+                return self.bodies.first_message(requests, context, timeout_s)
+            finally:
+                self.open_readers.leave()
+
         def request_of(requests, context):
-            request = self.bodies.first_message(requests, context)
-            if request is None:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT if context.is_active() else grpc.StatusCode.CANCELLED,
-                              f"no request message arrived within {self.bodies.timeout_s:g} s")
+            request = read(requests, context)
+            if request is NO_MESSAGE:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call carried no request message")
+            if request is None:  # the client is gone, or we cut it off: the status it sees is CANCELLED
+                context.abort(grpc.StatusCode.CANCELLED, f"no request message arrived within {timeout_s:g} s")
             if request is _UNDECODABLE:
                 log.info("rpc refused", extra={"fields": {"rpc": method, "code": "INVALID_ARGUMENT",
                                                           "message": "undecodable request"}})

@@ -72,17 +72,18 @@ def start_server(daemon, host: str, port: int, tokens=None, credentials=None, st
     from grpc_reflection.v1alpha import reflection
 
     from executor.pb import executor_pb2_grpc as pb_grpc
-    from executor.server.guard import CONTROL_THREADS, WATCH_STREAMS, RpcGuard
+    from executor.server.guard import CONTROL_THREADS, OPEN_READERS, WATCH_STREAMS, RpcGuard
     from executor.server.service import SERVICE_NAME, ExecutorServicer
     from planner.yamlio import MAX_FILE_BYTES
 
     # Twice the admission slots: a stream whose client stopped reading keeps its thread (not its
     # slot) until the stall timeout cuts it off, and must not starve the streams being admitted.
     generate_streams = 2 * (daemon.max_batch + daemon.max_queue)
-    threads = generate_streams + 2 * WATCH_STREAMS + CONTROL_THREADS
+    threads = generate_streams + 2 * WATCH_STREAMS + OPEN_READERS + CONTROL_THREADS
+    guard = RpcGuard(tokens, generate_streams, body_timeout_s)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rpc"),
-        interceptors=(RpcGuard(tokens, generate_streams, body_timeout_s),),
+        interceptors=(guard,),
         # A backstop for floods far beyond what the lanes serve; the lanes refuse long before it.
         maximum_concurrent_rpcs=4 * threads,
         options=(("grpc.max_receive_message_length", max(MAX_FILE_BYTES, daemon.max_prompt_bytes) + (64 << 10)),))
@@ -109,6 +110,7 @@ def start_server(daemon, host: str, port: int, tokens=None, credentials=None, st
     if not bound:
         raise OSError(f"cannot listen on {address}")
     server.start()
+    server.helm_guard = guard  # serve's drain watches its Generate lane
     return server, bound
 
 
@@ -203,10 +205,12 @@ def serve(args) -> int:
         pass
     drain_started = time.monotonic()
     clean = daemon.drain(args.drain_timeout)
-    # The engine is done (or aborted what was left); streams still being read get the rest of
-    # the drain time, at least 5 s, to be received.
-    grace = max(5.0, args.drain_timeout - (time.monotonic() - drain_started))
-    server.stop(grace=grace).wait(grace + 5.0)
+    # The engine is done (or aborted what was left); Generate streams still being read get the
+    # rest of the drain time. Not server.stop(grace): it would wait as long for health Watch and
+    # reflection streams, which never end on their own.
+    while server.helm_guard.generate.open and time.monotonic() < drain_started + args.drain_timeout:
+        time.sleep(0.1)
+    server.stop(grace=2.0).wait(7.0)
     daemon.close()
     if metrics is not None:
         metrics.close()

@@ -20,6 +20,7 @@ from executor.server.auth import ClientAuth, Tokens, is_loopback, server_credent
 from executor.server.client import ExecutorClient
 from executor.server.daemon import Daemon
 from executor.errors import CredentialError
+from executor.server.guard import OPEN_READERS
 from executor.server.messages import PlanSource
 from executor.server.serve import security_of, start_server
 from tests.executor.daemon.certs import make_certs
@@ -167,10 +168,11 @@ def test_client_credential_mistakes_are_one_line_errors(tmp_path, capsys, flags,
 
 
 def test_calls_whose_request_never_arrives_cannot_hold_the_pool(served, token_files):
-    """Open more calls than the pool has threads and never send their request: they are cut
-    off after the body timeout (unauthenticated ones refused at once), and health answers."""
+    """Open calls and never send their request: unauthenticated ones are refused without reading,
+    silent health calls beyond OPEN_READERS at once and the rest after OPEN_BODY_TIMEOUT_S,
+    authenticated ones after the body timeout; meanwhile the pool still answers a real call."""
     _, daemon = served
-    server, port = start_server(daemon, "127.0.0.1", 0, Tokens.from_file(token_files / "tokens"), body_timeout_s=1.0)
+    server, port = start_server(daemon, "127.0.0.1", 0, Tokens.from_file(token_files / "tokens"), body_timeout_s=5.0)
     never = threading.Event()
 
     def silent():
@@ -180,22 +182,30 @@ def test_calls_whose_request_never_arrives_cannot_hold_the_pool(served, token_fi
 
     token = (("authorization", f"Bearer {CLIENT_TOKEN}"),)
     try:
-        with ExecutorClient(f"127.0.0.1:{port}") as client:
+        with ExecutorClient(f"127.0.0.1:{port}", ClientAuth(token=CLIENT_TOKEN)) as client:
             info = client.channel.stream_unary("/helm.executor.v1.ExecutorService/Info")
-            calls = [info.future(silent(), timeout=30, metadata=token if i % 2 else ()) for i in range(80)]
+            check = client.channel.stream_unary("/grpc.health.v1.Health/Check")
+            anonymous = [info.future(silent(), timeout=30) for _ in range(40)]
+            health = [check.future(silent(), timeout=30) for _ in range(40)]
+            signed = [info.future(silent(), timeout=30, metadata=token) for _ in range(20)]
+            time.sleep(0.5)
             t0 = time.perf_counter()
-            assert client.health_status(timeout_s=10) == health_pb2.HealthCheckResponse.SERVING
-            assert time.perf_counter() - t0 < 5
-            codes = [c.exception(timeout=10).code() for c in calls]
-            assert codes.count(grpc.StatusCode.UNAUTHENTICATED) == 40  # refused without reading
-            assert codes.count(grpc.StatusCode.CANCELLED) == 40  # cut off after the body timeout
+            assert client.info(timeout_s=10).plan.split_k == 2
+            assert time.perf_counter() - t0 < 1.0  # far below either body timeout
+            codes = lambda calls: [c.exception(timeout=15).code() for c in calls]  # noqa: E731
+            assert codes(anonymous) == [grpc.StatusCode.UNAUTHENTICATED] * 40
+            health_codes = codes(health)
+            assert health_codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 40 - OPEN_READERS
+            assert health_codes.count(grpc.StatusCode.CANCELLED) == OPEN_READERS
+            assert codes(signed) == [grpc.StatusCode.CANCELLED] * 20
+            assert client.health_status(timeout_s=5) == health_pb2.HealthCheckResponse.SERVING
     finally:
         never.set()
         server.stop(0).wait(5)
 
 
 def test_a_key_that_is_not_the_certificates_is_named(certs):
-    with pytest.raises(CredentialError, match="are not a certificate and its key"):
+    with pytest.raises(CredentialError, match="are not a certificate and its unencrypted key"):
         server_credentials(str(certs.server_cert), str(certs.client_key), None)
 
 
