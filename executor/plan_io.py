@@ -9,9 +9,11 @@ import logging
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 from executor.errors import PlacementError
 from executor.model_config import ModelConfig
-from executor.placement import KernelChoice, Placement, StageSpec
+from executor.placement import KernelChoice, Placement, StageSpec, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +80,37 @@ def fit_page_size(placement: Placement, config: ModelConfig) -> Placement:
     log.info("KV page of %d tokens is longer than the model's context: using %d", placement.page_size_tokens,
              config.max_position_embeddings)
     return replace(placement, page_size_tokens=config.max_position_embeddings)
+
+
+def host_memory_available() -> int | None:
+    """MemAvailable in bytes (Linux); None where /proc/meminfo is absent."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_host_kv_fits(placement: Placement, config: ModelConfig, sequences: int,
+                       available: int | None = None) -> None:
+    """Every sequence holds at least one KV page in each stage: `sequences` of them must fit the
+    host memory available now for the stages whose pages live on the host (the CPU stages, and
+    all stages without CUDA). PlacementError naming the sizes otherwise."""
+    available = host_memory_available() if available is None else available
+    if available is None:
+        return
+    token_bytes = 2 * config.num_kv_heads * config.head_dim * torch.empty((), dtype=config.dtype).element_size()
+    host_layers = sum(len(range(max(s.unit_start, 1), min(s.unit_end, config.num_layers + 1)))
+                      for s in placement.stages if resolve_device(s.device).type == "cpu")
+    need = sequences * placement.page_size_tokens * host_layers * token_bytes
+    if need > available:
+        raise PlacementError(
+            f"KV pages of {placement.page_size_tokens} tokens: {sequences} sequences need at least "
+            f"{need / 2**30:.2f} GiB of host memory for the host-side stages' first pages, and "
+            f"{available / 2**30:.2f} GiB is available: plan with a smaller --page-size, or serve fewer "
+            "sequences (--max-batch)")
 
 
 def kernel_choice_of(plan) -> KernelChoice | None:

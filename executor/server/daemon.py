@@ -30,7 +30,7 @@ from executor.errors import (HelmError, LoadInProgressError, NotReadyError, Over
                              PlanNotFoundError, RequestError, RequestFailedError, ShuttingDownError)
 from executor.loader import load_model
 from executor.model_config import ModelConfig
-from executor.plan_io import load_checked_plan, placement_for
+from executor.plan_io import check_host_kv_fits, load_checked_plan, placement_for
 from executor.report import PlanSummary, Recorder, Report, kernel_isa
 from executor.sampling import SamplingParams, StopCriteria
 from executor.server.messages import (MAX_PROMPT_BYTES_PER_TOKEN, GenerateSpec, GenerationResult, LoadResult,
@@ -104,6 +104,7 @@ class Daemon:
         t0 = time.perf_counter()
         plan = load_checked_plan("plan", self.model_dir, self.config, text=self._plan_text(source))
         placement = placement_for(plan, self.config, cpu_threads=self.threads)
+        check_host_kv_fits(placement, self.config, self.max_batch)
         failure = None
         try:
             model = load_model(self.model_dir, placement, self.config, backend=self.backend)

@@ -9,6 +9,7 @@ import threading
 from dataclasses import replace
 
 import pytest
+import torch
 
 from executor.errors import LoadInProgressError, PlacementError, PlanLoadError, PlanNotFoundError
 from executor.kv_cache import PagePool
@@ -144,3 +145,23 @@ def test_one_load_at_a_time(model, plan_dir, monkeypatch):
         first.join(30)
     assert daemon.state == "serving"
     daemon.close()
+
+
+def test_pages_the_host_cannot_hold_for_every_sequence_are_refused(model, plan_dir, monkeypatch):
+    daemon = Daemon(model, max_batch=64, plan_dir=plan_dir)
+    try:
+        daemon.load_plan(PlanSource(path="good.yaml"))
+        before = daemon.plan()[0].digest
+        cfg = daemon.config
+        big = with_page_size(plan_dir / "good.yaml", cfg.max_position_embeddings)  # one page: the whole context
+        # Split 2: units 0-1 (block 0) on the CPU, the rest on CUDA, which runs on the CPU without one.
+        host_layers = 1 if torch.cuda.is_available() else cfg.num_layers
+        need = 64 * cfg.max_position_embeddings * host_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # fp32
+        monkeypatch.setattr("executor.plan_io.host_memory_available", lambda: need - 1)
+        with pytest.raises(PlacementError, match="64 sequences need at least .* GiB of host memory"):
+            daemon.load_plan(PlanSource(yaml=big))
+        monkeypatch.setattr("executor.plan_io.host_memory_available", lambda: need)
+        daemon.load_plan(PlanSource(yaml=big))
+        assert daemon.plan()[0].digest != before
+    finally:
+        daemon.close()
