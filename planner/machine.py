@@ -155,7 +155,44 @@ def machine_from_dict(data: dict, what: str = "machine profile") -> MachineProfi
     from planner.serial import from_dict
 
     validate(data, "machine", what)
-    return from_dict(MachineProfile, data)
+    machine = from_dict(MachineProfile, data)
+    check_machine(machine, what)
+    return machine
+
+
+def check_machine(m: MachineProfile, what: str = "machine profile", prefix: str = "") -> None:
+    """Cross-field rules a JSON Schema cannot say: a profile that contradicts itself is refused,
+    naming the field (a 93 GiB usable VRAM on a 24 GiB card once planned a 32B model onto it)."""
+    def bad(field: str, msg: str):
+        raise PlanError(f"{what}: inconsistent profile at field '{prefix}{field}': {msg}")
+
+    gib = 2**30
+    c = m.cpu
+    positive = [("cpu.dram_read_gibps", c.dram_read_gibps), ("cpu.l3_read_gibps", c.l3_read_gibps),
+                ("cpu.compute_gflops", c.compute_gflops)]
+    if m.gpu is not None:
+        positive += [("gpu.hbm_gibps", m.gpu.hbm_gibps), ("gpu.prefill_gflops", m.gpu.prefill_gflops),
+                     ("gpu.vram_total_bytes", m.gpu.vram_total_bytes), ("gpu.vram_usable_bytes", m.gpu.vram_usable_bytes)]
+    if m.link is not None:
+        positive += [("link.h2d_gibps", m.link.h2d_gibps), ("link.d2h_gibps", m.link.d2h_gibps)]
+    for field, value in positive:
+        if not value > 0:
+            bad(field, f"must be > 0, got {value}")
+    if c.threads < c.cores:
+        bad("cpu.threads", f"{c.threads} logical CPUs is fewer than the {c.cores} cores")
+    if c.ram_available_bytes > c.ram_total_bytes:
+        bad("cpu.ram_available_bytes", f"{c.ram_available_bytes / gib:.1f} GiB available is more than the "
+                                       f"{c.ram_total_bytes / gib:.1f} GiB total")
+    if (m.gpu is None) != (m.link is None):
+        bad("link" if m.link is None else "gpu", "a GPU profile and a link profile go together (both, or neither)")
+    g = m.gpu
+    if g is not None:
+        if g.vram_usable_bytes > g.vram_total_bytes:
+            bad("gpu.vram_usable_bytes", f"{g.vram_usable_bytes / gib:.1f} GiB usable is more than the "
+                                         f"{g.vram_total_bytes / gib:.1f} GiB total")
+        if g.cuda_context_reserve_bytes != g.vram_total_bytes - g.vram_usable_bytes:
+            bad("gpu.cuda_context_reserve_bytes", f"{g.cuda_context_reserve_bytes} is not total - usable = "
+                                                  f"{g.vram_total_bytes - g.vram_usable_bytes}")
 
 
 def load_machine(path_or_text: str | Path) -> MachineProfile:

@@ -23,7 +23,7 @@ from pathlib import Path
 from planner.config import config_digest, config_dtype, read_config
 from planner.cost import PREFILL_CHUNK_TOKENS, SplitCost, evaluate_split
 from planner.errors import PlanError
-from planner.machine import Calibration, MachineProfile, placeholder_machine
+from planner.machine import Calibration, MachineProfile, check_machine, placeholder_machine
 from planner.search import SearchSpace, best_split, evaluate_all
 from planner.serial import from_dict, to_dict
 from planner.trace import SharedWeight, UnitIR, trace_model
@@ -334,6 +334,7 @@ def _check_consistency(plan: Plan, what: str) -> None:
     def bad(field: str, msg: str):
         raise PlanError(f"{what}: inconsistent plan at field '{field}': {msg}")
 
+    check_machine(plan.machine, what, "machine.")
     if p.num_units != n or n != plan.model.num_blocks + 2:
         bad("partition.num_units", f"{p.num_units} units, ir has {n}, model has {plan.model.num_blocks} blocks")
     if not 0 <= p.split_k <= n:
