@@ -232,7 +232,7 @@ def placeholder_machine(cores: int | None = None) -> MachineProfile:
 
     facts = detect_cpu_facts()
     cpu = CpuProfile(
-        model_name=facts["model_name"], cores=cores or facts["cores"], threads=facts["threads"],
+        model_name=facts["model_name"], cores=cores or facts["cores"], threads=max(facts["threads"], cores or 0),
         isa=facts["isa"], l3_bytes=facts["l3_bytes"], dram_read_gibps=20.0, dram_read_gibps_runs=(),
         dram_buffer_bytes=0, l3_read_gibps=60.0, l3_read_source="manual", compute_gflops=100.0,
         ram_total_bytes=facts["ram_total_bytes"], ram_available_bytes=facts["ram_available_bytes"])
