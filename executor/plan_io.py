@@ -14,6 +14,7 @@ import torch
 from executor.errors import PlacementError
 from executor.model_config import ModelConfig
 from executor.placement import KernelChoice, Placement, StageSpec, resolve_device
+from planner.profile import meminfo
 
 log = logging.getLogger(__name__)
 
@@ -83,14 +84,8 @@ def fit_page_size(placement: Placement, config: ModelConfig) -> Placement:
 
 
 def host_memory_available() -> int | None:
-    """MemAvailable in bytes (Linux); None where /proc/meminfo is absent."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+    """MemAvailable in bytes; None where it cannot be read."""
+    return meminfo()[1] or None
 
 
 def check_host_kv_fits(placement: Placement, config: ModelConfig, sequences: int,

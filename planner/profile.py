@@ -82,7 +82,8 @@ def _l3_bytes() -> int:
     return best
 
 
-def _meminfo() -> tuple[int, int]:
+def meminfo() -> tuple[int, int]:
+    """(MemTotal, MemAvailable) in bytes; (0, 0) where /proc/meminfo cannot be read."""
     total = avail = 0
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -107,7 +108,7 @@ def detect_cpu_facts() -> dict:
     flags = set()
     for p in procs[:1]:
         flags = set((p.get("flags") or p.get("Features") or "").split())
-    total, avail = _meminfo()
+    total, avail = meminfo()
     return {
         "model_name": (procs[0].get("model name") if procs else None) or platform.processor() or "unknown",
         "cores": len(cores) or len(allowed),

@@ -38,7 +38,7 @@ from executor.server.messages import (MAX_PROMPT_BYTES_PER_TOKEN, GenerateSpec, 
 from executor.server.text import TextStream
 from executor.server.worker import EngineWorker, Ended, Produced, Rejected, Submission
 from planner.errors import PlanError
-from planner.yamlio import MAX_FILE_BYTES, read_text_file
+from planner.yamlio import read_text_file
 
 log = logging.getLogger("helm.daemon")
 
@@ -162,9 +162,7 @@ class Daemon:
         and every way it can fail there gives the same answer, so a caller learns nothing about
         the daemon's files; the text is never quoted back."""
         if source.yaml is not None:
-            if len(source.yaml.encode("utf-8")) > MAX_FILE_BYTES:
-                raise RequestError(f"the plan's YAML is more than the limit of {MAX_FILE_BYTES} bytes")
-            return source.yaml
+            return source.yaml  # parse_yaml bounds its size
         if self.plan_dir is None:
             raise PlanNotFoundError("LoadPlan by path is off: the daemon was started without --plan-dir; "
                                     "send the plan's YAML instead")

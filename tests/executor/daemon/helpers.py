@@ -2,6 +2,7 @@
 its streams. Every wait has a timeout so a broken daemon fails a test instead of hanging CI."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -71,6 +72,22 @@ class DaemonProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+@contextlib.contextmanager
+def serving_daemon(args: list[str], log_path: Path):
+    """A DaemonProcess that is SERVING; on exit SIGTERM, and it must drain and exit 0."""
+    from executor.server.client import ExecutorClient
+
+    proc = DaemonProcess(args, log_path)
+    try:
+        with ExecutorClient(proc.addr) as client:
+            client.wait_serving(timeout_s=START_TIMEOUT_S)
+        yield proc
+    finally:
+        proc.signal()
+        code = proc.wait(60)
+        assert code == 0, proc.log_path.read_text()
 
 
 def collect(stream):

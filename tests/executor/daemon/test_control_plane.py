@@ -17,7 +17,7 @@ from executor.pb import executor_pb2 as pb
 from executor.pb import executor_pb2_grpc as pb_grpc
 from executor.server.client import ExecutorClient
 from executor.server.guard import WATCH_STREAMS
-from tests.executor.daemon.helpers import DaemonProcess, collect, wait_until, write_plan
+from tests.executor.daemon.helpers import collect, serving_daemon, wait_until, write_plan
 from tests.planner.test_yamlio import SECRET, alias_bomb
 
 STALL_S = 6.0  # longer than the engine takes for the stalled requests: the slots free first
@@ -38,16 +38,10 @@ def plan_dir(model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def daemon(plan_dir, tmp_path_factory):
-    proc = DaemonProcess(["--plan", str(plan_dir / "plan.yaml"), "--plan-dir", str(plan_dir), "--max-batch", "1",
-                          "--max-queue", "3", "--stall-timeout", str(STALL_S), "--metrics-port", "0"],
-                         tmp_path_factory.mktemp("daemon") / "daemon.log")
-    try:
-        with ExecutorClient(proc.addr) as client:
-            client.wait_serving(timeout_s=120)
+    with serving_daemon(["--plan", str(plan_dir / "plan.yaml"), "--plan-dir", str(plan_dir), "--max-batch", "1",
+                         "--max-queue", "3", "--stall-timeout", str(STALL_S), "--metrics-port", "0"],
+                        tmp_path_factory.mktemp("daemon") / "daemon.log") as proc:
         yield proc
-    finally:
-        proc.signal()
-        proc.wait(60)
 
 
 @pytest.fixture(scope="module")

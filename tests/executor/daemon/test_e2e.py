@@ -17,7 +17,7 @@ from executor.sampling import SamplingParams
 from executor.server.client import ExecutorClient
 from executor.tokenizer import Tokenizer
 from planner.plan import load_plan
-from tests.executor.daemon.helpers import PAGE_SIZE, DaemonProcess, collect, wait_until, write_plan
+from tests.executor.daemon.helpers import PAGE_SIZE, collect, serving_daemon, wait_until, write_plan
 from tests.executor.helpers import helm_generate, prompt_ids
 
 RPC_TIMEOUT_S = 60
@@ -32,16 +32,9 @@ def plans(model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def daemon(plans, tmp_path_factory):
-    proc = DaemonProcess(["--plan", str(plans[2]), "--plan-dir", str(plans[2].parent)],
-                         tmp_path_factory.mktemp("daemon") / "daemon.log")
-    try:
-        with ExecutorClient(proc.addr) as client:
-            client.wait_serving(timeout_s=120)
+    with serving_daemon(["--plan", str(plans[2]), "--plan-dir", str(plans[2].parent)],
+                        tmp_path_factory.mktemp("daemon") / "daemon.log") as proc:
         yield proc
-    finally:
-        proc.signal()
-        code = proc.wait(60)
-        assert code == 0, proc.log_path.read_text()
 
 
 @pytest.fixture(scope="module")

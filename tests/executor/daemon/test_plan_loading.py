@@ -45,6 +45,11 @@ def tokens_of(daemon: Daemon, prompt=(11, 12, 13), n=4) -> list[int]:
     return [e.token_id for e in events[:-1]]
 
 
+def assert_serves_split_2(daemon: Daemon, model) -> None:
+    """The daemon's tokens are the offline engine's on good.yaml's split."""
+    assert tokens_of(daemon) == helm_generate(model, [[11, 12, 13]], split=2, max_new_tokens=4, page_size=16)[0][0]
+
+
 def test_paths_outside_the_plans_directory_are_one_answer(model, plan_dir, tmp_path):
     outside = tmp_path / "secret.yaml"
     outside.write_text(f"password: {SECRET}\n")
@@ -90,13 +95,11 @@ def test_oversized_pages_are_refused_or_bounded_and_the_old_plan_serves(model, p
         with pytest.raises(PlacementError, match="page_size_tokens"):  # schema maximum
             daemon.load_plan(PlanSource(yaml=with_page_size(plan_dir / "good.yaml", 16 << 20)))
         assert daemon.plan()[0].digest == before and daemon.state == "serving"
-        assert tokens_of(daemon) == helm_generate(model, [[11, 12, 13]], split=2, max_new_tokens=4,
-                                                  page_size=16)[0][0]
+        assert_serves_split_2(daemon, model)
         # Within the schema but longer than the context: the page is the context, no longer.
         daemon.load_plan(PlanSource(yaml=with_page_size(plan_dir / "good.yaml", 1 << 20)))
         assert {s.page_size_tokens for s in daemon.info().stages} == {daemon.config.max_position_embeddings}
-        assert tokens_of(daemon) == helm_generate(model, [[11, 12, 13]], split=2, max_new_tokens=4,
-                                                  page_size=16)[0][0]
+        assert_serves_split_2(daemon, model)
     finally:
         daemon.close()
 
@@ -117,8 +120,7 @@ def test_a_failed_warm_up_refuses_the_plan_and_the_old_plan_serves(model, plan_d
             daemon.load_plan(PlanSource(path=other.name))
         monkeypatch.setattr(PagePool, "allocate", real_allocate)
         assert daemon.plan()[0].digest == before and daemon.state == "serving"
-        assert tokens_of(daemon) == helm_generate(model, [[11, 12, 13]], split=2, max_new_tokens=4,
-                                                  page_size=16)[0][0]
+        assert_serves_split_2(daemon, model)
     finally:
         daemon.close()
 
