@@ -14,10 +14,11 @@ from typing import Any
 from planner.plan import Plan
 
 _MISSING = object()
-SECTIONS = ("partition", "kv", "prediction", "machine", "calibration", "recalibration", "workload", "limits", "model",
+SECTIONS = ("partition", "kv", "prediction", "longest_context", "machine", "calibration", "recalibration", "workload", "limits", "model",
             "plan_version", "parent_digest", "tool_version", "schema_version", "kind", "search", "ir")
 _KEYED = {"partition.stages": "device", "prediction.stages": "device", "search.candidates": "split_k",
-          "ir.units": "index", "ir.shared_weights": "name", "recalibration.devices": "device"}
+          "ir.units": "index", "ir.shared_weights": "name", "recalibration.devices": "device",
+          "machine.datasheet.rates": "field"}
 _SUMMARIZED = ("search.candidates", "ir.units", "recalibration.residuals")  # many rows: counted in the text output
 
 
@@ -93,8 +94,8 @@ def _rel(a: Any, b: Any) -> str:
 def format_diff(a: Plan, b: Plan, changes: list[Change], label_a: str = "A", label_b: str = "B") -> str:
     if not changes:
         return f"plans are equivalent: {label_a} and {label_b}\n"
-    lines = [f"--- {label_a}  ({a.model.architecture} on {a.machine.name}, {a.digest[:19]}…)",
-             f"+++ {label_b}  ({b.model.architecture} on {b.machine.name}, {b.digest[:19]}…)"]
+    lines = [f"--- {label_a}  ({a.model.architecture} on {a.machine.name} [{a.machine.source}], {a.digest[:19]}…)",
+             f"+++ {label_b}  ({b.model.architecture} on {b.machine.name} [{b.machine.source}], {b.digest[:19]}…)"]
     by_section: dict[str, list[str]] = {}   # changes in SECTIONS order, each section printed once
     summarized: dict[str, list[str]] = {}
     for c in changes:
@@ -123,8 +124,10 @@ def format_diff(a: Plan, b: Plan, changes: list[Change], label_a: str = "A", lab
 def diff_json(a: Plan, b: Plan, changes: list[Change]) -> dict:
     return {
         "equal": not changes,
-        "a": {"digest": a.digest, "machine": a.machine.name, "split_k": a.partition.split_k},
-        "b": {"digest": b.digest, "machine": b.machine.name, "split_k": b.partition.split_k},
+        "a": {"digest": a.digest, "machine": a.machine.name, "machine_source": a.machine.source,
+              "split_k": a.partition.split_k},
+        "b": {"digest": b.digest, "machine": b.machine.name, "machine_source": b.machine.source,
+              "split_k": b.partition.split_k},
         "sections": sorted({c.section for c in changes}, key=lambda s: SECTIONS.index(s) if s in SECTIONS else 99),
         "changes": [{"section": c.section, "path": c.path,
                      "a": c.a if c.a_present else None, "b": c.b if c.b_present else None,

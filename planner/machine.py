@@ -1,9 +1,12 @@
 """Machine profile: what the cost model needs to know about a machine (DESIGN §4).
 
-Measured by `helm-plan profile` (planner/profile.py) or entered by hand, saved as YAML validated
-by schemas/machine.schema.json, embedded in every plan so a plan is self-contained and two plans
-made on different machines can be diffed. Bandwidths are GiB/s (2^30 bytes per second, suffix
-`_gibps`), FLOP rates GFLOP/s (10^9, suffix `_gflops`), sizes bytes (`_bytes`).
+Measured by `helm-plan profile` (planner/profile.py), written from datasheets by `helm-plan
+machine` (planner/datasheet.py) or entered by hand, saved as YAML validated by
+schemas/machine.schema.json, embedded in every plan so a plan is self-contained and two plans
+made on different machines can be diffed. Stored bandwidths are GiB/s (2^30 bytes per second,
+suffix `_gibps`), FLOP rates GFLOP/s (10^9, suffix `_gflops`), sizes bytes (`_bytes`); a profile
+file may write any of them with a unit ("936 GB/s", "24GiB", "82.6 TFLOPS"), and may leave out
+what only a measurement records (runs, buffer sizes, timings): `complete_profile` fills both in.
 """
 from __future__ import annotations
 
@@ -13,8 +16,10 @@ from pathlib import Path
 
 from planner.errors import PlanError
 from planner.serial import OMIT_IF_NONE
+from planner.units import parse_bytes, parse_flops, parse_rate, round_sig
 
 MACHINE_SCHEMA_VERSION = 1
+L3_OVER_DRAM = 3.0                       # B_L3 ≈ 3·M where the L3 was not measured (DESIGN §4)
 
 
 @dataclass(frozen=True)
@@ -130,11 +135,32 @@ class Calibration:
 
 
 @dataclass(frozen=True)
+class DatasheetRate:
+    """One rate of a datasheet profile: a published (or computed) peak times an explicit
+    efficiency. `helm-plan profile` on the machine replaces the estimate with a measurement, and
+    recalibration's η then corrects what remains."""
+    field: str                           # the profile field it sets, e.g. "gpu.hbm_gibps"
+    peak: float                          # in that field's unit (GiB/s, GFLOP/s)
+    efficiency: float                    # field = peak × efficiency
+    basis: str                           # where the peak comes from: the datasheet figure or the arithmetic
+
+
+@dataclass(frozen=True)
+class Datasheet:
+    """How a `source: datasheet` profile was made (planner/datasheet.py)."""
+    gpu: str | None                      # catalogue entry ("GeForce RTX 3090"), "entered", or None
+    cpu: str | None
+    rates: tuple[DatasheetRate, ...]
+    assumptions: tuple[str, ...]         # what was not on any datasheet (RAM left to the OS, CUDA context, ...)
+    sources: tuple[str, ...]             # the documents the figures come from
+
+
+@dataclass(frozen=True)
 class MachineProfile:
     kind: str                            # always "machine_profile"
     schema_version: int
     name: str                            # short identifier, e.g. "laptop-rtx4060-i7-13700h"
-    source: str                          # "measured" | "manual" | "placeholder"
+    source: str                          # "measured" | "datasheet" | "manual" | "placeholder"
     notes: str
     tool_version: str
     measured_at: str | None              # ISO time of measurement (informational)
@@ -144,6 +170,7 @@ class MachineProfile:
     gpu: GpuProfile | None               # None: no CUDA device
     link: LinkProfile | None             # None: no CUDA device
     calibration: Calibration             # defaults for plans made for this machine
+    datasheet: Datasheet | None = field(default=None, metadata=OMIT_IF_NONE, kw_only=True)
 
     @property
     def has_gpu(self) -> bool:
@@ -154,10 +181,89 @@ def machine_from_dict(data: dict, what: str = "machine profile") -> MachineProfi
     from planner.schema import validate
     from planner.serial import from_dict
 
+    data = complete_profile(data, what)
     validate(data, "machine", what)
     machine = from_dict(MachineProfile, data)
     check_machine(machine, what)
     return machine
+
+
+_UNIT_PARSERS = {"_bytes": parse_bytes, "_gibps": parse_rate, "_gflops": parse_flops}
+
+
+def _canonical_units(section: dict, where: str, what: str) -> dict:
+    """`section` with every quantity written with a unit ("24GiB", "936 GB/s") in its field's
+    canonical unit; PlanError naming the field when one cannot be read."""
+    out = dict(section)
+    for key, value in section.items():
+        suffix = next((s for s in _UNIT_PARSERS if key.endswith(s) or key.endswith(s + "_runs")), None)
+        if suffix is None:
+            continue
+        parse = _UNIT_PARSERS[suffix]
+        try:
+            if isinstance(value, str):
+                out[key] = _stored(parse(value, ""))
+            elif isinstance(value, list) and key.endswith("_runs"):
+                out[key] = [_stored(parse(v, "")) if isinstance(v, str) else v for v in value]
+        except PlanError as e:
+            raise PlanError(f"{what}: field '{where}{key}'{e}") from None
+    return out
+
+
+def _stored(value: int | float) -> int | float:
+    return value if isinstance(value, int) else round_sig(value)
+
+
+def complete_profile(data: dict, what: str = "machine profile") -> dict:
+    """A hand-written profile in the schema's complete form: quantities written with units in
+    the canonical unit, and what only a measurement records (runs, buffer sizes, timings, the
+    tool version, a default calibration) filled in, so a person writes the figures the cost
+    model reads and nothing else. A complete profile comes back unchanged."""
+    from planner.serial import to_dict
+
+    if not isinstance(data, dict):
+        return data
+    out = {"kind": "machine_profile", "schema_version": MACHINE_SCHEMA_VERSION, **data}
+    out.setdefault("source", "manual")
+    out.setdefault("notes", "")
+    out.setdefault("tool_version", tool_version())
+    for key, default in (("measured_at", None), ("profile_seconds", None), ("quick", False), ("gpu", None),
+                         ("link", None)):
+        out.setdefault(key, default)
+    out.setdefault("calibration", to_dict(Calibration()))
+    if isinstance(out.get("cpu"), dict):
+        cpu = _canonical_units(out["cpu"], "cpu.", what)
+        cpu.setdefault("threads", cpu.get("cores"))
+        cpu.setdefault("isa", [])
+        cpu.setdefault("l3_bytes", 0)
+        cpu.setdefault("dram_read_gibps_runs", [])
+        cpu.setdefault("dram_buffer_bytes", 0)
+        dram = cpu.get("dram_read_gibps")
+        if "l3_read_gibps" not in cpu and isinstance(dram, (int, float)):
+            if not dram > 0:   # the L3 estimate below is derived from it
+                raise PlanError(f"{what}: field 'cpu.dram_read_gibps': must be > 0, got {dram}")
+            cpu["l3_read_gibps"] = L3_OVER_DRAM * cpu["dram_read_gibps"]
+            cpu.setdefault("l3_read_source", f"estimated: {L3_OVER_DRAM:g} x dram")
+        cpu.setdefault("l3_read_source", "manual")
+        out["cpu"] = cpu
+    if isinstance(out.get("gpu"), dict):
+        gpu = _canonical_units(out["gpu"], "gpu.", what)
+        total, usable, reserve = (gpu.get(k) for k in ("vram_total_bytes", "vram_usable_bytes",
+                                                       "cuda_context_reserve_bytes"))
+        if isinstance(total, int) and usable is None and isinstance(reserve, int):
+            gpu["vram_usable_bytes"] = total - reserve
+        elif isinstance(total, int) and isinstance(usable, int) and reserve is None:
+            gpu["cuda_context_reserve_bytes"] = total - usable
+        gpu.setdefault("hbm_gibps_runs", [])
+        gpu.setdefault("prefill_matmul", "entered by hand")
+        out["gpu"] = gpu
+    if isinstance(out.get("link"), dict):
+        link = _canonical_units(out["link"], "link.", what)
+        if "d2h_gibps" not in link and "h2d_gibps" in link:
+            link["d2h_gibps"] = link["h2d_gibps"]
+        link.setdefault("pinned", True)
+        out["link"] = link
+    return out
 
 
 def check_machine(m: MachineProfile, what: str = "machine profile", prefix: str = "") -> None:
@@ -193,6 +299,24 @@ def check_machine(m: MachineProfile, what: str = "machine profile", prefix: str 
         if g.cuda_context_reserve_bytes != g.vram_total_bytes - g.vram_usable_bytes:
             bad("gpu.cuda_context_reserve_bytes", f"{g.cuda_context_reserve_bytes} is not total - usable = "
                                                   f"{g.vram_total_bytes - g.vram_usable_bytes}")
+    if (m.source == "datasheet") != (m.datasheet is not None):
+        bad("datasheet", "a profile has a datasheet section exactly when its source is 'datasheet'")
+    for i, r in enumerate(m.datasheet.rates if m.datasheet else ()):
+        value = _field_value(m, r.field)
+        if value is None:
+            bad(f"datasheet.rates[{i}].field", f"{r.field!r} is not a rate of this profile")
+        if not 0 < r.efficiency <= 1:
+            bad(f"datasheet.rates[{i}].efficiency", f"must be in (0, 1], got {r.efficiency}")
+        if not math.isclose(value, r.peak * r.efficiency, rel_tol=1e-4):
+            bad(r.field, f"{value:g} is not the datasheet's peak {r.peak:g} x efficiency {r.efficiency:g} = "
+                         f"{r.peak * r.efficiency:g} (edit the efficiency, not the rate, or remake the profile)")
+
+
+def _field_value(m: MachineProfile, path: str) -> float | None:
+    section, _, name = path.partition(".")
+    obj = getattr(m, section, None) if section in ("cpu", "gpu", "link") else None
+    value = getattr(obj, name, None) if obj is not None and name.endswith(("_gibps", "_gflops")) else None
+    return value if isinstance(value, (int, float)) else None
 
 
 def load_machine(path_or_text: str | Path) -> MachineProfile:
@@ -223,11 +347,15 @@ def save_machine(machine: MachineProfile, path: str | Path) -> None:
     Path(path).write_text(machine_to_yaml(machine))
 
 
+def tool_version() -> str:
+    from planner import __version__
+    return __version__
+
+
 def placeholder_machine(cores: int | None = None) -> MachineProfile:
     """A machine that was not measured: this host's CPU facts (no benchmarks) plus nominal
     bandwidths and a nominal 24 GiB GPU. Lets a plan be made for a forced split (tests, the
     executor's --split) without profiling; its predictions mean nothing."""
-    from planner import __version__
     from planner.profile import detect_cpu_facts
 
     facts = detect_cpu_facts()
@@ -243,9 +371,5 @@ def placeholder_machine(cores: int | None = None) -> MachineProfile:
     return MachineProfile(
         kind="machine_profile", schema_version=MACHINE_SCHEMA_VERSION, name="placeholder",
         source="placeholder", notes="not measured: nominal numbers, predictions are not meaningful",
-        tool_version=__version__, measured_at=None, profile_seconds=None, quick=False,
+        tool_version=tool_version(), measured_at=None, profile_seconds=None, quick=False,
         cpu=cpu, gpu=gpu, link=link, calibration=Calibration())
-
-
-def with_calibration(machine: MachineProfile, calibration: Calibration) -> MachineProfile:
-    return replace(machine, calibration=calibration)

@@ -20,12 +20,13 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from planner.capacity import LongestContext, longest_any_split, longest_context, model_max_tokens
 from planner.config import config_digest, config_dtype, read_config
 from planner.cost import PREFILL_CHUNK_TOKENS, SplitCost, evaluate_split
 from planner.errors import PlanError
-from planner.machine import Calibration, MachineProfile, check_machine, placeholder_machine
+from planner.machine import Calibration, MachineProfile, check_machine, placeholder_machine, tool_version
 from planner.search import SearchSpace, best_split, evaluate_all
-from planner.serial import from_dict, to_dict
+from planner.serial import OMIT_IF_NONE, from_dict, to_dict
 from planner.trace import SharedWeight, UnitIR, trace_model
 from planner.units import fmt_bytes, round_sig
 
@@ -39,6 +40,7 @@ __all__ = [
 ]
 
 PLAN_SCHEMA_VERSION = 1
+SEARCH_OBJECTIVE = "minimum predicted ms/token among feasible splits (ties: larger k)"
 DEFAULT_PAGE_SIZE_TOKENS = 512
 DEFAULT_WATERMARK = 0.8
 
@@ -255,6 +257,8 @@ class Plan:
     # written when None, so plans with a default calibration read as before.
     recalibration: Recalibration | None = field(default=None, kw_only=True)
     prediction: Prediction
+    # Stated by every plan made since it was added; absent from older files, which load as before.
+    longest_context: LongestContext | None = field(default=None, metadata=OMIT_IF_NONE, kw_only=True)
     search: Search
     ir: IRSummary
 
@@ -353,6 +357,16 @@ def _check_consistency(plan: Plan, what: str) -> None:
 
 # ---- making plans ----------------------------------------------------------------------------
 
+def model_label(source: str, model_type: str) -> str:
+    """A short name for the model a plan was made from: a config file by its stem (qwen3-8b.json),
+    a checkpoint directory by its whole name (models/qwen3-0.6b: its "suffix" is not an extension)."""
+    if source in ("", "<dict>"):
+        return model_type
+    path = Path(source)
+    name = path.stem if path.suffix == ".json" else path.name
+    return (path.parent.name or name) if name == "config" else name
+
+
 def header_lines(plan: Plan) -> list[str]:
     """The comment header: the decision in three lines."""
     p, pr = plan.partition, plan.prediction
@@ -367,15 +381,10 @@ def header_lines(plan: Plan) -> list[str]:
             parts.append("head")
         return f"{s.device} units {s.unit_start}-{s.unit_end - 1} ({' + '.join(parts)}, {fmt_bytes(s.weight_bytes)})"
 
-    source = Path(plan.model.source)
-    # A config file is named by its stem (qwen3-8b.json); a checkpoint directory by its whole name
-    # (models/qwen3-0.6b: its "suffix" is not an extension).
-    name = (source.stem if source.suffix == ".json" else source.name) \
-        if plan.model.source not in ("", "<dict>") else plan.model.model_type
-    if name == "config":
-        name = Path(plan.model.source).parent.name or name
+    name = model_label(plan.model.source, plan.model.model_type)
+    profile = "" if plan.machine.source == "measured" else f" ({plan.machine.source} profile)"
     line1 = (f"HELM plan v{plan.plan_version}: {plan.model.architecture} ({name}, {plan.model.dtype}) on "
-             f"{plan.machine.name}: split k={p.split_k} of {p.num_units} units"
+             f"{plan.machine.name}{profile}: split k={p.split_k} of {p.num_units} units"
              f"{' (forced)' if p.forced else ''}: " + "; ".join(describe(s) for s in p.stages))
     terms = [f"{s.device} {s.ms_per_token:g}" for s in pr.stages]
     if len(pr.stages) > 1:
@@ -384,9 +393,19 @@ def header_lines(plan: Plan) -> list[str]:
              f"{pr.context_tokens}, batch {pr.batch_size}: {' + '.join(terms)} ms"
              f" (roofline {pr.roofline_ms_per_token:g} ms before δ); TTFT {pr.ttft_ms:g} ms")
     lines = [line1, line2, "Why: " + _why(plan)]
+    if plan.longest_context is not None:
+        lines.append(_longest_line(plan.longest_context))
     if plan.recalibration is not None:
         lines.append(_calibration_line(plan))
     return lines
+
+
+def _longest_line(c: LongestContext) -> str:
+    line = (f"Longest context at batch {c.batch_size}: {c.without_offload_tokens} tokens "
+            f"(bound by {c.without_offload_bound})")
+    if (c.with_offload_tokens, c.with_offload_bound) != (c.without_offload_tokens, c.without_offload_bound):
+        line += f"; with KV offload {c.with_offload_tokens} tokens (bound by {c.with_offload_bound})"
+    return line + "."
 
 
 def _calibration_line(plan: Plan) -> str:
@@ -511,9 +530,14 @@ def make_plan(model: str | Path | dict, machine: MachineProfile | None = None, *
               gpu_memory_bytes: int | None = None, host_memory_bytes: int | None = None,
               split_k: int | None = None, allow_infeasible: bool = False, dtype: str | None = None,
               calibration: Calibration | None = None, parent: Plan | None = None,
-              source: str | None = None) -> Plan:
+              source: str | None = None, max_context: bool = False,
+              latency_bound_ms: float | None = None) -> Plan:
     """Trace the model, score every split on `machine`, and return the plan for the best one
     (or for `split_k` when given). PlanError when the input is bad or nothing fits.
+
+    With `max_context` the workload's context becomes the longest any split (or `split_k`) serves
+    with its predicted decode step within `latency_bound_ms` (when given), and the plan is the
+    fastest split at that context.
 
     With `parent` the plan is its next version and inherits its calibration (unless
     `calibration` is given) by `carry_calibration`: a parent calibrated on another machine keeps
@@ -535,17 +559,58 @@ def make_plan(model: str | Path | dict, machine: MachineProfile | None = None, *
         else:
             calibration = machine.calibration
 
-    ir = trace_model(data, dtype)
-    identity = ModelIdentity(architecture=ir.architecture, model_type=ir.model_type,
+    if latency_bound_ms is not None and not (max_context and latency_bound_ms > 0):
+        raise PlanError("--latency-bound goes with --max-context and must be > 0 ms/token")
+
+    traced = trace_model(data, dtype)
+    identity = ModelIdentity(architecture=traced.architecture, model_type=traced.model_type,
                              config_digest=config_digest(data), dtype=dtype, source=source or given_source,
-                             num_blocks=ir.num_blocks, num_params=ir.num_params, weight_bytes=ir.weight_bytes)
-    return _assemble(identity, IRSummary(trace_context_tokens=ir.trace_context_tokens, units=ir.units,
-                                         shared_weights=ir.shared_weights),
-                     machine, workload,
-                     Limits(gpu_memory_bytes=gpu_memory_bytes, host_memory_bytes=host_memory_bytes,
-                            gpu_budget_bytes=gpu_budget, host_budget_bytes=host_budget),
-                     KVPlan(page_size_tokens=page_size_tokens, watermark=watermark, offload=kv_offload),
-                     split_k, allow_infeasible, calibration, recalibration, parent)
+                             num_blocks=traced.num_blocks, num_params=traced.num_params,
+                             weight_bytes=traced.weight_bytes)
+    ir = IRSummary(trace_context_tokens=traced.trace_context_tokens, units=traced.units,
+                   shared_weights=traced.shared_weights)
+    limits = Limits(gpu_memory_bytes=gpu_memory_bytes, host_memory_bytes=host_memory_bytes,
+                    gpu_budget_bytes=gpu_budget, host_budget_bytes=host_budget)
+    kv_settings = KVPlan(page_size_tokens=page_size_tokens, watermark=watermark, offload=kv_offload)
+    model_max = model_max_tokens(data)
+    objective = SEARCH_OBJECTIVE
+    if max_context:
+        workload, objective = _longest_workload(identity, ir, machine, workload, limits, kv_settings, calibration,
+                                                model_max, latency_bound_ms, split_k)
+    return _assemble(identity, ir, machine, workload, limits, kv_settings, split_k, allow_infeasible, calibration,
+                     recalibration, parent, model_max, objective)
+
+
+def _space(dtype: str, workload: Workload, limits: Limits, kv: KVPlan) -> SearchSpace:
+    return SearchSpace(batch=workload.batch_size, context=workload.context_tokens, prompt=workload.prompt_tokens,
+                       page_size_tokens=kv.page_size_tokens, watermark=kv.watermark, offload=kv.offload,
+                       gpu_budget_bytes=limits.gpu_budget_bytes, host_budget_bytes=limits.host_budget_bytes,
+                       dtype=dtype)
+
+
+def _longest_workload(identity: ModelIdentity, ir: IRSummary, machine: MachineProfile, workload: Workload,
+                      limits: Limits, kv: KVPlan, calibration: Calibration, model_max: int,
+                      bound_ms: float | None, split_k: int | None) -> tuple[Workload, str]:
+    """The workload at the longest context a split serves (within the bound), and the objective."""
+    n = len(ir.units)
+    if split_k is not None and not 0 <= split_k <= n:
+        raise PlanError(f"--split {split_k} is out of range: {identity.architecture} has {n} units (0..{n})")
+    splits = range(split_k, split_k + 1) if split_k is not None else None
+    tokens, k, why = longest_any_split(ir.units, ir.shared_weights, machine, _space(identity.dtype, workload, limits, kv),
+                                       calibration, model_max, bound_ms, splits)
+    within = f" within {bound_ms:g} ms/token" if bound_ms is not None else ""
+    need = workload.prompt_tokens + workload.max_new_tokens
+    if k is None:
+        which = f"split k={split_k} does not serve" if split_k is not None else "no split serves"
+        raise PlanError(f"--max-context: {which} one KV page of {kv.page_size_tokens} tokens{within} on "
+                        f"{machine.name}: {why}")
+    if tokens < need:
+        raise PlanError(f"--max-context: the longest context{within} on {machine.name} is {tokens} tokens (k={k}, "
+                        f"then {why}), shorter than prompt + new tokens ({workload.prompt_tokens} + "
+                        f"{workload.max_new_tokens}): lower --prompt-tokens / --max-new-tokens")
+    objective = (f"the longest context {'split k=%d' % split_k if split_k is not None else 'any split'} serves"
+                 f"{within} ({tokens} tokens at k={k}; one page more: {why}); at it, {SEARCH_OBJECTIVE}")
+    return replace(workload, context_tokens=tokens), objective
 
 
 def carry_calibration(parent: Plan, machine: MachineProfile) -> tuple[Calibration, Recalibration | None]:
@@ -564,20 +629,20 @@ def replan(plan: Plan, calibration: Calibration, recalibration: Recalibration | 
     IR (no config or weights needed) on the same machine, workload, limits and KV settings. A
     plan whose split was forced keeps it; otherwise the calibrated model may move k."""
     p = plan.partition
+    model_max = plan.longest_context.model_max_tokens if plan.longest_context is not None else None
     return _assemble(plan.model, plan.ir, plan.machine, plan.workload, plan.limits, plan.kv,
-                     p.split_k if p.forced else None, True, calibration, recalibration, plan)
+                     p.split_k if p.forced else None, True, calibration, recalibration, plan, model_max,
+                     plan.search.objective)
 
 
 def _assemble(identity: ModelIdentity, ir: IRSummary, machine: MachineProfile, workload: Workload,
               limits: Limits, kv_settings: KVPlan, split_k: int | None, allow_infeasible: bool,
-              calibration: Calibration, recalibration: Recalibration | None, parent: Plan | None) -> Plan:
-    """Score every split of `ir` on `machine` and build the plan for the best (or `split_k`)."""
+              calibration: Calibration, recalibration: Recalibration | None, parent: Plan | None,
+              model_max: int | None, objective: str) -> Plan:
+    """Score every split of `ir` on `machine` and build the plan for the best (or `split_k`);
+    `model_max`: the model's position limit for the longest context (None: not stated)."""
     units, shared, n = ir.units, ir.shared_weights, len(ir.units)
-    space = SearchSpace(batch=workload.batch_size, context=workload.context_tokens,
-                        prompt=workload.prompt_tokens, page_size_tokens=kv_settings.page_size_tokens,
-                        watermark=kv_settings.watermark, offload=kv_settings.offload,
-                        gpu_budget_bytes=limits.gpu_budget_bytes, host_budget_bytes=limits.host_budget_bytes,
-                        dtype=identity.dtype)
+    space = _space(identity.dtype, workload, limits, kv_settings)
     costs = evaluate_all(units, shared, machine, space, calibration)
     best = best_split(costs)
     model_name = f"{identity.architecture} ({identity.source})"
@@ -599,7 +664,7 @@ def _assemble(identity: ModelIdentity, ir: IRSummary, machine: MachineProfile, w
     plan = Plan(
         kind="plan", schema_version=PLAN_SCHEMA_VERSION,
         plan_version=(parent.plan_version + 1) if parent else 1, digest="",
-        parent_digest=parent.digest if parent else None, tool_version=_tool_version(),
+        parent_digest=parent.digest if parent else None, tool_version=tool_version(),
         model=identity, machine=machine, workload=workload, limits=limits,
         partition=Partition(split_k=chosen.split_k, num_units=n, forced=split_k is not None, stages=stages),
         kv=replace(kv_settings, pages_per_sequence=kv.pages_per_sequence, device_page_bytes=kv.device_page_bytes,
@@ -608,7 +673,9 @@ def _assemble(identity: ModelIdentity, ir: IRSummary, machine: MachineProfile, w
         calibration=calibration,
         recalibration=recalibration,
         prediction=_prediction(chosen, workload),
-        search=Search(objective="minimum predicted ms/token among feasible splits (ties: larger k)",
+        longest_context=None if model_max is None else longest_context(
+            chosen.split_k, units, shared, machine, space, calibration, model_max),
+        search=Search(objective=objective,
                       best_feasible_k=best.split_k if best else None,
                       candidates=tuple(_candidate(c) for c in costs)),
         ir=ir,
@@ -665,11 +732,6 @@ def _check_workload(w: Workload) -> None:
     if w.context_tokens < w.prompt_tokens + w.max_new_tokens:
         raise PlanError(f"--context {w.context_tokens} is shorter than prompt + new tokens "
                         f"({w.prompt_tokens} + {w.max_new_tokens})")
-
-
-def _tool_version() -> str:
-    from planner import __version__
-    return __version__
 
 
 def workload_for(prompt_tokens: int = 512, max_new_tokens: int = 512, batch_size: int = 1,

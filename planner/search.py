@@ -27,16 +27,20 @@ class SearchSpace:
     dtype: str | None = None    # the weights' (selects the CPU kernels' measured rates)
 
 
+def evaluate_at(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight, ...], machine: MachineProfile,
+                space: SearchSpace, calibration: Calibration | None = None) -> SplitCost:
+    """Score split k (units [0, k) on the CPU) in `space`."""
+    return evaluate_split(k, units, shared, machine, batch=space.batch, context=space.context,
+                          prompt=space.prompt, page_size_tokens=space.page_size_tokens,
+                          watermark=space.watermark, offload=space.offload,
+                          gpu_budget_bytes=space.gpu_budget_bytes, host_budget_bytes=space.host_budget_bytes,
+                          calibration=calibration, dtype=space.dtype)
+
+
 def evaluate_all(units: tuple[UnitIR, ...], shared: tuple[SharedWeight, ...], machine: MachineProfile,
                  space: SearchSpace, calibration: Calibration | None = None) -> tuple[SplitCost, ...]:
     """Score every split k = 0 (all GPU) .. N (all CPU)."""
-    return tuple(
-        evaluate_split(k, units, shared, machine, batch=space.batch, context=space.context,
-                       prompt=space.prompt, page_size_tokens=space.page_size_tokens,
-                       watermark=space.watermark, offload=space.offload,
-                       gpu_budget_bytes=space.gpu_budget_bytes, host_budget_bytes=space.host_budget_bytes,
-                       calibration=calibration, dtype=space.dtype)
-        for k in range(len(units) + 1))
+    return tuple(evaluate_at(k, units, shared, machine, space, calibration) for k in range(len(units) + 1))
 
 
 def best_split(candidates: tuple[SplitCost, ...]) -> SplitCost | None:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from planner.errors import PlanError
 from planner.plan import Plan
+from planner.serial import to_dict
 from planner.units import GIB, fmt_bytes
 
 
@@ -63,6 +64,11 @@ def format_summary(plan: Plan) -> str:
     lines.append(f"  link  {pr.comm_ms_per_token:.4f} ms/token")
     lines.append(f"predicted {pr.ms_per_token:.3f} ms/token, {pr.tokens_per_s:.3f} tok/s at context "
                  f"{pr.context_tokens} (roofline {pr.roofline_ms_per_token:.3f} ms before δ); TTFT {pr.ttft_ms:.1f} ms")
+    lc = plan.longest_context
+    if lc is not None:
+        lines.append(f"longest   context at batch {lc.batch_size}: {lc.without_offload_tokens} tokens (bound by "
+                     f"{lc.without_offload_bound}); with KV offload {lc.with_offload_tokens} (bound by "
+                     f"{lc.with_offload_bound})")
     lines.append(f"kv        pages of {kv.page_size_tokens} tokens, watermark {kv.watermark:g}, offload "
                  f"{'on' if kv.offload else 'off'}: {kv.device_pages} device page(s) of {fmt_bytes(kv.device_page_bytes)}, "
                  f"{kv.host_pages} host page(s), {kv.cpu_pages} CPU-stage page(s) of {fmt_bytes(kv.cpu_page_bytes)}")
@@ -118,6 +124,8 @@ def show_json(plan: Plan) -> dict:
         "kv": {"page_size_tokens": plan.kv.page_size_tokens, "watermark": plan.kv.watermark,
                "offload": plan.kv.offload, "device_pages": plan.kv.device_pages, "host_pages": plan.kv.host_pages},
         "best_feasible_k": plan.search.best_feasible_k,
+        "machine_source": plan.machine.source,
+        "longest_context": to_dict(plan.longest_context),
     }
 
 

@@ -1,7 +1,10 @@
-"""Byte-size parsing and formatting, and float rounding for deterministic files.
+"""Sizes, rates and FLOP rates with their units; float rounding for deterministic files.
 
-Sizes on the command line follow Accelerate's max_memory spelling: "8GiB", "16GB", "512MiB",
-or a plain number of bytes. Binary (GiB) and decimal (GB) suffixes mean what they say.
+One canonical unit each, the one the profile and plan files store: sizes in bytes, bandwidths in
+GiB/s (2^30 bytes per second), compute in GFLOP/s (10^9). Input may carry any unit, as datasheets
+and Accelerate's max_memory write them: "8GiB", "16 GB", "512MiB", "936 GB/s", "22.4GiB/s",
+"82.6 TFLOPS". Binary (GiB) and decimal (GB) prefixes mean what they say, so a datasheet's
+936 GB/s is 871.7 GiB/s, not 936. A plain number is already in the canonical unit.
 """
 from __future__ import annotations
 
@@ -19,7 +22,9 @@ _SUFFIX_BYTES = {
     "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
     "KIB": KIB, "MIB": MIB, "GIB": GIB, "TIB": 1 << 40,
 }
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+_RATE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*(/\s*s)?\s*$")
+_FLOPS_SCALE = {"": 1.0, "MFLOPS": 1e-3, "GFLOPS": 1.0, "TFLOPS": 1e3, "PFLOPS": 1e6}
 
 
 def parse_bytes(text: str | int, what: str = "size") -> int:
@@ -30,10 +35,56 @@ def parse_bytes(text: str | int, what: str = "size") -> int:
         m = _SIZE_RE.match(str(text))
         if not m or m.group(2).upper() not in _SUFFIX_BYTES:
             raise PlanError(f"{what}: cannot read {text!r} as a size (use e.g. 8GiB, 16GB, 512MiB)")
-        value = int(float(m.group(1)) * _SUFFIX_BYTES[m.group(2).upper()])
+        number = float(m.group(1)) * _SUFFIX_BYTES[m.group(2).upper()]
+        if not math.isfinite(number) or number >= 2**63:
+            raise PlanError(f"{what}: {text!r} is too large")
+        value = int(number)
     if value <= 0:
         raise PlanError(f"{what}: {text!r} must be a positive size")
     return value
+
+
+def parse_rate(text: str | int | float, what: str = "bandwidth") -> float:
+    """A bandwidth in GiB/s: '936 GB/s' -> 871.7; '22.4GiB/s' -> 22.4; 45 -> 45.0. Raises PlanError."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        m = _RATE_RE.match(str(text))
+        unit, per_second = (m.group(2).upper(), m.group(3)) if m else ("", None)
+        if unit.endswith("PS") and not per_second:          # the 'GBps' spelling
+            unit, per_second = unit[:-2], "ps"
+        if not m or (unit and (unit not in _SUFFIX_BYTES or not per_second)):
+            raise PlanError(f"{what}: cannot read {text!r} as a bandwidth (use e.g. 936GB/s, 22.4GiB/s, or a "
+                            "number of GiB/s)")
+        value = float(m.group(1)) * (_SUFFIX_BYTES[unit] / GIB if unit else 1.0)
+    if not math.isfinite(value) or value <= 0:
+        raise PlanError(f"{what}: {text!r} must be a positive, finite bandwidth")
+    return value
+
+
+def parse_flops(text: str | int | float, what: str = "compute rate") -> float:
+    """A FLOP rate in GFLOP/s: '82.6 TFLOPS' -> 82600; '500 GFLOP/s' -> 500; 500 -> 500.0."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        m = _RATE_RE.match(str(text))
+        unit = m.group(2).upper().replace("FLOP", "FLOPS").replace("FLOPSS", "FLOPS") if m else ""
+        if not m or unit not in _FLOPS_SCALE:
+            raise PlanError(f"{what}: cannot read {text!r} as a FLOP rate (use e.g. 82.6TFLOPS, 500GFLOP/s, or "
+                            "a number of GFLOP/s)")
+        value = float(m.group(1)) * _FLOPS_SCALE[unit]
+    if not math.isfinite(value) or value <= 0:
+        raise PlanError(f"{what}: {text!r} must be a positive, finite FLOP rate")
+    return value
+
+
+def fmt_rate(gibps: float) -> str:
+    """A bandwidth with both readings, as a reviewer compares it to a datasheet: '871.7 GiB/s (936 GB/s)'."""
+    return f"{gibps:.1f} GiB/s ({gibps * GIB / 1e9:.4g} GB/s)"
+
+
+def fmt_flops(gflops: float) -> str:
+    return f"{gflops / 1e3:.4g} TFLOP/s" if gflops >= 1e3 else f"{gflops:.4g} GFLOP/s"
 
 
 def fmt_bytes(n: int | float) -> str:

@@ -40,7 +40,7 @@ def test_plan_writes_a_valid_plan_and_a_summary(tmp_path, capsys):
 def test_show_prints_summary_and_every_candidate(capsys):
     code, out, _ = run(capsys, "show", PLAN_8B)
     assert code == 0
-    assert "split     k=21 of 38 units" in out and "predicted 193.441 ms/token" in out
+    assert "split     k=21 of 38 units" in out and "predicted 207.705 ms/token" in out
     rows = [line for line in out.splitlines() if re.match(r"^[ *]\s*\d+\s+(yes|no) ", line)]
     assert len(rows) == 39
     assert "*  21  yes" in out
@@ -82,7 +82,7 @@ def test_validate_reports_each_file(tmp_path, capsys):
 def test_bad_input_is_a_one_line_error(argv, message, tmp_path, capsys):
     (tmp_path / "unknown.json").write_text('{"model_type": "warp-drive", "hidden_size": 8}')
     (tmp_path / "broken.json").write_text('{"model_type": "qwen3",')
-    (tmp_path / "broken-machine.yaml").write_text(LAPTOP.read_text().replace("dram_read_gibps: 45.0", "dram_read_gibps: -1"))
+    (tmp_path / "broken-machine.yaml").write_text(LAPTOP.read_text().replace("dram_read_gibps: 45 GB/s", "dram_read_gibps: -1"))
     (tmp_path / "tampered.yaml").write_text(PLAN_8B.read_text().replace("watermark: 0.8", "watermark: 0.5"))
     subst = dict(cfg=config_path("qwen3-0.6b"), cfg8=config_path("qwen3-8b"), cfg32=config_path("qwen3-32b"), laptop=LAPTOP, tmp=tmp_path)
     code, out, err = run(capsys, *[a.format(**subst) for a in argv])

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
 from planner import cli
@@ -31,13 +32,13 @@ def test_laptop_and_dev_plans_differ_exactly_where_they_should(capsys):
     # same model, same workload, same trace; different machine, hence a different budget, split,
     # KV placement, prediction and search table, and the dev profile's measured η_kv (the laptop's
     # profile was entered by hand: default calibration)
-    assert sections == {"machine", "limits", "partition", "kv", "prediction", "search", "calibration"}
+    assert sections == {"machine", "limits", "partition", "kv", "prediction", "longest_context", "search", "calibration"}
     by_path = {c.path: c for c in changes}
     assert (by_path["partition.split_k"].a, by_path["partition.split_k"].b) == (21, 38)
     assert by_path["partition.stages[cuda]"].b_present is False
     assert (by_path["partition.stages[cpu].unit_end"].a, by_path["partition.stages[cpu].unit_end"].b) == (21, 38)
     assert by_path["machine.gpu"].b is None and by_path["machine.gpu"].a["name"].startswith("NVIDIA")
-    assert by_path["machine.cpu.dram_read_gibps"].a == 45.0
+    assert by_path["machine.cpu.dram_read_gibps"].a == pytest.approx(45e9 / 2**30, rel=1e-5)   # 45 GB/s
     assert "prediction.ms_per_token" in by_path and "prediction.stages[cuda]" in by_path
     assert not any(p.startswith(("model", "workload", "ir", "digest")) for p in by_path)
     calibration = {p for p in by_path if p.startswith("calibration")}

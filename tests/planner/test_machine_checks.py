@@ -7,7 +7,7 @@ import yaml
 
 from planner import cli
 from planner.errors import PlanError
-from planner.machine import load_machine
+from planner.machine import complete_profile, load_machine
 from planner.plan import load_plan
 from tests.planner.conftest import LAPTOP, REPO
 
@@ -15,7 +15,8 @@ GIB = 2**30
 
 
 def edited(**changes) -> str:
-    data = yaml.safe_load(LAPTOP.read_text())
+    """The laptop's profile in full (the file is shorthand), with `changes` made."""
+    data = complete_profile(yaml.safe_load(LAPTOP.read_text()))
     for path, value in changes.items():
         section, field = path.split("__")
         if value is None:

@@ -57,7 +57,8 @@ def test_write_read_write_gives_identical_bytes(laptop_plan_8b, tmp_path):
     lines = text.splitlines()
     assert lines[0].startswith("# HELM plan v1: Qwen3ForCausalLM") and "k=21 of 38" in lines[0]
     assert lines[1].startswith("# Predicted") and lines[2].startswith("# Why: k=20")
-    assert not lines[3].startswith("#")
+    assert lines[3].startswith("# Longest context at batch 1: 1024 tokens") and "with KV offload" in lines[3]
+    assert not lines[4].startswith("#")
 
 
 def test_same_inputs_give_the_same_bytes(laptop):

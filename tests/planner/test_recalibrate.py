@@ -283,7 +283,8 @@ def test_writes_the_next_version_deterministically(dev_plan, tmp_path, capsys):
     assert not rec.delta_from_other_machine and len(rec.residuals) == 9
     assert v2.prediction.ms_per_token > dev_plan.prediction.ms_per_token     # δ > 0, η_kv < 1: slower
     header = outs[0].read_text().splitlines()
-    assert header[3].startswith("# Calibrated from 576 decode steps of plan v1 measured on helm-dev-2core")
+    assert header[3].startswith("# Longest context at batch 1: 40960 tokens")
+    assert header[4].startswith("# Calibrated from 576 decode steps of plan v1 measured on helm-dev-2core")
     # the table: every bucket before and after, prefill shown but not fitted
     assert re.search(r"cpu  δ 0 -> 0\.99\d* ± [0-9.]+ ms/block, η_kv [0-9.]+ -> 0\.699\d* ± ", stdout), stdout
     assert stdout.count("  decode  ") == 2 * 9 and "prefill" in stdout and "not fitted" in stdout
