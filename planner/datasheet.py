@@ -65,8 +65,8 @@ def find(kind: str, name: str) -> dict:
     for e in entries:
         if want in [_key(n) for n in (e["name"], *e.get("aliases", ()))]:
             return e
-    names = [e["name"] for e in entries]
-    close = difflib.get_close_matches(name, names, n=3, cutoff=0.4)
+    spellings = {_key(n): e["name"] for e in entries for n in (e["name"], *e.get("aliases", ()))}
+    close = list(dict.fromkeys(spellings[k] for k in difflib.get_close_matches(want, spellings, n=5, cutoff=0.6)))[:3]
     hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
     raise PlanError(f"--{kind[:-1]} {name!r} is not in the catalogue{hint} (helm-plan machine --list shows it; or "
                     f"give the figures: {_EXPLICIT[kind]})")

@@ -164,8 +164,7 @@ def plot_matrix(cells: list[Cell], out: str | Path) -> None:
             grid[models.index(c.model)][machines.index(c.machine)] = c.tokens_per_s
     values = [v for row in grid for v in row if not math.isnan(v)]
     fig, ax = plt.subplots(figsize=(2.4 + 2.6 * len(machines), 1.2 + 0.9 * len(models)))
-    cmap = plt.get_cmap("viridis").copy()
-    cmap.set_bad("0.85")
+    cmap = plt.get_cmap("viridis").with_extremes(bad="0.85")
     norm = LogNorm(vmin=min(values), vmax=max(values) * (1.0001 if len(set(values)) == 1 else 1)) if values else None
     image = ax.imshow(grid, cmap=cmap, norm=norm, aspect="auto")
     for c in cells:
