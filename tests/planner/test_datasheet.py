@@ -134,3 +134,20 @@ def test_the_cli_writes_a_profile_the_plan_header_show_and_diff_call_datasheet(t
     assert "GeForce RTX 3090" in listing and "AMD EPYC 7H12" in listing
     assert cli.main(["machine", "--gpu", "RTX 3090"]) == 2
     assert "--ram is required" in capsys.readouterr().err
+
+
+# The checked-in datasheet profiles and the commands that make them (also in plans/README.md).
+CHECKED_IN = {
+    "workstation-rtx4090-r9-7950x.yaml": ["--gpu", "RTX 4090", "--cpu", "Ryzen 9 7950X", "--ram", "128GiB"],
+    "server-rtx3090-epyc7h12.yaml": ["--gpu", "RTX 3090", "--cpu", "EPYC 7H12", "--ram", "128GiB"],
+    "server-l40s-epyc9654.yaml": ["--gpu", "L40S", "--cpu", "EPYC 9654", "--ram", "192GiB"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(CHECKED_IN))
+def test_checked_in_datasheet_profiles_are_what_the_command_writes(name, tmp_path):
+    from tests.planner.conftest import MACHINES
+
+    out = tmp_path / name
+    assert cli.main(["machine", *CHECKED_IN[name], "--name", name.removesuffix(".yaml"), "-o", str(out)]) == 0
+    assert out.read_text() == (MACHINES / name).read_text(), f"plans/machines/{name} is stale: rerun its command"
