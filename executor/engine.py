@@ -8,6 +8,11 @@ independently, and every `step()` is
 Scheduling is continuous batching over a flat token list: every running sequence decodes one
 token, and waiting sequences join with chunks of their prompt (chunked prefill) while the step's
 token budget lasts. A sequence's KV pages are freed the moment it finishes or is aborted.
+
+Admission follows the plan's KV budget (`Placement.kv_budget_pages`, what the planner checked
+fits in VRAM and host RAM): a sequence starts only when the pages it may grow to (its prompt and
+max_new_tokens, within the context) are free in the ledger, in arrival order. A sequence never
+outgrows the context, so each fits the budget alone, and the pools cannot run out mid-sequence.
 """
 from __future__ import annotations
 
@@ -95,8 +100,12 @@ class Engine:
         self.model = model
         self.config = model.config
         self.eos_token_ids = tuple(eos_token_ids or model.config.eos_token_ids)
-        self.context_limit = min(context_limit or model.config.max_position_embeddings,
-                                 model.config.max_position_embeddings)
+        placement = model.placement
+        self.context_limit = min(x for x in (context_limit, placement.context_tokens,
+                                             model.config.max_position_embeddings) if x)
+        self.page_size = placement.page_size_tokens
+        self.kv_budget_pages = placement.kv_budget_pages  # None: unbounded (no plan)
+        self._kv_pages: dict[object, int] = {}  # the ledger: pages held for each started sequence
         self.max_step_tokens = max_step_tokens
         self.prefill_chunk = prefill_chunk
         self.max_running = max_running
@@ -136,6 +145,14 @@ class Engine:
                 f"leaving no room to generate"
             )
 
+    def _pages_needed(self, prompt_tokens: int, stop: StopCriteria) -> int:
+        """KV pages a sequence may grow to: its prompt and every new token, within the context."""
+        return -(-min(prompt_tokens + stop.max_new_tokens, self.context_limit) // self.page_size)
+
+    @property
+    def kv_pages_reserved(self) -> int:
+        return sum(self._kv_pages.values())
+
     def abort(self, request_id) -> bool:
         """Stop a request now and free its KV pages. False if it was not active."""
         seq = self._by_id.get(request_id)
@@ -172,9 +189,6 @@ class Engine:
                         events += self._execute([item])
                     except Exception as e:  # noqa: BLE001
                         events.append(self._fail(item[0], e))
-        for stage in self.model.stages:
-            if stage.kv is not None:
-                stage.kv.enforce_watermark()
         return events
 
     def _execute(self, scheduled: list[tuple[Sequence, int, int]]) -> list[TokenEvent]:
@@ -206,12 +220,21 @@ class Engine:
         for seq in list(self.waiting):
             if budget <= 0:
                 break
-            if seq.num_computed == 0 and len(self.running) >= self.max_running:
-                break
+            if seq.num_computed == 0 and seq.request_id not in self._kv_pages:   # not started yet
+                if len(self.running) >= self.max_running or not self._reserve_kv(seq):
+                    break       # in arrival order: a later request never overtakes a waiting one
             count = min(self.prefill_chunk, budget, len(seq.prompt_ids) - seq.num_computed)
             plan.append((seq, seq.num_computed, count))
             budget -= count
         return plan
+
+    def _reserve_kv(self, seq: Sequence) -> bool:
+        """Hold the pages `seq` may grow to, if the plan's budget has them free."""
+        need = self._pages_needed(len(seq.prompt_ids), seq.stop)
+        if self.kv_budget_pages is not None and self.kv_pages_reserved + need > self.kv_budget_pages:
+            return False
+        self._kv_pages[seq.request_id] = need
+        return True
 
     def _run_stages(self, ids: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """Run the stages in order; time each one (CUDA events on a GPU, the wall clock on the CPU)."""
@@ -267,6 +290,7 @@ class Engine:
             if seq in queue:
                 queue.remove(seq)
         self._by_id.pop(seq.request_id, None)
+        self._kv_pages.pop(seq.request_id, None)
         self.model.free_sequence(seq.request_id)
 
     # -- convenience ----------------------------------------------------------------------

@@ -11,7 +11,9 @@ so a layer's K of one page is a contiguous [H_kv, n, D] slab, what attention rea
 
 `PagePool` is the mechanism (bounded memory on one device, with a free list so pinned host pages
 are not re-allocated); `KVCache` is the policy: which pages a sequence owns, where they live,
-and which to evict (the oldest full pages, once device use passes the watermark).
+and which to evict (the oldest full pages, when a new page needs room on the device). How many
+pages the device holds is the plan's decision (the planner applies the watermark to the VRAM left
+after weights), not the cache's.
 """
 from __future__ import annotations
 
@@ -110,21 +112,19 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, page_size: int = 512, device_pages: int | None = None,
-                 watermark: float = 0.8):
+                 host_pages: int | None = None):
+        """device_pages: pages on `device` (None: unbounded); host_pages: pages the full device
+        pool may evict to, in pinned host memory (None: unbounded; 0: none, a full device pool
+        is out of KV memory). A cache with an unbounded device pool never evicts."""
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
-        if not 0.0 < watermark <= 1.0:
-            raise ValueError(f"watermark must be in (0, 1], got {watermark}")
         self.page_size = page_size
         self.num_layers, self.num_kv_heads, self.head_dim, self.dtype = num_layers, num_kv_heads, head_dim, dtype
-        self.watermark = watermark
         self.device = torch.device(device)
         shape = (num_layers, 2, num_kv_heads, page_size, head_dim)
         self.device_pool = PagePool(self.device, shape, dtype, device_pages)
-        # Host pages exist only where the device pool is bounded (eviction target). An unbounded
-        # pool (the CPU stage, or a GPU stage with KV offload off) never evicts.
-        self.host_pool = PagePool(torch.device("cpu"), shape, dtype, None, pin_memory=True) \
-            if device_pages is not None else None
+        self.host_pool = PagePool(torch.device("cpu"), shape, dtype, host_pages, pin_memory=True) \
+            if device_pages is not None and host_pages != 0 else None
         self._seqs: dict[object, SequencePages] = {}
         self._serial = itertools.count()
         self.evictions = 0
@@ -238,28 +238,21 @@ class KVCache:
             buf = self.device_pool.allocate()
         if buf is not None:
             return Page(buf, on_device=True, serial=next(self._serial))
-        if self.host_pool is None:
-            raise MemoryError("KV device pool is full and has no host pool to spill to")
         # Device full of partial pages: the new page lives on the host from the start.
-        return Page(self.host_pool.allocate(), on_device=False, serial=next(self._serial))
-
-    def enforce_watermark(self) -> int:
-        """Evict oldest full device pages until device use is at or below the watermark."""
-        cap = self.device_pool.capacity_pages
-        if cap is None:
-            return 0
-        limit = int(self.watermark * cap)
-        moved = 0
-        while self.device_pool.used_pages > limit and self._evict_oldest():
-            moved += 1
-        return moved
+        host = self.host_pool.allocate() if self.host_pool is not None else None
+        if host is None:
+            raise MemoryError(f"out of KV pages: the device pool holds {self.device_pool.used_pages} and the host "
+                              f"pool {self.host_pool.used_pages if self.host_pool else 0} (the plan's budget)")
+        return Page(host, on_device=False, serial=next(self._serial))
 
     def _evict_oldest(self) -> bool:
+        if self.host_pool is None or self.host_pool.full:
+            return False
         candidates = [
             p for seq in self._seqs.values() for p in seq.pages
             if p.on_device and p.num_tokens == self.page_size
         ]
-        if not candidates or self.host_pool is None:
+        if not candidates:
             return False
         page = min(candidates, key=lambda p: p.serial)
         for seq in self._seqs.values():  # the page's buffer moves: page tables are stale

@@ -35,6 +35,17 @@ class LoadedModel:
                 stage.kv.free(seq_id)
 
 
+def kv_pools(placement: Placement, planned_device: str) -> tuple[int | None, int | None]:
+    """(device pages, host pages) of a stage's KV pools (None: unbounded; host 0: no host pool).
+    With a plan, the pools hold its budget: the GPU stage's device_kv_pages in VRAM and the rest
+    in pinned host memory (KV offload), or all of it where it is made; the engine admits no more
+    (Engine's KV ledger), so the pools bound memory a second time, never the first."""
+    budget = placement.kv_budget_pages
+    if planned_device == "cuda" and placement.device_kv_pages is not None:
+        return placement.device_kv_pages, None if budget is None else max(0, budget - placement.device_kv_pages)
+    return budget, 0
+
+
 def load_model(model_dir: str | Path, placement: Placement, config: ModelConfig | None = None,
                backend: str = "auto") -> LoadedModel:
     """Stages of `placement` with weights from `model_dir`. backend: CPU-stage kernels (auto|helm|torch)."""
@@ -143,11 +154,9 @@ def _load_stage(reader: CheckpointReader, cfg: ModelConfig, spec: StageSpec, pla
 
     kv = None
     if blocks:
-        bounded = spec.device == "cuda"  # the CPU stage's KV lives in host RAM, never evicted
+        device_pages, host_pages = kv_pools(placement, spec.device)
         kv = KVCache(
             num_layers=len(blocks), num_kv_heads=cfg.num_kv_heads, head_dim=D, dtype=wdtype, device=device,
-            page_size=placement.page_size_tokens,
-            device_pages=placement.device_kv_pages if bounded else None,
-            watermark=placement.watermark,
+            page_size=placement.page_size_tokens, device_pages=device_pages, host_pages=host_pages,
         )
     return Stage(cfg, spec.unit_start, spec.unit_end, device, embedding, blocks, head, kv, ops)

@@ -42,8 +42,13 @@ class Placement:
     stages: tuple[StageSpec, ...]
     num_units: int
     page_size_tokens: int = 512
-    watermark: float = 0.8  # fraction of the device KV pool in use before eviction starts
-    device_kv_pages: int | None = None  # KV pages the GPU-side stage may hold; None: unbounded
+    device_kv_pages: int | None = None  # KV pages the GPU-side stage holds in VRAM (offload: the rest
+                                        # park in host memory); None: every page stays where it is made
+    # The plan's KV budget, what the planner checked fits its memory: `kv_sequences` sequences
+    # (its batch) of `context_tokens` each, which is also the longest a sequence may grow.
+    # None: unbounded (a run without a plan, `--split`).
+    kv_sequences: int | None = None
+    context_tokens: int | None = None
     cpu_threads: int | None = None  # threads of the CPU stages' kernels (and torch); None: torch's count
     kernel_choice: KernelChoice | None = None  # the plan's profile's; None: measured at load
 
@@ -53,7 +58,7 @@ class Placement:
 
     @classmethod
     def from_split(cls, num_units: int, split_k: int, page_size_tokens: int = 512,
-                   watermark: float = 0.8, device_kv_pages: int | None = None) -> "Placement":
+                   device_kv_pages: int | None = None) -> "Placement":
         if isinstance(split_k, bool) or not isinstance(split_k, int) or not 0 <= split_k <= num_units:
             raise PlacementError(f"split must be an integer in 0..{num_units} (units on the CPU), got {split_k!r}")
         stages = []
@@ -61,7 +66,7 @@ class Placement:
             stages.append(StageSpec("cpu", 0, split_k))
         if split_k < num_units:
             stages.append(StageSpec("cuda", split_k, num_units))
-        placement = cls(tuple(stages), num_units, page_size_tokens, watermark, device_kv_pages)
+        placement = cls(tuple(stages), num_units, page_size_tokens, device_kv_pages)
         placement.validate()
         return placement
 
@@ -82,12 +87,22 @@ class Placement:
             raise PlacementError(f"stages cover units 0..{expected - 1}, the model has {self.num_units}")
         if self.page_size_tokens < 1:
             raise PlacementError(f"KV page size must be >= 1 token, got {self.page_size_tokens}")
-        if not 0.0 < self.watermark <= 1.0:
-            raise PlacementError(f"KV eviction watermark must be in (0, 1], got {self.watermark}")
         if self.device_kv_pages is not None and self.device_kv_pages < 1:
             raise PlacementError(f"device KV pages must be >= 1, got {self.device_kv_pages}")
+        if self.context_tokens is not None and self.context_tokens < 2:
+            raise PlacementError(f"the context must hold at least 2 tokens, got {self.context_tokens}")
+        if (self.kv_sequences is None) != (self.context_tokens is None) or (self.kv_sequences or 1) < 1:
+            raise PlacementError("a KV budget needs both a batch of at least 1 sequence and a context")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise PlacementError(f"CPU threads must be >= 1, got {self.cpu_threads}")
+
+    @property
+    def kv_budget_pages(self) -> int | None:
+        """Pages every stage may hold over all sequences: the plan's batch, each at its context
+        (None: unbounded)."""
+        if self.kv_sequences is None or self.context_tokens is None:
+            return None
+        return self.kv_sequences * -(-self.context_tokens // self.page_size_tokens)
 
     def with_threads(self, requested: int | None) -> "Placement":
         """This placement with `requested` CPU threads (None keeps the current choice), never more

@@ -65,8 +65,9 @@ def placement_for(plan, config: ModelConfig, page_size_tokens: int | None = None
         stages=tuple(StageSpec(s.device, s.unit_start, s.unit_end) for s in plan.partition.stages),
         num_units=plan.partition.num_units,
         page_size_tokens=page_size_tokens or kv.page_size_tokens,
-        watermark=kv.watermark,
         device_kv_pages=device_kv_pages,
+        kv_sequences=plan.workload.batch_size,
+        context_tokens=plan.workload.context_tokens,
         kernel_choice=kernel_choice_of(plan),
     )
     placement.validate()
@@ -90,22 +91,26 @@ def host_memory_available() -> int | None:
 
 def check_host_kv_fits(placement: Placement, config: ModelConfig, sequences: int,
                        available: int | None = None) -> None:
-    """Every sequence holds at least one KV page in each stage: `sequences` of them must fit the
-    host memory available now for the stages whose pages live on the host (the CPU stages, and
-    all stages without CUDA). PlacementError naming the sizes otherwise."""
+    """The KV pages the engine may hold must fit the host memory available now, for the stages
+    whose pages live on the host (the CPU stages, and all stages without CUDA): the plan's budget
+    of pages, or without one, a first page for each of `sequences`. PlacementError naming the
+    sizes otherwise."""
     available = host_memory_available() if available is None else available
     if available is None:
         return
+    budget = placement.kv_budget_pages
+    pages = budget if budget is not None else sequences
+    what = (f"the plan's KV budget of {pages} pages (its batch x context)" if budget is not None
+            else f"{sequences} sequences' first pages")
     token_bytes = 2 * config.num_kv_heads * config.head_dim * torch.empty((), dtype=config.dtype).element_size()
     host_layers = sum(len(range(max(s.unit_start, 1), min(s.unit_end, config.num_layers + 1)))
                       for s in placement.stages if resolve_device(s.device).type == "cpu")
-    need = sequences * placement.page_size_tokens * host_layers * token_bytes
+    need = pages * placement.page_size_tokens * host_layers * token_bytes
     if need > available:
         raise PlacementError(
-            f"KV pages of {placement.page_size_tokens} tokens: {sequences} sequences need at least "
-            f"{need / 2**30:.2f} GiB of host memory for the host-side stages' first pages, and "
-            f"{available / 2**30:.2f} GiB is available: plan with a smaller --page-size, or serve fewer "
-            "sequences (--max-batch)")
+            f"KV pages of {placement.page_size_tokens} tokens: {what} need {need / 2**30:.2f} GiB of host "
+            f"memory for the host-side stages, and {available / 2**30:.2f} GiB is available: plan with a "
+            "smaller --page-size or --context, or for a smaller batch")
 
 
 def kernel_choice_of(plan) -> KernelChoice | None:

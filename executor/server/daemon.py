@@ -55,6 +55,7 @@ class _Serving:
     worker: EngineWorker
     stages: tuple[StageInfo, ...]  # static part (kv filled in from the worker's snapshot)
     kernel_isa: str
+    context_tokens: int  # the longest sequence the plan serves (its context, within the model's)
 
 
 class Daemon:
@@ -72,7 +73,6 @@ class Daemon:
         self.plan_dir = Path(plan_dir) if plan_dir is not None else None  # LoadPlan paths; None: inline only
         if self.plan_dir is not None and not self.plan_dir.is_dir():
             raise ValueError(f"--plan-dir {plan_dir}: not a directory")
-        self.context_tokens = self.config.max_position_embeddings
         self.state = "loading"  # loading | serving | draining
         self.on_state_change = lambda state: None  # health checking hooks in here
         self.on_step = lambda phase, devices, stage_ms: None  # metrics hook in here (engine threads)
@@ -142,7 +142,7 @@ class Daemon:
                 worker.retire()
                 raise ShuttingDownError("the daemon is shutting down; the plan was loaded but not swapped in")
             previous = self._serving
-            self._serving = _Serving(plan, summary, worker, stages, isa)
+            self._serving = _Serving(plan, summary, worker, stages, isa, engine.context_limit)
             if previous is not None:
                 previous.worker.retire()
                 self._retired.append(previous.worker)
@@ -153,7 +153,9 @@ class Daemon:
             self._set_state("serving")
         log.info("plan loaded", extra={"fields": {
             "plan_version": plan.plan_version, "digest": plan.digest, "split_k": plan.partition.split_k,
-            "source": source.label, "kernels": isa, "cpu_threads": placement.cpu_threads, "load_s": round(t1 - t0, 3), "warmup_s": round(t2 - t1, 3),
+            "source": source.label, "kernels": isa, "cpu_threads": placement.cpu_threads,
+            "kv_budget": f"{placement.kv_sequences} x {placement.context_tokens} tokens "
+                         f"({placement.kv_budget_pages} pages of {placement.page_size_tokens})", "load_s": round(t1 - t0, 3), "warmup_s": round(t2 - t1, 3),
             "previous_digest": previous.summary.digest if previous else None}})
         return LoadResult(summary, previous.summary.digest if previous else None, t1 - t0, t2 - t1)
 
@@ -262,6 +264,12 @@ class Daemon:
                 self._lock.notify_all()
 
     # -- inspection -----------------------------------------------------------------------
+    @property
+    def context_tokens(self) -> int:
+        """The longest sequence a request may grow to: the serving plan's context."""
+        serving = self._serving
+        return serving.context_tokens if serving is not None else self.config.max_position_embeddings
+
     @property
     def max_prompt_bytes(self) -> int:
         return self.context_tokens * MAX_PROMPT_BYTES_PER_TOKEN

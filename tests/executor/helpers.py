@@ -18,11 +18,10 @@ def prompt_ids(n: int, vocab: int, seed: int = 0) -> list[int]:
 
 
 def helm_generate(path, prompts, split=None, sampling=None, max_new_tokens=32, page_size=512,
-                  device_kv_pages=None, watermark=0.8, backend="auto", **engine_kw):
+                  device_kv_pages=None, backend="auto", **engine_kw):
     cfg = ModelConfig.from_dir(path)
     placement = Placement.from_split(cfg.num_units, cfg.num_units if split is None else split,
-                                     page_size_tokens=page_size, device_kv_pages=device_kv_pages,
-                                     watermark=watermark)
+                                     page_size_tokens=page_size, device_kv_pages=device_kv_pages)
     model = load_model(path, placement, cfg, backend=backend)
     engine = Engine(model, **engine_kw)
     stop = StopCriteria(max_new_tokens=max_new_tokens, ignore_eos=True)

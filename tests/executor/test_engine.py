@@ -121,3 +121,74 @@ def test_a_failing_request_ends_alone(path, monkeypatch):
     alone, _ = helm_generate(path, [good.prompt_ids], split=2, max_new_tokens=6, page_size=4)
     assert good.output_ids == alone[0]
     assert pages_in_use(eng) == 0
+
+
+def budget_engine(path, sequences, context, split=2, device_kv_pages=None, page_size=4, **kw):
+    """An engine whose placement carries a plan's KV budget (what plan_io.placement_for sets):
+    `sequences` of `context` tokens."""
+    from dataclasses import replace
+
+    cfg = ModelConfig.from_dir(path)
+    placement = replace(Placement.from_split(cfg.num_units, split, page_size_tokens=page_size,
+                                             device_kv_pages=device_kv_pages),
+                        kv_sequences=sequences, context_tokens=context)
+    placement.validate()
+    return Engine(load_model(path, placement, cfg), eos_token_ids=(), **kw)
+
+
+def test_admission_follows_the_plans_kv_budget(path):
+    """Issue 11: sequences start only while the pages they may grow to fit the plan's budget, in
+    arrival order; one that could never fit is refused before it starts; the pools never hold more."""
+    eng = budget_engine(path, sequences=2, context=8, device_kv_pages=2)   # 4 pages: 2 in "VRAM", 2 on the host
+    assert [s.kv.device_pool.capacity_pages for s in eng.model.stages] == [4, 2]
+    assert eng.model.stages[1].kv.host_pool.capacity_pages == 2
+    with pytest.raises(RequestError, match="the context holds 8"):
+        eng.add_request(prompt_ids(8, 256, seed=50))
+    stop = StopCriteria(max_new_tokens=4, ignore_eos=True)           # 4 + 4 tokens: 2 pages each
+    seqs = [eng.add_request(prompt_ids(4, 256, seed=51 + i), stop=stop) for i in range(3)]
+    eng.step()
+    assert {s.request_id for s in eng.running} | {s.request_id for s in eng.waiting if s.num_computed} == \
+        {seqs[0].request_id, seqs[1].request_id}                     # the third waits for pages
+    assert seqs[2].num_computed == 0 and eng.kv_pages_reserved == 4
+    most = 0
+    while eng.has_work():
+        eng.step()
+        most = max(most, pages_in_use(eng) // len(eng.model.stages))
+        assert eng.kv_pages_reserved <= 4
+    assert most <= 4 and pages_in_use(eng) == 0 and eng.kv_pages_reserved == 0
+    for seq in seqs:                                                 # and the tokens are what they are alone
+        alone, _ = helm_generate(path, [seq.prompt_ids], split=2, max_new_tokens=4, page_size=4)
+        assert seq.finish_reason == "length" and seq.output_ids == alone[0]
+
+
+def test_the_plans_context_bounds_every_sequence(path):
+    eng = budget_engine(path, sequences=1, context=10)
+    seq = eng.generate([prompt_ids(7, 256, seed=60)], stop=StopCriteria(max_new_tokens=50, ignore_eos=True))[0]
+    assert seq.finish_reason == "context" and seq.num_tokens == 10
+    with pytest.raises(RequestError, match="the context holds 10"):
+        eng.add_request(prompt_ids(10, 256, seed=61))
+
+
+def test_an_out_of_memory_step_fails_its_request_and_the_engine_serves_on(path, monkeypatch):
+    """An allocation that fails mid-step (torch.cuda.OutOfMemoryError is a RuntimeError; the KV
+    pools raise MemoryError) ends that request, frees its pages, and the next requests run."""
+    eng = budget_engine(path, sequences=2, context=16)
+    stage = eng.model.stages[1]
+    real_forward, calls = stage.forward, []
+
+    def forward(x, batch):
+        calls.append(1)
+        if len(calls) == 3:
+            raise MemoryError("simulated: out of memory")
+        return real_forward(x, batch)
+
+    monkeypatch.setattr(stage, "forward", forward)
+    stop = StopCriteria(max_new_tokens=6, ignore_eos=True)
+    first = eng.add_request(prompt_ids(5, 256, seed=62), stop=stop)
+    while eng.has_work():
+        eng.step()
+    assert first.finish_reason == "error" and "out of memory" in first.error
+    assert pages_in_use(eng) == 0 and eng.kv_pages_reserved == 0
+    second = eng.generate([prompt_ids(5, 256, seed=63)], stop=stop)[0]
+    alone, _ = helm_generate(path, [second.prompt_ids], split=2, max_new_tokens=6, page_size=4)
+    assert second.finish_reason == "length" and second.output_ids == alone[0]

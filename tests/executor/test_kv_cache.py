@@ -8,8 +8,8 @@ from executor.kv_cache import KVCache
 LAYERS, HKV, D = 2, 2, 4
 
 
-def cache(page_size=4, device_pages=None, watermark=0.8):
-    return KVCache(LAYERS, HKV, D, torch.float32, torch.device("cpu"), page_size, device_pages, watermark)
+def cache(page_size=4, device_pages=None, host_pages=None):
+    return KVCache(LAYERS, HKV, D, torch.float32, torch.device("cpu"), page_size, device_pages, host_pages)
 
 
 def fill(kv, seq, n, start=0, base=0.0):
@@ -59,22 +59,38 @@ def test_chunks_return_written_values_in_order():
     assert torch.equal(v, -k)
 
 
-def test_watermark_evicts_oldest_full_pages_and_keeps_data():
-    kv = cache(page_size=4, device_pages=4, watermark=0.5)
+def test_the_device_holds_every_planned_page_before_evicting_and_keeps_data():
+    """The planner sized device_pages with the watermark; the cache fills all of them (issue 11:
+    it used to evict down to watermark x device_pages again) and evicts the oldest full page only
+    when a new page needs the room."""
+    kv = cache(page_size=4, device_pages=4)
     fill(kv, "a", 8)  # two full pages, oldest
-    fill(kv, "b", 6, base=100)  # one full + one partial
-    before = gathered(kv, "a", 8)[0].clone(), gathered(kv, "b", 6)[0].clone()
-    moved = kv.enforce_watermark()
+    fill(kv, "b", 8, base=100)  # two more: the device is full, nothing moved
     stats = kv.stats()
-    assert moved == 2 and stats.device_pages_used == 2 and stats.host_pages_used == 2
-    pages_a = kv._seqs["a"].pages
-    assert [p.on_device for p in pages_a] == [False, False]  # "a"'s pages were oldest
+    assert (stats.device_pages_used, stats.host_pages_used, stats.evictions) == (4, 0, 0)
+    before = gathered(kv, "a", 8)[0].clone(), gathered(kv, "b", 8)[0].clone()
+    fill(kv, "b", 4, start=8, base=100)  # a fifth page: a's oldest page moves to the host
+    stats = kv.stats()
+    assert (stats.device_pages_used, stats.host_pages_used, stats.evictions) == (4, 1, 1)
+    assert [p.on_device for p in kv._seqs["a"].pages] == [False, True]
     assert torch.equal(gathered(kv, "a", 8)[0], before[0])
-    assert torch.equal(gathered(kv, "b", 6)[0], before[1])
+    assert torch.equal(gathered(kv, "b", 8)[0], before[1])
+
+
+def test_a_bounded_host_pool_refuses_pages_beyond_the_budget():
+    kv = cache(page_size=2, device_pages=1, host_pages=2)
+    fill(kv, "a", 6)  # one page on the device, two on the host: the budget
+    assert (kv.stats().device_pages_used, kv.stats().host_pages_used) == (1, 2)
+    with pytest.raises(MemoryError, match="out of KV pages"):
+        kv.reserve("a", 8)
+    no_host = cache(page_size=2, device_pages=1, host_pages=0)
+    fill(no_host, "a", 2)
+    with pytest.raises(MemoryError, match="out of KV pages"):
+        no_host.reserve("b", 1)
 
 
 def test_partial_pages_are_never_evicted_and_full_device_spills_to_host():
-    kv = cache(page_size=4, device_pages=2, watermark=1.0)
+    kv = cache(page_size=4, device_pages=2)
     fill(kv, "a", 1)
     fill(kv, "b", 1)
     assert kv.stats().device_pages_used == 2
@@ -85,7 +101,7 @@ def test_partial_pages_are_never_evicted_and_full_device_spills_to_host():
 
 
 def test_new_page_evicts_oldest_full_page_when_device_is_full():
-    kv = cache(page_size=2, device_pages=2, watermark=1.0)
+    kv = cache(page_size=2, device_pages=2)
     fill(kv, "a", 4)  # two full device pages
     fill(kv, "a", 1, start=4)  # needs a third: the oldest full page moves to the host
     assert [p.on_device for p in kv._seqs["a"].pages] == [False, True, True]
@@ -94,14 +110,14 @@ def test_new_page_evicts_oldest_full_page_when_device_is_full():
 
 
 def test_free_releases_host_pages_too():
-    kv = cache(page_size=2, device_pages=1, watermark=1.0)
+    kv = cache(page_size=2, device_pages=1)
     fill(kv, "a", 6)
     assert kv.stats().host_pages_used == 2
     kv.free("a")
     assert kv.stats().host_pages_used == 0 and kv.stats().device_pages_used == 0
 
 
-@pytest.mark.parametrize("bad", [dict(page_size=0), dict(watermark=0.0), dict(watermark=1.5)])
+@pytest.mark.parametrize("bad", [dict(page_size=0), dict(device_pages=-1)])
 def test_bad_settings_rejected(bad):
     with pytest.raises(ValueError):
         cache(**bad)

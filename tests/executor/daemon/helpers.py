@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from planner.plan import plan_for_split, save_plan
+from planner.plan import plan_for_split, save_plan, workload_for
 
 REPO = Path(__file__).resolve().parents[3]
 START_TIMEOUT_S = 120
@@ -19,8 +19,10 @@ PAGE_SIZE = 16
 
 
 def write_plan(model_dir: Path, split_k: int, out: Path) -> Path:
-    """A plan for a forced split (placeholder machine: no profiling)."""
-    save_plan(plan_for_split(model_dir, split_k, page_size_tokens=PAGE_SIZE), out)
+    """A plan for a forced split (placeholder machine: no profiling), for the tests' traffic: up
+    to 8 sequences of 2048 tokens (the daemon admits by the plan's KV budget)."""
+    save_plan(plan_for_split(model_dir, split_k, page_size_tokens=PAGE_SIZE,
+                             workload=workload_for(512, 512, batch_size=8, context_tokens=2048)), out)
     return out
 
 

@@ -16,7 +16,7 @@ from executor.kv_cache import PagePool
 from executor.sampling import SamplingParams, StopCriteria
 from executor.server.daemon import Daemon
 from executor.server.messages import GenerateSpec, GenerationResult, PlanSource
-from planner.plan import load_plan, plan_digest
+from planner.plan import load_plan, parse_plan, plan_digest
 from tests.executor.daemon.helpers import write_plan
 from tests.executor.helpers import helm_generate
 
@@ -156,11 +156,15 @@ def test_pages_the_host_cannot_hold_for_every_sequence_are_refused(model, plan_d
         before = daemon.plan()[0].digest
         cfg = daemon.config
         big = with_page_size(plan_dir / "good.yaml", cfg.max_position_embeddings)  # one page: the whole context
+        plan = parse_plan(big)
+        # the engine holds at most the plan's budget: its batch, each sequence one context-long page
+        assert plan.workload.context_tokens <= cfg.max_position_embeddings
+        pages = plan.workload.batch_size
         # Split 2: units 0-1 (block 0) on the CPU, the rest on CUDA, which runs on the CPU without one.
         host_layers = 1 if torch.cuda.is_available() else cfg.num_layers
-        need = 64 * cfg.max_position_embeddings * host_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # fp32
+        need = pages * cfg.max_position_embeddings * host_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # fp32
         monkeypatch.setattr("executor.plan_io.host_memory_available", lambda: need - 1)
-        with pytest.raises(PlacementError, match="64 sequences need at least .* GiB of host memory"):
+        with pytest.raises(PlacementError, match=f"the plan's KV budget of {pages} pages .* need .* GiB of host"):
             daemon.load_plan(PlanSource(yaml=big))
         monkeypatch.setattr("executor.plan_io.host_memory_available", lambda: need)
         daemon.load_plan(PlanSource(yaml=big))
