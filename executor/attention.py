@@ -18,11 +18,8 @@ from executor.rope import apply_rotary
 
 if TYPE_CHECKING:
     from executor.batch import StepBatch
-    from executor.kv_cache import KVCache
+    from executor.kv_cache import KVCache, KVChunk
     from executor.model_config import ModelConfig
-
-# (k [H_kv, n, D], v [H_kv, n, D], position of the chunk's first key)
-KVChunk = tuple[torch.Tensor, torch.Tensor, int]
 
 
 def streaming_attention(

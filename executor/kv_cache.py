@@ -23,8 +23,10 @@ from typing import Iterator
 
 import torch
 
-from executor.attention import KVChunk
 
+
+# One page of a layer's K/V as attention reads it: K [H_kv, n, D], V [H_kv, n, D], first position.
+KVChunk = tuple[torch.Tensor, torch.Tensor, int]
 
 # Freed pages of host memory a pool keeps for the next request: a fresh page's first touch
 # page-faults every 4 KiB (a 29 MiB Qwen3-0.6B page took ~40 ms here, a fifth of a 128-token

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import torch
 
+from executor.backends import make_backend, resolve_backend
 from executor.kv_cache import KVCache
 from executor.model_config import ModelConfig
-from executor.backends import make_backend, resolve_backend
 from executor.placement import Placement, StageSpec, resolve_device
+from executor.probe import DTYPES, measured_choice
 from executor.stage import BlockWeights, HeadWeights, Stage
 from executor.weights import CheckpointReader
 
@@ -74,7 +75,6 @@ def _kernel_choice(placement: Placement, config: ModelConfig, backend: str) -> t
     if backend != "helm" or not any(resolve_device(s.device).type == "cpu" for s in placement.stages):
         return {}, 1
     from executor.kernels import KERNEL_ISA
-    from executor.probe import DTYPES, measured_choice
     threads = placement.cpu_threads or torch.get_num_threads()
     choice = placement.kernel_choice
     if choice is not None and (choice.isa, choice.threads) == (KERNEL_ISA, threads):

@@ -14,6 +14,9 @@ import torch
 from executor.errors import PlacementError
 from executor.model_config import ModelConfig
 from executor.placement import KernelChoice, Placement, StageSpec, resolve_device
+from planner.config import config_digest
+from planner.errors import PlanError
+from planner.plan import load_plan, parse_plan
 from planner.profile import meminfo
 
 log = logging.getLogger(__name__)
@@ -24,7 +27,6 @@ _DTYPE_NAMES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16", "torch
 def load_checked_plan(plan_path_or_text, model_dir: str | Path, config: ModelConfig, text: str | None = None):
     """The plan, schema-validated and checked against the checkpoint's config.json and dtype.
     With `text`, the plan is that YAML text and nothing is read from disk (whatever it says)."""
-    from planner.plan import PlanError, config_digest, load_plan, parse_plan
 
     try:
         plan = parse_plan(text, plan_path_or_text) if text is not None else load_plan(plan_path_or_text)

@@ -21,6 +21,8 @@ from typing import Callable
 
 import torch
 
+from planner.units import GIB, fmt_bytes, round_sig
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 #: Rows of x in the probe's prompt GEMM: a prompt chunk's shape (the engine prefills in chunks of
@@ -324,3 +326,39 @@ def measured_choice(config, threads: int) -> tuple[dict, int]:
         routes = _routes(name, route)
         _measured[key] = routes, attention_kernel_max_queries(dtype, threads, 2, heads)
     return _measured[key]
+
+
+def kv_read_gibps(buffer_bytes: int, runs: int, threads: int, progress: Progress = _quiet) -> float:
+    """GiB/s at which the executor's CPU attention kernel streams a cold bf16 KV cache: one decode
+    query at context 4096 per layer, as many layers as fill buffer_bytes (Qwen3-like heads: 16
+    query, 8 KV, 128 wide; 512-token pages), median of `runs` passes over all layers.
+
+    Why a probe of our own kernel, not only of the memory: attention reads KV in short runs per
+    head and page, and computes a softmax as it goes, so it streams KV slower than the GEMV
+    streams weights; the ratio of the two becomes the plans' default η_kv."""
+    from executor import kernels
+    hq, hkv, d, p, pages = 16, 8, 128, 512, 8  # context 8 x 512 = 4096
+    layers = max(1, buffer_bytes // (pages * 2 * hkv * p * d * 2))
+    page_elems = layers * 2 * hkv * p * d
+    buf = torch.empty(pages * page_elems, dtype=torch.bfloat16)
+    buf.fill_(0.01)  # write every page (untouched pages would read the zero page from cache)
+    base = buf.data_ptr()
+    table = torch.tensor([base + i * page_elems * 2 for i in range(pages)], dtype=torch.int64)
+    layout = kernels.PagedKV(layers, hkv, p, d, torch.bfloat16)
+    qkv = torch.randn(1, (hq + 2 * hkv) * d)
+    out = torch.empty(1, hq * d)
+    context = pages * p
+
+    def one_pass() -> float:
+        t0 = time.perf_counter()
+        for layer in range(layers):
+            kernels.paged_attention(qkv, out, layout, table, layer, context - 1, hq, d ** -0.5, num_threads=threads)
+        return time.perf_counter() - t0
+
+    one_pass()  # warm-up
+    results = []
+    for r in range(runs):
+        results.append(buf.numel() * 2 / one_pass() / GIB)
+        progress(f"KV read (attention kernel) {fmt_bytes(buf.numel() * 2)} run {r + 1}/{runs}: {results[-1]:.2f} GiB/s")
+    del buf
+    return round_sig(statistics.median(results), 4)

@@ -17,17 +17,15 @@ planner/fit.py.
 """
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
-from pathlib import Path
 
 from planner.errors import PlanError
 from planner.fit import METHOD, RowModel, device_fit, fit_decode, fit_prefill, pct, robust_weights, with_values
-from planner.plan import DeviceFit, FitResidual, MeasurementSource, Plan, Recalibration, replan
+from planner.plan import Plan
+from planner.planning import replan
+from planner.provenance import DeviceFit, FitResidual, MeasurementSource, Recalibration
 from planner.units import round_sig
-from planner.yamlio import read_text_file
 
 MIN_ROW_SAMPLES = 5           # decode steps a report row needs to enter the fit
 MIN_STAGE_SAMPLES = 20        # decode steps (in usable rows) every stage needs: fewer is "too few samples"
@@ -37,96 +35,7 @@ MIN_PREFILL_ROW_SAMPLES = 1   # prefill steps (prompt chunks) a report row needs
 MIN_PREFILL_STEPS = 2         # prefill steps a device needs before η_c is fitted (else kept, with a note)
 
 
-# ---- the report: read, fetch, check ------------------------------------------------------------
-
-def read_report(path: str | Path):
-    """A report JSON file (helm-executor report -o ...) as executor.report.Report; PlanError when
-    missing, empty, not JSON or not valid against schemas/report.schema.json."""
-    from executor.report import PlanSummary, Report, ReportRow, validate_report
-
-    path = Path(path)
-    text = read_text_file(path, "report")
-    if not text.strip():
-        raise PlanError(f"report {path} is empty (write one with `helm-executor report --addr HOST:PORT -o {path}`)")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise PlanError(f"report {path} is not JSON: {e}") from None
-    if data in ({}, [], None):
-        raise PlanError(f"report {path} is empty (write one with `helm-executor report --addr HOST:PORT -o {path}`)")
-    if not isinstance(data, dict):
-        raise PlanError(f"report {path}: expected a JSON object, got {type(data).__name__}")
-    try:
-        validate_report(data)
-    except ValueError as e:
-        raise PlanError(f"report {path}: {e}") from None
-    created = datetime.fromisoformat(data["created_at"].replace("Z", "+00:00"))
-    if created.tzinfo is None:
-        created = created.replace(tzinfo=timezone.utc)
-    return Report(PlanSummary(**data["plan"]), data["architecture"], data["kernel_isa"], data["steps"],
-                  round(created.timestamp() * 1e9), tuple(ReportRow(**row) for row in data["rows"]))
-
-
-_ADDR = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})$")
-
-
-def check_addr(addr: str) -> str:
-    if not _ADDR.match(addr) or not 0 < int(addr.rsplit(":", 1)[1]) < 65536:
-        raise PlanError(f"--executor {addr!r}: expected HOST:PORT, e.g. 127.0.0.1:50051")
-    return addr
-
-
-def _rpc_error(addr: str, what: str, e) -> PlanError:
-    import grpc
-
-    code, details = e.code(), (e.details() or "").strip()
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return PlanError(f"cannot reach the executor daemon at {addr} ({what}): {code.name}: "
-                         f"{' '.join(details.split())[:300]}; is `helm-executor serve` running there?")
-    return PlanError(f"the executor daemon at {addr} refused {what}: {code.name}: {' '.join(details.split())}")
-
-
-def fetch_report(addr: str, plan: Plan, timeout_s: float = 30.0, auth=None):
-    """The live report of `plan` from the daemon at `addr` (GetReport with the plan's digest;
-    `auth`: an executor.server.auth.ClientAuth for a daemon with TLS or tokens)."""
-    import grpc
-
-    from executor.server.client import ExecutorClient
-
-    check_addr(addr)
-    with ExecutorClient(addr, auth) as client:
-        try:
-            return client.report(plan_digest=plan.digest, timeout_s=timeout_s)
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.NOT_FOUND:
-                raise PlanError(f"the executor daemon at {addr} has no measurements of this plan (v{plan.plan_version} "
-                                f"{plan.digest[:19]}…): {' '.join((e.details() or '').split())}; load it "
-                                f"(LoadPlan, or `helm-executor serve --plan`) and send requests first") from None
-            raise _rpc_error(addr, "GetReport", e) from None
-
-
-def apply_plan(addr: str, plan: Plan, timeout_s: float = 600.0, auth=None) -> str:
-    """LoadPlan the plan (inline YAML) into the daemon at `addr` and confirm it serves it.
-    Returns a one-line confirmation."""
-    import grpc
-
-    from executor.server.client import ExecutorClient
-
-    with ExecutorClient(addr, auth) as client:
-        try:
-            loaded = client.load_plan(yaml=plan.to_yaml(), timeout_s=timeout_s)
-            serving = client.get_plan(timeout_s=30.0)
-        except grpc.RpcError as e:
-            raise _rpc_error(addr, "LoadPlan", e) from None
-    if loaded.plan.digest != plan.digest or serving.plan.digest != plan.digest:
-        raise PlanError(f"the executor daemon at {addr} did not confirm the new plan: it loaded "
-                        f"{loaded.plan.digest[:19]}… and serves {serving.plan.digest[:19]}…, "
-                        f"not {plan.digest[:19]}…")
-    previous = f", replacing {loaded.previous_digest[:19]}…" if loaded.previous_digest else ""
-    return (f"applied: the daemon at {addr} serves plan v{serving.plan.version} {plan.digest[:19]}… "
-            f"(split k={serving.plan.split_k}{previous}; load {loaded.load_ns / 1e9:.1f} s, "
-            f"warm-up {loaded.warmup_ns / 1e9:.1f} s)")
-
+# ---- the report: check ---------------------------------------------------------------------------
 
 def check_report(plan: Plan, report, label: str = "the report") -> None:
     """The report must measure this very plan (digest), the same model and partition."""

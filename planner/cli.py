@@ -115,7 +115,7 @@ def _memory_args(p: argparse.ArgumentParser) -> None:
 def _workload(args):
     """The workload the flags ask for: a --context given alone adapts the default prompt and new
     tokens to fit it (half each when 512 + 512 do not), explicit ones are kept as given."""
-    from planner.plan import workload_for
+    from planner.planning import workload_for
 
     if args.context is not None and getattr(args, "max_context", False):
         raise PlanError("--max-context finds the context: give --context or --max-context, not both")
@@ -290,7 +290,8 @@ def cmd_machine(args) -> int:
 
 def cmd_plan(args) -> int:
     from planner.machine import load_machine
-    from planner.plan import load_plan, make_plan
+    from planner.plan import load_plan
+    from planner.planning import make_plan
     from planner.show import format_summary
 
     from planner.config import read_config
@@ -432,8 +433,9 @@ def cmd_recalibrate(args) -> int:
     """Everything is read, checked and fitted before anything is written: bad input writes nothing."""
     from executor.errors import CredentialError
     from executor.server.auth import ClientAuth
-    from planner.calibrate import (MIN_STAGE_SAMPLES, apply_plan, check_addr, fetch_report, format_table,
-                                   read_report, recalibrate)
+    from planner.calibrate import MIN_STAGE_SAMPLES, format_table, recalibrate
+    from planner.daemon_client import apply_plan, check_addr, fetch_report
+    from planner.report import read_report
     from planner.plan import load_plan
     from planner.schema import validate
 

@@ -40,9 +40,10 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from planner.cost import evaluate_split
 from planner.machine import Calibration
-from planner.plan import DeviceFit, Plan, PrefillFit
+from planner.plan import Plan
+from planner.predict import predict_step
+from planner.provenance import DeviceFit, PrefillFit
 from planner.units import round_sig
 
 MIN_BUCKETS_FOR_ETA = 3       # context buckets a phase needs before its shape parameter is fitted
@@ -78,22 +79,9 @@ def with_values(calibration: Calibration, device: str, **values) -> Calibration:
 def _stage_roofline_ms(plan: Plan, calibration: Calibration, stage: int, phase: str,
                        context: float, batch: float, tokens: float) -> tuple[float, float]:
     """What the executor's Recorder predicts for one step before n_blocks·δ, as (the stage's own
-    roofline, the link term): the stage's decode roofline at (context, batch) — or, for a prefill
-    step, its prefill of `batch` prompt chunks of tokens/batch tokens each, after the prefix that
-    `context`, where they end, implies — and the link on the receiving stage."""
-    decode = phase == "decode"
-    chunk = max(1.0, tokens / max(batch, 1.0))
-    cost = evaluate_split(plan.partition.split_k, plan.ir.units, plan.ir.shared_weights, plan.machine,
-                          batch=batch, context=context if decode else max(context, 1.0),
-                          prompt=plan.workload.prompt_tokens if decode else chunk,
-                          page_size_tokens=plan.kv.page_size_tokens, watermark=plan.kv.watermark,
-                          offload=plan.kv.offload, gpu_budget_bytes=plan.limits.gpu_budget_bytes,
-                          host_budget_bytes=plan.limits.host_budget_bytes, calibration=calibration,
-                          prefix=0 if decode else max(0.0, context - chunk), dtype=plan.model.dtype)
-    s = cost.stages[stage]
-    if decode:
-        return s.roofline_ms, (cost.comm_ms if stage else 0.0)
-    return s.prefill_ms - s.overhead_ms, (cost.comm_prefill_ms if stage else 0.0)
+    roofline, the link term on the receiving stage): planner.predict.predict_step."""
+    step = predict_step(plan, phase, context, batch, tokens, calibration)
+    return step.stages[stage][1], (step.link_ms if stage else 0.0)
 
 
 class RowModel:
@@ -336,7 +324,7 @@ def _fit_phase(plan: Plan, rows: list, how: _Level, what: str, calibration: Cali
     `what`: the part of the step the shape parameter prices, for notes."""
     models = [RowModel(plan, r, calibration=calibration) for r in rows]
     m0 = models[0]
-    sym_shape, sym_level = SYMBOL[m0.shape_name], SYMBOL[m0.level_name]
+    sym_shape = SYMBOL[m0.shape_name]
     buckets = len({r.context_min for r in rows})
     fit_shape = buckets >= MIN_BUCKETS_FOR_ETA
     notes = []

@@ -11,12 +11,14 @@ what only a measurement records (runs, buffer sizes, timings): `complete_profile
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from planner.errors import PlanError
-from planner.serial import OMIT_IF_NONE
+from planner.schema import validate
+from planner.serial import OMIT_IF_NONE, from_dict, to_dict
 from planner.units import parse_bytes, parse_flops, parse_rate, round_sig
+from planner.yamlio import dump_yaml, read_yaml
 
 MACHINE_SCHEMA_VERSION = 1
 L3_OVER_DRAM = 3.0                       # B_L3 ≈ 3·M where the L3 was not measured (DESIGN §4)
@@ -178,8 +180,6 @@ class MachineProfile:
 
 
 def machine_from_dict(data: dict, what: str = "machine profile") -> MachineProfile:
-    from planner.schema import validate
-    from planner.serial import from_dict
 
     data = complete_profile(data, what)
     validate(data, "machine", what)
@@ -219,7 +219,6 @@ def complete_profile(data: dict, what: str = "machine profile") -> dict:
     the canonical unit, and what only a measurement records (runs, buffer sizes, timings, the
     tool version, a default calibration) filled in, so a person writes the figures the cost
     model reads and nothing else. A complete profile comes back unchanged."""
-    from planner.serial import to_dict
 
     if not isinstance(data, dict):
         return data
@@ -281,9 +280,9 @@ def check_machine(m: MachineProfile, what: str = "machine profile", prefix: str 
                      ("gpu.vram_total_bytes", m.gpu.vram_total_bytes), ("gpu.vram_usable_bytes", m.gpu.vram_usable_bytes)]
     if m.link is not None:
         positive += [("link.h2d_gibps", m.link.h2d_gibps), ("link.d2h_gibps", m.link.d2h_gibps)]
-    for field, value in positive:
+    for name, value in positive:
         if not value > 0:
-            bad(field, f"must be > 0, got {value}")
+            bad(name, f"must be > 0, got {value}")
     if c.threads < c.cores:
         bad("cpu.threads", f"{c.threads} logical CPUs is fewer than the {c.cores} cores")
     if c.ram_available_bytes > c.ram_total_bytes:
@@ -321,7 +320,6 @@ def _field_value(m: MachineProfile, path: str) -> float | None:
 
 def load_machine(path_or_text: str | Path) -> MachineProfile:
     """Read and validate a machine profile (a path or YAML text); PlanError when bad."""
-    from planner.yamlio import read_yaml
 
     data, what = read_yaml(path_or_text, "machine profile")
     if not isinstance(data, dict):
@@ -330,8 +328,6 @@ def load_machine(path_or_text: str | Path) -> MachineProfile:
 
 
 def machine_to_yaml(machine: MachineProfile) -> str:
-    from planner.serial import to_dict
-    from planner.yamlio import dump_yaml
 
     header = [f"HELM machine profile: {machine.name} ({machine.source})"]
     if machine.notes:
@@ -340,8 +336,6 @@ def machine_to_yaml(machine: MachineProfile) -> str:
 
 
 def save_machine(machine: MachineProfile, path: str | Path) -> None:
-    from planner.schema import validate
-    from planner.serial import to_dict
 
     validate(to_dict(machine), "machine", "machine profile")
     Path(path).write_text(machine_to_yaml(machine))
@@ -350,26 +344,3 @@ def save_machine(machine: MachineProfile, path: str | Path) -> None:
 def tool_version() -> str:
     from planner import __version__
     return __version__
-
-
-def placeholder_machine(cores: int | None = None) -> MachineProfile:
-    """A machine that was not measured: this host's CPU facts (no benchmarks) plus nominal
-    bandwidths and a nominal 24 GiB GPU. Lets a plan be made for a forced split (tests, the
-    executor's --split) without profiling; its predictions mean nothing."""
-    from planner.profile import detect_cpu_facts
-
-    facts = detect_cpu_facts()
-    cpu = CpuProfile(
-        model_name=facts["model_name"], cores=cores or facts["cores"], threads=max(facts["threads"], cores or 0),
-        isa=facts["isa"], l3_bytes=facts["l3_bytes"], dram_read_gibps=20.0, dram_read_gibps_runs=(),
-        dram_buffer_bytes=0, l3_read_gibps=60.0, l3_read_source="manual", compute_gflops=100.0,
-        ram_total_bytes=facts["ram_total_bytes"], ram_available_bytes=facts["ram_available_bytes"])
-    gpu = GpuProfile(name="unprofiled GPU (nominal)", vram_total_bytes=24 << 30, vram_usable_bytes=23 << 30,
-                     cuda_context_reserve_bytes=1 << 30, hbm_gibps=800.0, hbm_gibps_runs=(),
-                     prefill_gflops=50000.0, prefill_matmul="nominal")
-    link = LinkProfile(h2d_gibps=12.0, d2h_gibps=12.0, h2d_latency_us=10.0, d2h_latency_us=10.0, pinned=True)
-    return MachineProfile(
-        kind="machine_profile", schema_version=MACHINE_SCHEMA_VERSION, name="placeholder",
-        source="placeholder", notes="not measured: nominal numbers, predictions are not meaningful",
-        tool_version=tool_version(), measured_at=None, profile_seconds=None, quick=False,
-        cpu=cpu, gpu=gpu, link=link, calibration=Calibration())

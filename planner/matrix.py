@@ -16,7 +16,9 @@ from typing import Callable
 from planner.config import read_config
 from planner.errors import PlanError
 from planner.machine import MachineProfile, load_machine
-from planner.plan import Plan, make_plan, model_label
+from planner.plan import Plan, model_label
+from planner.planning import make_plan
+from planner.serial import to_dict
 from planner.yamlio import read_yaml
 
 
@@ -141,7 +143,6 @@ def format_matrix(cells: list[Cell]) -> str:
 
 
 def matrix_json(cells: list[Cell]) -> list[dict]:
-    from planner.serial import to_dict
     return [to_dict(c) for c in cells]
 
 

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Callable
 
 from planner.machine import (MACHINE_SCHEMA_VERSION, Calibration, CpuKernels, CpuProfile, DeviceCalibration,
-                             GpuProfile, KernelRates, LinkProfile, MachineProfile)
+                             GpuProfile, LinkProfile, MachineProfile, tool_version)
+from planner.serial import from_dict
 from planner.units import GIB, MIB, fmt_bytes, round_sig
 
 # SIMD features our kernels (and torch) dispatch on; others in /proc/cpuinfo are not recorded.
@@ -163,46 +164,14 @@ def measure_read_bandwidth(buffer_bytes: int, runs: int, min_seconds: float = 0.
 
 def measure_kv_read_gibps(buffer_bytes: int, runs: int, threads: int,
                           progress: Progress = _quiet) -> float | None:
-    """GiB/s at which the executor's CPU attention kernel streams a cold bf16 KV cache: one decode
-    query at context 4096 per layer, as many layers as fill buffer_bytes (Qwen3-like heads: 16
-    query, 8 KV, 128 wide; 512-token pages), median of `runs` passes over all layers. None when
-    the kernels are not built.
-
-    Why a probe of our own kernel, not only of the memory: attention reads KV in short runs per
-    head and page, and computes a softmax as it goes; measured here it streamed KV at about half
-    the GEMV's rate (DRAM figure above). The ratio becomes the plans' default η_kv."""
+    """GiB/s at which the executor's CPU attention kernel streams a cold bf16 KV cache
+    (executor.probe.kv_read_gibps); None when the kernels are not built."""
     try:
-        import torch
-
-        from executor import kernels
+        from executor.probe import kv_read_gibps  # the kernels are optional: built by pip install -e .
     except ImportError:
         progress("KV read: CPU kernels not built; η_kv left at 1")
         return None
-    hq, hkv, d, p, pages = 16, 8, 128, 512, 8  # context 8 x 512 = 4096
-    layers = max(1, buffer_bytes // (pages * 2 * hkv * p * d * 2))
-    page_elems = layers * 2 * hkv * p * d
-    buf = torch.empty(pages * page_elems, dtype=torch.bfloat16)
-    buf.fill_(0.01)  # write every page (untouched pages would read the zero page from cache)
-    base = buf.data_ptr()
-    table = torch.tensor([base + i * page_elems * 2 for i in range(pages)], dtype=torch.int64)
-    layout = kernels.PagedKV(layers, hkv, p, d, torch.bfloat16)
-    qkv = torch.randn(1, (hq + 2 * hkv) * d)
-    out = torch.empty(1, hq * d)
-    context = pages * p
-
-    def one_pass() -> float:
-        t0 = time.perf_counter()
-        for layer in range(layers):
-            kernels.paged_attention(qkv, out, layout, table, layer, context - 1, hq, d ** -0.5, num_threads=threads)
-        return time.perf_counter() - t0
-
-    one_pass()  # warm-up
-    results = []
-    for r in range(runs):
-        results.append(buf.numel() * 2 / one_pass() / GIB)
-        progress(f"KV read (attention kernel) {fmt_bytes(buf.numel() * 2)} run {r + 1}/{runs}: {results[-1]:.2f} GiB/s")
-    del buf
-    return round_sig(statistics.median(results), 4)
+    return kv_read_gibps(buffer_bytes, runs, threads, progress)
 
 
 def measure_cpu_kernels(threads: int, quick: bool, buffer_bytes: int,
@@ -217,7 +186,6 @@ def measure_cpu_kernels(threads: int, quick: bool, buffer_bytes: int,
     except ImportError as e:
         progress(f"CPU kernels not built ({e}); the cost model falls back to the DRAM and fp32 GEMM figures")
         return None
-    from planner.serial import from_dict
     return from_dict(CpuKernels, measured)
 
 
@@ -352,8 +320,6 @@ def profile_machine(quick: bool = False, name: str | None = None, progress: Prog
 
 
 def _profile(quick, name, progress, threads, facts, gpu_probe, started) -> MachineProfile:
-    from planner import __version__
-
     l3 = facts["l3_bytes"]
     progress(f"CPU {facts['model_name']}: {facts['cores']} cores, {facts['threads']} threads, "
              f"L3 {fmt_bytes(l3)}, RAM {fmt_bytes(facts['ram_total_bytes'])} "
@@ -399,6 +365,27 @@ def _profile(quick, name, progress, threads, facts, gpu_probe, started) -> Machi
         kind="machine_profile", schema_version=MACHINE_SCHEMA_VERSION,
         name=name or platform.node() or "this-machine", source="measured",
         notes=f"measured by helm-plan profile{' --quick' if quick else ''} with {threads} threads.{load}",
-        tool_version=__version__, measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        tool_version=tool_version(), measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         profile_seconds=round_sig(seconds, 3), quick=quick, cpu=cpu, gpu=gpu, link=link,
         calibration=calibration)
+
+
+def placeholder_machine(cores: int | None = None) -> MachineProfile:
+    """A machine that was not measured: this host's CPU facts (no benchmarks) plus nominal
+    bandwidths and a nominal 24 GiB GPU. Lets a plan be made for a forced split (tests, the
+    executor's --split) without profiling; its predictions mean nothing."""
+    facts = detect_cpu_facts()
+    cpu = CpuProfile(
+        model_name=facts["model_name"], cores=cores or facts["cores"], threads=max(facts["threads"], cores or 0),
+        isa=facts["isa"], l3_bytes=facts["l3_bytes"], dram_read_gibps=20.0, dram_read_gibps_runs=(),
+        dram_buffer_bytes=0, l3_read_gibps=60.0, l3_read_source="manual", compute_gflops=100.0,
+        ram_total_bytes=facts["ram_total_bytes"], ram_available_bytes=facts["ram_available_bytes"])
+    gpu = GpuProfile(name="unprofiled GPU (nominal)", vram_total_bytes=24 << 30, vram_usable_bytes=23 << 30,
+                     cuda_context_reserve_bytes=1 << 30, hbm_gibps=800.0, hbm_gibps_runs=(),
+                     prefill_gflops=50000.0, prefill_matmul="nominal")
+    link = LinkProfile(h2d_gibps=12.0, d2h_gibps=12.0, h2d_latency_us=10.0, d2h_latency_us=10.0, pinned=True)
+    return MachineProfile(
+        kind="machine_profile", schema_version=MACHINE_SCHEMA_VERSION, name="placeholder",
+        source="placeholder", notes="not measured: nominal numbers, predictions are not meaningful",
+        tool_version=tool_version(), measured_at=None, profile_seconds=None, quick=False,
+        cpu=cpu, gpu=gpu, link=link, calibration=Calibration())

@@ -14,7 +14,7 @@ from typing import Any
 from planner.errors import PlanError
 
 SCHEMA_DIR = Path(__file__).resolve().parent.parent / "schemas"
-SCHEMA_FILES = {"plan": "plan.schema.json", "machine": "machine.schema.json"}
+SCHEMA_FILES = {"plan": "plan.schema.json", "machine": "machine.schema.json", "report": "report.schema.json"}
 
 
 @functools.lru_cache(maxsize=None)

@@ -109,7 +109,7 @@ def run_pass(client, pb, prompts: list[list[int]], new_tokens: int, repeat: int,
 
 def decode_rows(report, contexts: list[int]) -> dict[int, object]:
     """The decode row of stage 0.. per requested context bucket: {context: [rows of every stage]}."""
-    from executor.report import context_bucket
+    from planner.report import context_bucket
 
     out = {}
     for c in contexts:
@@ -135,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     from executor.server.client import ExecutorClient
     from planner import cli as plan_cli
     from planner.machine import load_machine, save_machine
-    from planner.plan import load_plan, make_plan, predict_ttft_ms, save_plan, workload_for
+    from planner.plan import load_plan, save_plan
+    from planner.planning import make_plan, workload_for
+    from planner.predict import predict_ttft_ms
 
     contexts = sorted(int(c) for c in args.contexts.split(","))
     out = Path(args.out_dir)

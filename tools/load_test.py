@@ -70,7 +70,8 @@ def run_level(client, pb, clients: int, per_client: int, prompt_tokens: int, new
                         last, n = now, n + 1
             except Exception as e:  # noqa: BLE001 — count it, keep loading
                 with lock:
-                    errors.append(f"{getattr(e, 'code', lambda: '')()}: {getattr(e, 'details', lambda: e)()}")
+                    code = e.code() if hasattr(e, "code") else ""
+                    errors.append(f"{code}: {e.details() if hasattr(e, 'details') else e}")
                 continue
             with lock:
                 tokens += n

@@ -9,12 +9,11 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from executor.pb import executor_pb2 as pb
-from executor.pb import executor_pb2_grpc as pb_grpc
-from executor.report import Report
 from executor.errors import CredentialError
+from executor.pb import executor_pb2 as pb, executor_pb2_grpc as pb_grpc
 from executor.server.auth import BearerToken, ClientAuth, is_loopback
 from executor.server.messages import GenerateSpec
+from planner.report import Report
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 

@@ -31,13 +31,16 @@ from executor.errors import (HelmError, LoadInProgressError, NotReadyError, Over
 from executor.loader import load_model
 from executor.model_config import ModelConfig
 from executor.plan_io import check_host_kv_fits, load_checked_plan, placement_for
-from executor.report import PlanSummary, Recorder, Report, kernel_isa
+from executor.report import Recorder, kernel_isa
 from executor.sampling import SamplingParams, StopCriteria
 from executor.server.messages import (MAX_PROMPT_BYTES_PER_TOKEN, GenerateSpec, GenerationResult, LoadResult,
                                       PlanSource, ServerInfo, StageInfo, StageTiming, TokenChunk)
 from executor.server.text import TextStream
-from executor.server.worker import EngineWorker, Ended, Produced, Rejected, Submission
+from executor.server.worker import Ended, EngineWorker, Produced, Rejected, Submission
+from executor.tokenizer import Tokenizer
+from planner import __version__
 from planner.errors import PlanError
+from planner.report import PlanSummary, Report
 from planner.yamlio import read_text_file
 
 log = logging.getLogger("helm.daemon")
@@ -61,7 +64,6 @@ class _Serving:
 class Daemon:
     def __init__(self, model_dir: str | Path, max_batch: int = 64, max_queue: int = 64, backend: str = "auto",
                  threads: int | None = None, plan_dir: str | Path | None = None):
-        from executor.tokenizer import Tokenizer
 
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")
@@ -280,7 +282,6 @@ class Daemon:
         return len(self._active)
 
     def info(self) -> ServerInfo:
-        from planner import __version__
 
         with self._lock:
             serving = self._serving

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from executor.errors import RequestError
 from executor.kv_cache import KVStats
-from executor.report import PlanSummary, device_name
 from executor.sampling import SamplingParams, StopCriteria
+from planner.report import PlanSummary, device_name
 
 FINISH_REASONS = ("stop", "stop_string", "length", "context", "aborted")
 

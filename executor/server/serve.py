@@ -19,7 +19,16 @@ from concurrent import futures
 from datetime import datetime, timezone
 from pathlib import Path
 
-from executor.server.guard import BODY_TIMEOUT_S
+from executor.errors import HelmError, PlacementError, PlanNotFoundError
+from executor.pb import executor_pb2_grpc as pb_grpc
+from executor.server.auth import Tokens, is_loopback, server_credentials
+from executor.server.daemon import Daemon
+from executor.server.guard import BODY_TIMEOUT_S, CONTROL_THREADS, OPEN_READERS, WATCH_STREAMS, RpcGuard
+from executor.server.messages import PlanSource
+from executor.server.service import SERVICE_NAME, ExecutorServicer
+from planner.errors import PlanError
+from planner.plan import parse_plan
+from planner.yamlio import MAX_FILE_BYTES, read_text_file
 
 log = logging.getLogger("helm.serve")
 
@@ -48,9 +57,6 @@ def configure_logging(verbose: bool = False) -> None:
 def read_startup_plan(plan_path: str) -> tuple[str, Path]:
     """(YAML text, checkpoint directory) of the plan given on the command line: the operator's
     own file, so it is read from anywhere (within the size limit), unlike LoadPlan's paths."""
-    from executor.errors import PlacementError, PlanNotFoundError
-    from planner.plan import PlanError, parse_plan
-    from planner.yamlio import read_text_file
 
     try:
         text = read_text_file(Path(plan_path), "plan")
@@ -70,11 +76,6 @@ def start_server(daemon, host: str, port: int, tokens=None, credentials=None, st
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
-
-    from executor.pb import executor_pb2_grpc as pb_grpc
-    from executor.server.guard import CONTROL_THREADS, OPEN_READERS, WATCH_STREAMS, RpcGuard
-    from executor.server.service import SERVICE_NAME, ExecutorServicer
-    from planner.yamlio import MAX_FILE_BYTES
 
     # Twice the admission slots: a stream whose client stopped reading keeps its thread (not its
     # slot) until the stall timeout cuts it off, and must not starve the streams being admitted.
@@ -117,7 +118,6 @@ def start_server(daemon, host: str, port: int, tokens=None, credentials=None, st
 def security_of(args):
     """(tokens, TLS credentials) from the serve flags; refuses (ValueError) to expose a daemon
     without both beyond loopback unless --insecure says so."""
-    from executor.server.auth import Tokens, is_loopback, server_credentials
 
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ValueError("--tls-cert and --tls-key go together")
@@ -143,9 +143,6 @@ def security_of(args):
 
 
 def serve(args) -> int:
-    from executor.errors import HelmError
-    from executor.server.daemon import Daemon
-    from executor.server.messages import PlanSource
 
     configure_logging(args.verbose)
     if args.threads is not None and args.threads < 1:

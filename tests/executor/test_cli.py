@@ -139,7 +139,8 @@ def test_generation_stops_at_context_limit(checkpoint):
 
 
 def test_plan_gives_the_same_tokens_as_its_split(checkpoint, capsys, tmp_path):
-    from planner.plan import plan_for_split, save_plan
+    from planner.plan import save_plan
+    from planner.planning import plan_for_split
 
     path = checkpoint("qwen3", "bf16")
     plan_file = tmp_path / "plan.yaml"
@@ -153,7 +154,8 @@ def test_plan_gives_the_same_tokens_as_its_split(checkpoint, capsys, tmp_path):
 
 
 def test_plan_for_another_model_is_refused(checkpoint, capsys, tmp_path):
-    from planner.plan import plan_for_split, save_plan
+    from planner.plan import save_plan
+    from planner.planning import plan_for_split
 
     plan_file = tmp_path / "plan.yaml"
     save_plan(plan_for_split(str(checkpoint("llama", "bf16")), split_k=2), plan_file)
@@ -162,7 +164,7 @@ def test_plan_for_another_model_is_refused(checkpoint, capsys, tmp_path):
 
 
 def test_invalid_plan_names_the_field(checkpoint, capsys, tmp_path):
-    from planner.plan import plan_for_split
+    from planner.planning import plan_for_split
 
     path = checkpoint("qwen3", "bf16")
     text = plan_for_split(str(path), split_k=2).to_yaml().replace("page_size_tokens: 512", "page_size_tokens: -4")
@@ -175,8 +177,9 @@ def test_cpu_threads_come_from_the_plan_unless_overridden(checkpoint, capsys, tm
     """The CPU stage runs with the plan's profiled core count (capped at the CPUs this process
     may use); --threads overrides it; the count reaches the kernels and torch."""
     from executor.placement import usable_cpus
-    from planner.machine import placeholder_machine
-    from planner.plan import plan_for_split, save_plan
+    from planner.profile import placeholder_machine
+    from planner.plan import save_plan
+    from planner.planning import plan_for_split
 
     path = checkpoint("qwen3", "bf16")
     plan = plan_for_split(str(path), split_k=6, machine=placeholder_machine(cores=64))

@@ -34,7 +34,8 @@ def test_gemm_route_is_the_fastest_candidate_and_its_crossover():
 def test_probe_rows_fill_a_valid_machine_profile_and_give_kernel_routes():
     from executor import kernels
     from executor.probe import gemm_routes, probe_cpu_kernels
-    from planner.machine import load_machine, machine_to_yaml, placeholder_machine
+    from planner.machine import load_machine, machine_to_yaml
+    from planner.profile import placeholder_machine
     from planner.serial import from_dict
     from planner.machine import CpuKernels
 
@@ -70,8 +71,10 @@ def test_the_plan_routes_the_prompt_gemms_where_measured_with_these_kernels(chec
     from executor.model_config import ModelConfig
     from executor.placement import usable_cpus
     from executor.plan_io import placement_from_plan
-    from planner.machine import CpuKernels, KernelRates, PromptRate, placeholder_machine
-    from planner.plan import plan_for_split, save_plan
+    from planner.machine import CpuKernels, KernelRates, PromptRate
+    from planner.profile import placeholder_machine
+    from planner.plan import save_plan
+    from planner.planning import plan_for_split
 
     path = checkpoint("qwen3", "bf16")
     cfg = ModelConfig.from_dir(path)

@@ -41,5 +41,5 @@ def dev_machine():
 
 @pytest.fixture(scope="session")
 def laptop_plan_8b(laptop):
-    from planner.plan import make_plan
+    from planner.planning import make_plan
     return make_plan(config_path("qwen3-8b"), laptop, source=rel_source("qwen3-8b"))

@@ -7,7 +7,8 @@ import pytest
 from planner import cli
 from planner.errors import PlanError
 from planner.machine import load_machine
-from planner.plan import make_plan, predict, workload_for
+from planner.planning import make_plan, workload_for
+from planner.predict import predict
 
 GIB = 2**30
 

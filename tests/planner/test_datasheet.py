@@ -9,7 +9,7 @@ from planner import cli
 from planner.datasheet import datasheet_machine
 from planner.errors import PlanError
 from planner.machine import load_machine, machine_to_yaml
-from planner.plan import make_plan
+from planner.planning import make_plan
 from tests.planner.conftest import config_path
 
 GIB = 2**30

@@ -9,7 +9,8 @@ import pytest
 
 from planner import cli
 from planner.machine import load_machine
-from planner.plan import load_plan, make_plan
+from planner.plan import load_plan
+from planner.planning import make_plan
 from tests.planner.conftest import LAPTOP, MACHINES, config_path
 
 MODELS = [str(config_path(m)) for m in ("qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b")]

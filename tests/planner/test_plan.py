@@ -10,8 +10,9 @@ import yaml
 from planner import cli
 from planner.config import config_digest
 from planner.errors import PlanError
-from planner.plan import (Plan, load_plan, make_plan, plan_digest, plan_for_split, plan_from_dict,
-                          predict, save_plan, workload_for)
+from planner.plan import Plan, load_plan, plan_digest, plan_from_dict, save_plan
+from planner.planning import make_plan, plan_for_split, workload_for
+from planner.predict import predict
 from planner.units import GIB
 from tests.planner.conftest import REPO, config_path, rel_source
 
@@ -210,7 +211,7 @@ def test_ttft_is_priced_chunk_by_chunk_like_the_executor():
     from dataclasses import replace
 
     from planner.machine import load_machine
-    from planner.plan import predict_ttft_ms
+    from planner.predict import predict_ttft_ms
     from tests.planner.conftest import DEV
 
     plan = make_plan(config_path("qwen3-0.6b"), load_machine(DEV), workload=workload_for(512, 16))

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from planner.machine import load_machine, machine_to_yaml
-from planner.plan import make_plan
-from planner.profile import (ISA_FLAGS, detect_cpu_facts, measure_gpu, measure_read_bandwidth,
-                             probe_cuda, profile_machine)
+from planner.planning import make_plan
+from planner.profile import (ISA_FLAGS, detect_cpu_facts, measure_gpu, measure_read_bandwidth, probe_cuda,
+                             profile_machine)
 from planner.units import GIB, MIB
 from tests.planner.conftest import DEV, config_path
 

@@ -18,10 +18,14 @@ import pytest
 
 from executor.report import Recorder
 from planner import cli
-from planner.calibrate import fetch_report, read_report, recalibrate
+from planner.calibrate import recalibrate
+from planner.daemon_client import fetch_report
 from planner.errors import PlanError
 from planner.machine import Calibration, DeviceCalibration
-from planner.plan import load_plan, make_plan, predict, save_plan
+from planner.plan import load_plan, save_plan
+from planner.planning import make_plan
+from planner.predict import predict
+from planner.report import read_report
 from tests.planner.conftest import LAPTOP, REPO, config_path, rel_source
 
 DEV_PLAN = REPO / "plans" / "qwen3-0.6b.helm-dev-2core.yaml"     # all on the CPU, 28 blocks
@@ -367,7 +371,7 @@ BAD_REPORTS = {
     "another plan": "measured another plan: v1 sha256:000000000000…",
     "another model": "measured a LlamaForCausalLM model; the plan is for Qwen3ForCausalLM",
     "too few samples": "too few samples in report .*: stage 0 \\(cpu\\) has 18 decode step\\(s\\) in 6 context bucket",
-    "schema-invalid": "report.schema.json violation at field 'rows.0.phase'",
+    "schema-invalid": "report.schema.json violation at field 'rows\\[0\\].phase': must be one of",
     "no rows": "has no measurements: the daemon has not run a step of this plan yet",
     "edited partition": "names the plan's digest but not its partition",
     "empty file": "is empty",

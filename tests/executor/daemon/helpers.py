@@ -11,7 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from planner.plan import plan_for_split, save_plan, workload_for
+from planner.plan import save_plan
+from planner.planning import plan_for_split, workload_for
 
 REPO = Path(__file__).resolve().parents[3]
 START_TIMEOUT_S = 120

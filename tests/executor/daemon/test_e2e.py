@@ -12,11 +12,11 @@ from grpc_health.v1 import health_pb2
 
 from executor.cli import main
 from executor.pb import executor_pb2 as pb
-from executor.report import validate_report
 from executor.sampling import SamplingParams
 from executor.server.client import ExecutorClient
 from executor.tokenizer import Tokenizer
 from planner.plan import load_plan
+from planner.report import validate_report
 from tests.executor.daemon.helpers import PAGE_SIZE, collect, serving_daemon, wait_until, write_plan
 from tests.executor.helpers import helm_generate, prompt_ids
 

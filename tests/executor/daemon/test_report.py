@@ -5,8 +5,11 @@ import json
 import pytest
 
 from executor.pb import executor_pb2 as pb
-from executor.report import Recorder, Report, context_bucket, validate_report
-from planner.plan import plan_for_split, predict
+from executor.report import Recorder
+from planner.errors import PlanError
+from planner.planning import plan_for_split
+from planner.predict import predict
+from planner.report import Report, context_bucket, validate_report
 
 
 @pytest.fixture(scope="module")
@@ -63,5 +66,5 @@ def test_report_json_round_trips_and_validates(plan, tmp_path):
     validate_report(data)
     assert data["kind"] == "report" and data["plan"]["source"] == "plans/x.yaml"
     data["rows"][0]["phase"] = "warmup"
-    with pytest.raises(ValueError, match="rows.0.phase"):
+    with pytest.raises(PlanError, match=r"field .rows\[0\]\.phase."):
         validate_report(data)

@@ -1,0 +1,61 @@
+"""A plan's cost model evaluated for other steps than the one it was made for: what the executor
+compares its measurements against (executor.report.Recorder) and what recalibration fits
+(planner.fit). One function per question, one place that spells out the cost model's inputs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from planner.cost import PREFILL_CHUNK_TOKENS
+from planner.machine import Calibration
+from planner.plan import Plan, Prediction
+from planner.planning import plan_space, prediction_of
+from planner.search import evaluate_at
+
+
+def predict(plan: Plan, context_tokens: int, batch_size: int | None = None, prefix_tokens: int = 0,
+            logits: bool = True) -> Prediction:
+    """The plan's cost model evaluated for one decode step at another context length / batch;
+    its prefill figures are for the workload's prompt_tokens after `prefix_tokens` cached ones (a
+    chunk of a longer prompt)."""
+    batch = batch_size or plan.workload.batch_size
+    space = replace(plan_space(plan), batch=batch, context=context_tokens)
+    cost = evaluate_at(plan.partition.split_k, plan.ir.units, plan.ir.shared_weights, plan.machine, space,
+                       plan.calibration, prefix=prefix_tokens, logits=logits)
+    return prediction_of(cost, replace(plan.workload, batch_size=batch), context_tokens)
+
+
+def predict_ttft_ms(plan: Plan, prompt_tokens: int, chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> float:
+    """The plan's time to first token for a prompt of `prompt_tokens` at batch 1, prefilled the way
+    the executor does it: in steps of at most chunk_tokens, each after the chunks before it, the
+    logits computed by the last one only."""
+    total = 0.0
+    for start in range(0, prompt_tokens, chunk_tokens):
+        n = min(chunk_tokens, prompt_tokens - start)
+        chunk = replace(plan, workload=replace(plan.workload, prompt_tokens=n))
+        total += predict(chunk, start + n, 1, prefix_tokens=start, logits=start + n == prompt_tokens).ttft_ms
+    return total
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """One engine step's predicted time per stage, as the executor measures it."""
+    stages: tuple[tuple[float, float], ...]   # per stage: (ms with n_blocks·δ, roofline ms before δ)
+    link_ms: float                            # the hand-off; the receiving stage's clock includes it
+
+
+def predict_step(plan: Plan, phase: str, context: float, batch: float, tokens: float,
+                 calibration: Calibration | None = None) -> StepCost:
+    """The cost model for one executor step of `plan` (with `calibration`, default the plan's).
+    Decode: `batch` sequences at mean context `context`. Prefill (a step with prompt chunks):
+    `batch` chunks of tokens/batch tokens each, ending at `context` on average, so each after the
+    cached prefix that implies (the step's decodes, a few tokens, are left out). Arguments may be
+    means over many steps (recalibration's rows), hence floats."""
+    decode = phase == "decode"
+    chunk = max(1.0, tokens / max(batch, 1.0))
+    space = replace(plan_space(plan), batch=batch, context=context if decode else max(context, 1.0),
+                    prompt=plan.workload.prompt_tokens if decode else chunk)
+    cost = evaluate_at(plan.partition.split_k, plan.ir.units, plan.ir.shared_weights, plan.machine, space,
+                       calibration or plan.calibration, prefix=0 if decode else max(0.0, context - chunk))
+    if decode:
+        return StepCost(tuple((s.ms, s.roofline_ms) for s in cost.stages), cost.comm_ms)
+    return StepCost(tuple((s.prefill_ms, s.prefill_ms - s.overhead_ms) for s in cost.stages), cost.comm_prefill_ms)
