@@ -82,7 +82,7 @@ def _best_seconds(fn: Callable[[], object], reps: int) -> float:
 def fma_peak_gflops(threads: int) -> float:
     """fp32 FMA peak of `threads` cores with this process's kernel ISA (registers only)."""
     from executor import kernels
-    return kernels.kernels.fma_peak_gflops(threads)
+    return kernels.default_set.fma_peak_gflops(threads)
 
 
 def gemv_read_gibps(dtype: torch.dtype, threads: int, buffer_bytes: int, runs: int) -> list[float]:

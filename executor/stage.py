@@ -63,10 +63,6 @@ class Stage:
     def __repr__(self) -> str:
         return f"Stage(units {self.unit_start}..{self.unit_end - 1} on {self.device}, backend={self.backend})"
 
-    @property
-    def produces_logits(self) -> bool:
-        return self.head is not None
-
     def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """x: token ids [T] (first stage) or hidden [T, H] fp32 → hidden [T, H] or logits [R, V]."""
         if self.embedding is not None:

@@ -52,11 +52,11 @@ def read_gbps(threads: int, nbytes: int = 2 << 30) -> float:
     from executor import kernels
 
     buf = torch.ones(nbytes // 4, dtype=torch.float32)
-    kernels.kernels.read_pass(buf, num_threads=threads)  # warm-up (page faults)
+    kernels.default_set.read_pass(buf, num_threads=threads)  # warm-up (page faults)
     best = 0.0
     for _ in range(3):
         t0 = time.perf_counter()
-        kernels.kernels.read_pass(buf, num_threads=threads)
+        kernels.default_set.read_pass(buf, num_threads=threads)
         best = max(best, nbytes / (time.perf_counter() - t0) / 1e9)
     return best
 

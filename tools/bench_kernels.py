@@ -107,7 +107,7 @@ class Row:
 
 def read_gbps(buf: torch.Tensor, threads: int) -> float:
     t0 = time.perf_counter()
-    K.kernels.read_pass(buf, num_threads=threads)
+    K.default_set.read_pass(buf, num_threads=threads)
     return buf.numel() * buf.element_size() / (time.perf_counter() - t0) / 1e9
 
 
@@ -135,7 +135,7 @@ def bench_row(model, proj, n, k, dtype_name, batch, args, read_buf) -> Row:
     def torch_linear(w):
         F.linear(x_t, w)
 
-    path = K.kernels.path(dtype, batch)
+    path = K.default_set.path(dtype, batch)
     row = Row(model, proj, n, k, dtype_name, batch, path, nbytes / 2**20)
     pool_gbps(ours, prepared, nbytes)  # warm-up: page in, settle clocks
     if not args.no_torch:

@@ -11,7 +11,7 @@ the cores as long as they are called one after the other.
 Batches above MAX_TILE_B (prompt chunks) take a route per weight dtype (PROMPT_PATHS: our GEMV
 tiles, our packed GEMM, or PyTorch's GEMM on the stored or widened weights), chosen by
 measurement on the machine that runs (executor/probe.py) and given to KernelSet(isa,
-routes); the default set `kernels` keeps every batch in our GEMV.
+routes); the default set `default_set` keeps every batch in our GEMV.
 
 Importing this package without the compiled extension raises ImportError (the executor then
 falls back to its PyTorch path, `--kernels torch`). The fp32 reference twins of every kernel are
@@ -79,18 +79,17 @@ def _choose_isa() -> str:
 KERNEL_ISA: str = _choose_isa()
 
 #: The kernels of KERNEL_ISA; the module-level functions below are its bound methods.
-kernels = KernelSet(KERNEL_ISA)
+default_set = KernelSet(KERNEL_ISA)
 
-linear = kernels.linear  # (x [B, K] fp32, w: PreparedLinear, out=None, *, num_threads) → [B, N] fp32
-rms_norm = kernels.rms_norm  # (x [..., H] fp32, weight [H], eps, out=None, *, num_threads)
-silu_mul = kernels.silu_mul  # (gate, up, out=None, *, num_threads=1) → silu(gate) * up
-add_ = kernels.add_  # (a, b, *, num_threads=1): a += b, returns a
-rope_qk_ = kernels.rope_qk_  # (qkv, Hq, Hkv, cos, sin, q_norm=None, k_norm=None, eps, *, num_threads)
-kv_write = kernels.kv_write  # (qkv, kv: PagedKV, pages, layer, start, Hq): K/V of qkv rows → pages
-paged_attention = kernels.paged_attention  # (qkv, out, kv, pages, layer, start, Hq, scale, *, num_threads)
+linear = default_set.linear  # (x [B, K] fp32, w: PreparedLinear, out=None, *, num_threads) → [B, N] fp32
+rms_norm = default_set.rms_norm  # (x [..., H] fp32, weight [H], eps, out=None, *, num_threads)
+silu_mul = default_set.silu_mul  # (gate, up, out=None, *, num_threads=1) → silu(gate) * up
+rope_qk_ = default_set.rope_qk_  # (qkv, Hq, Hkv, cos, sin, q_norm=None, k_norm=None, eps, *, num_threads)
+kv_write = default_set.kv_write  # (qkv, kv: PagedKV, pages, layer, start, Hq): K/V of qkv rows → pages
+paged_attention = default_set.paged_attention  # (qkv, out, kv, pages, layer, start, Hq, scale, *, num_threads)
 
 __all__ = [
-    "ISAS", "KERNEL_ISA", "MAX_TILE_B", "PROMPT_PATHS", "BlockStack", "KernelSet", "PagedKV", "PreparedLinear", "add_",
-    "available_isas", "kernels", "kv_write", "linear", "paged_attention", "prepare_linear", "rms_norm",
+    "ISAS", "KERNEL_ISA", "MAX_TILE_B", "PROMPT_PATHS", "BlockStack", "KernelSet", "PagedKV", "PreparedLinear",
+    "available_isas", "default_set", "kv_write", "linear", "paged_attention", "prepare_linear", "rms_norm",
     "rope_qk_", "silu_mul",
 ]

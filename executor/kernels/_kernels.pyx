@@ -24,7 +24,6 @@ cdef extern from "helm_kernels.h" nogil:
     ctypedef void (*helm_silu_mul_fn)(float *out, long ldo, const float *gate, long ldg,
                                       const float *up, long ldu, long n, long b0,
                                       long b1) noexcept nogil
-    ctypedef void (*helm_add_fn)(float *a, const float *b, long i0, long i1) noexcept nogil
     ctypedef uint64_t (*helm_read_fn)(const void *p, size_t nbytes) noexcept nogil
     ctypedef void (*helm_to_bf16_fn)(uint16_t *dst, const float *src, long i0, long i1) noexcept nogil
     ctypedef void (*helm_from_bf16_fn)(float *dst, const uint16_t *src, long i0, long i1) noexcept nogil
@@ -58,7 +57,6 @@ cdef extern from "helm_kernels.h" nogil:
         helm_gemv_fn gemv[3]
         helm_rms_norm_fn rms_norm[3]
         helm_silu_mul_fn silu_mul
-        helm_add_fn add
         helm_read_fn read
         helm_rope_qk_fn rope_qk
         helm_kv_write_fn kv_write[3]
@@ -118,16 +116,6 @@ def cpu_supports(str isa) -> bool:
 def prefetch_bytes(dtype) -> int:
     """Software-prefetch distance along each weight-row stream for this weight dtype, in bytes."""
     return helm_prefetch_bytes[_DTYPE_CODE[dtype]]
-
-
-def set_prefetch_bytes(long n, dtype=None) -> None:
-    """Tuning hook for benchmarks: the distance for one weight dtype, or all (None); process-wide,
-    not for use while kernels run. 0 turns software prefetch off."""
-    if n < 0:
-        raise ValueError("prefetch distance must be >= 0")
-    for dt, code in _DTYPE_CODE.items():
-        if dtype is None or dt == dtype:
-            helm_prefetch_bytes[code] = n
 
 
 cdef const helm_kernel_table *_table(str isa) except NULL:
@@ -415,29 +403,6 @@ cdef class KernelSet:
         for t in prange(nt, schedule='static', nogil=True, num_threads=nt):
             fn(o, ldo, g, ldg, u, ldu, n, t * chunk, min(rows, (t + 1) * chunk))
         return out
-
-    def add_(self, a, b, *, int num_threads=1):
-        """a += b in place (the residual add); both contiguous fp32 of the same shape. Returns a."""
-        if (a.dtype is not torch.float32 or b.dtype is not torch.float32
-                or not a.is_contiguous() or not b.is_contiguous() or a.shape != b.shape):
-            raise ValueError("a and b must be contiguous fp32 tensors of the same shape")
-        _check_cpu_tensor(a, "a")
-        _check_cpu_tensor(b, "b")
-        cdef long n = a.numel()
-        cdef float *ap = <float *> <uintptr_t> a.data_ptr()
-        cdef const float *bp = <const float *> <uintptr_t> b.data_ptr()
-        cdef helm_add_fn fn = self.t.add
-        # Below ~64 KiB per thread a parallel region costs more than it saves.
-        cdef int nt = _threads_for(num_threads, n // 16384)
-        cdef long chunk = ((n + nt - 1) // nt + 15) // 16 * 16
-        cdef int t
-        if nt == 1:
-            with nogil:
-                fn(ap, bp, 0, n)
-            return a
-        for t in prange(nt, schedule='static', nogil=True, num_threads=nt):
-            fn(ap, bp, min(n, t * chunk), min(n, (t + 1) * chunk))
-        return a
 
     cdef void _gemm(self, object x, PreparedLinear w, object out, int num_threads, bint accumulate):
         cdef helm_gemm_fn fn = self.t.gemm[w.dtype_code]

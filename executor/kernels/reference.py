@@ -26,11 +26,6 @@ def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate.float()) * up.float()
 
 
-def add_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a + b (the residual add), out of place."""
-    return a + b
-
-
 def rope_qk_ref(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
                 q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
                 eps: float = 1e-6) -> torch.Tensor:

@@ -51,9 +51,6 @@ typedef void (*helm_rms_norm_fn)(float *out, const float *x, const void *w, floa
 typedef void (*helm_silu_mul_fn)(float *out, long ldo, const float *gate, long ldg, const float *up,
                                  long ldu, long n, long b0, long b1);
 
-/* a[i] += b[i] for i0 <= i < i1. */
-typedef void (*helm_add_fn)(float *a, const float *b, long i0, long i1);
-
 /* Keys the attention kernel scores per step of its online softmax (their G scores each stay in
  * L1); callers bound the query heads per KV head to G * (D + HELM_ATT_BLOCK) <= 8192 floats:
  * an item keeps G * D floats per extra lane on its (OpenMP thread's) stack. */
@@ -146,7 +143,6 @@ typedef struct helm_kernel_table {
     helm_gemv_fn gemv[HELM_NUM_DTYPES];
     helm_rms_norm_fn rms_norm[HELM_NUM_DTYPES];
     helm_silu_mul_fn silu_mul;
-    helm_add_fn add;
     helm_read_fn read;
     helm_rope_qk_fn rope_qk;
     helm_kv_write_fn kv_write[HELM_NUM_DTYPES];

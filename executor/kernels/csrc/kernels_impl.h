@@ -315,7 +315,7 @@ static void rope_qk(float *qkv, long ld, int Hq, int Hkv, int D, const float *qn
     }
 }
 
-/* ---- SiLU·mul, residual add ---- */
+/* ---- SiLU·mul ---- */
 
 static void silu_mul(float *out, long ldo, const float *gate, long ldg, const float *up, long ldu,
                      long n, long b0, long b1) {
@@ -324,10 +324,6 @@ static void silu_mul(float *out, long ldo, const float *gate, long ldg, const fl
         const float *g = gate + b * ldg, *u = up + b * ldu;
         for (long i = 0; i < n; i++) o[i] = g[i] / (1.0f + helm_expf(-g[i])) * u[i];
     }
-}
-
-static void add(float *a, const float *b, long i0, long i1) {
-    for (long i = i0; i < i1; i++) a[i] += b[i];
 }
 
 static void to_bf16(uint16_t *dst, const float *src, long i0, long i1) {
@@ -395,7 +391,6 @@ const helm_kernel_table CAT(helm_table_, HELM_ISA) = {
     {gemv_f32, HELM_GEMV_BF16, gemv_f16},
     {rms_norm_f32, rms_norm_bf16, rms_norm_f16},
     silu_mul,
-    add,
     read_probe,
     rope_qk,
     {kv_write_f32, kv_write_bf16, kv_write_f16},

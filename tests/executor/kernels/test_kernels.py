@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import executor.kernels as K
-from executor.kernels.reference import add_ref, linear_ref, rms_norm_ref, silu_mul_ref
+from executor.kernels.reference import linear_ref, rms_norm_ref, silu_mul_ref
 
 ISAS_HERE = K.available_isas()
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -226,20 +226,6 @@ def test_silu_mul_matches_reference(isa):
     x1 = torch.randn(50, generator=gen)  # 1-D
     torch.testing.assert_close(ks.silu_mul(x1, x1), silu_mul_ref(x1, x1),
                                rtol=SILU_MUL_TOL[0], atol=SILU_MUL_TOL[1])
-
-
-@pytest.mark.parametrize("isa", ISAS_HERE)
-def test_add_matches_reference(isa):
-    ks = K.KernelSet(isa)
-    for shape in [(1,), (1, 7), (3, 1000), (2, 40000)]:
-        a, b = torch.randn(shape), torch.randn(shape)
-        ref = add_ref(a, b)
-        for t in THREADS:
-            a2 = a.clone()
-            assert ks.add_(a2, b, num_threads=t) is a2
-            assert torch.equal(a2, ref)
-    with pytest.raises(ValueError):
-        ks.add_(torch.zeros(3), torch.zeros(4))
 
 
 @pytest.mark.parametrize("isa", ISAS_HERE)
