@@ -1,6 +1,8 @@
 """The longest context a split can serve: the thesis' headline figure, stated in every plan.
 
-A split serves a context when its KV pages fit (DESIGN §5 feasibility, the one rule in
+Contexts are whole pages (the KV cache's unit of allocation), so the figure is a multiple of the
+page size unless the model's limit caps it, also with a latency bound, which the step's time
+could meet for a few tokens more. A split serves a context when its KV pages fit (DESIGN §5 feasibility, the one rule in
 planner/cost.py): the GPU stage's pages in the VRAM left after its weights (with KV offload, the
 pages beyond the watermark parked in pinned host memory), the CPU stage's pages and the parked
 ones in the host RAM left after the CPU stage's weights, for every sequence of the batch. The
@@ -36,7 +38,7 @@ def model_max_tokens(config: dict) -> int:
     """The model's position limit from its config (text_config for multimodal wrappers); 0 if none."""
     for section in (config, config.get("text_config") or {}):
         value = section.get("max_position_embeddings") if isinstance(section, dict) else None
-        if isinstance(value, int) and value > 0:
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return 0
 

@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
 
 from planner.errors import PlanError
+from planner.plan import DEFAULT_PAGE_SIZE_TOKENS, DEFAULT_WATERMARK, Workload
 from planner.units import parse_flops, parse_rate
 
 EXIT_OK, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
-DEFAULT_PROMPT, DEFAULT_NEW = 512, 512        # the workload a plan is costed at unless told otherwise
+DEFAULT_PROMPT, DEFAULT_NEW = Workload.prompt_tokens, Workload.max_new_tokens  # unless told otherwise
 
 
 def _err(msg: str) -> None:
@@ -85,9 +87,12 @@ def _efficiency_arg(text: str) -> tuple[str, float]:
 
 def _float_arg(text: str) -> float:
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
 
 
 def _workload_args(p: argparse.ArgumentParser) -> None:
@@ -102,8 +107,9 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
 
 
 def _memory_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--page-size", type=_int_arg("--page-size", 1), default=512, help="KV page size in tokens")
-    p.add_argument("--watermark", type=_float_arg, default=0.8,
+    p.add_argument("--page-size", type=_int_arg("--page-size", 1), default=DEFAULT_PAGE_SIZE_TOKENS,
+                   help="KV page size in tokens")
+    p.add_argument("--watermark", type=_float_arg, default=DEFAULT_WATERMARK,
                    help="fraction of the VRAM left after weights that KV may use before offloading")
     p.add_argument("--kv-offload", action="store_true", help="let GPU-stage KV pages move to pinned host memory")
     p.add_argument("--gpu-memory", type=_size_arg("--gpu-memory"), metavar="SIZE",
@@ -366,7 +372,7 @@ def cmd_show(args) -> int:
 
 
 def cmd_validate(args) -> int:
-    from planner.machine import machine_from_dict
+    from planner.machine import is_machine_profile, machine_from_dict
     from planner.plan import plan_from_dict
     from planner.yamlio import read_yaml
 
@@ -376,8 +382,8 @@ def cmd_validate(args) -> int:
             if not Path(name).is_file():
                 raise PlanError("no such file")
             data, _ = read_yaml(Path(name), "file")
-            kind = data.get("kind", "machine_profile" if "cpu" in data else None) if isinstance(data, dict) else None
-            if kind == "machine_profile":
+            kind = data.get("kind") if isinstance(data, dict) else None
+            if is_machine_profile(data):
                 m = machine_from_dict(data, "machine profile")
                 print(f"ok    {name}: machine profile {m.name} ({m.source})")
             elif kind == "plan":

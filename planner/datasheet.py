@@ -20,9 +20,8 @@ from pathlib import Path
 import yaml
 
 from planner.errors import PlanError
-from planner.machine import (L3_OVER_DRAM, MACHINE_SCHEMA_VERSION, Calibration, CpuProfile, Datasheet,
-                             DatasheetRate, GpuProfile, LinkProfile, MachineProfile, check_machine,
-                             tool_version)
+from planner.machine import (L3_OVER_DRAM, MACHINE_SCHEMA_VERSION, Calibration, CpuProfile, Datasheet, DatasheetRate,
+                             GpuProfile, LinkProfile, MachineProfile, check_machine, l3_estimate, tool_version)
 from planner.units import GIB, fmt_bytes, parse_bytes, parse_flops, parse_rate, round_sig
 
 CATALOGUE = Path(__file__).with_name("datasheets.yaml")
@@ -45,7 +44,8 @@ RAM_LEFT_TO_OS = (2 << 30, 0.10)      # the OS and other processes keep max(2 Gi
 PCIE_LANE_GBPS = {1: 2.5 * 0.8 / 8, 2: 5.0 * 0.8 / 8, 3: 8.0 * 128 / 130 / 8, 4: 16.0 * 128 / 130 / 8,
                   5: 32.0 * 128 / 130 / 8}
 _PCIE_RE = re.compile(r"^\s*(?:pcie\s*)?(?:gen\s*)?([1-5])(?:\.0)?\s*x\s*(1|2|4|8|16)\s*$", re.I)
-_DRAM_RE = re.compile(r"^\s*([0-9]+)\s*(?:ch|x|-channel)?[\s-]*(?:x\s*)?(DDR[3-5]|LPDDR[45]X?)-([0-9]{3,5})\s*$", re.I)
+# 64-bit DIMM channels; LPDDR's narrower channels: give their bandwidth as a rate
+_DRAM_RE = re.compile(r"^\s*([0-9]+)\s*(?:ch|x|-channel)?[\s-]*(?:x\s*)?(DDR[3-5])-([0-9]{3,5})\s*$", re.I)
 
 
 @functools.lru_cache(maxsize=1)
@@ -98,8 +98,8 @@ def dram_peak_gibps(spec: str) -> tuple[float, str]:
     try:
         return parse_rate(spec, "--dram"), f"entered: {spec}"
     except PlanError:
-        raise PlanError(f"--dram {spec!r}: give channels and memory (2ch-DDR5-5200, 8xDDR4-3200) or a bandwidth "
-                        "(83.2GB/s)") from None
+        raise PlanError(f"--dram {spec!r}: give channels of DIMMs (2ch-DDR5-5200, 8xDDR4-3200) or a bandwidth "
+                        "(83.2GB/s; for LPDDR, its bandwidth)") from None
 
 
 def _efficiencies(overrides: dict[str, float] | None) -> dict[str, float]:
@@ -148,10 +148,13 @@ def datasheet_machine(*, ram_bytes: int, gpu: str | None = None, cpu: str | None
     dram_gibps = rate("cpu.dram_read_gibps", dram_peak, "dram", dram_basis)
     if cpu_gflops is not None:
         cpu_basis, cpu_peak = "entered: --cpu-gflops", cpu_gflops
-    elif c and cores == c["cores"]:
+    elif c:
         cpu_peak = sum(s["cores"] * s["flops_per_cycle"] * s["ghz"] for s in c["simd"])
         cpu_basis = " + ".join(f"{s['cores']} cores x {s['flops_per_cycle']} FLOP/cycle x {s['ghz']} GHz"
                                for s in c["simd"]) + " (fp32 FMA at base clock)"
+        if cores != c["cores"]:     # --cores: that many of its cores at their mean rate
+            cpu_peak *= cores / c["cores"]
+            cpu_basis = f"{cores} of {c['cores']} cores: ({cpu_basis}) x {cores}/{c['cores']}"
     else:
         cpu_peak = cores * 32 * 2.5
         cpu_basis = f"{cores} cores x 32 FLOP/cycle (2 x 256-bit FMA) x 2.5 GHz: assumed, no --cpu-gflops"
@@ -172,7 +175,7 @@ def datasheet_machine(*, ram_bytes: int, gpu: str | None = None, cpu: str | None
     cpu_profile = CpuProfile(
         model_name=c["name"] if c else (cpu or "entered CPU"), cores=cores, threads=threads,
         isa=tuple(isa if isa is not None else (c["isa"] if c else ())), l3_bytes=l3, dram_read_gibps=dram_gibps,
-        dram_read_gibps_runs=(), dram_buffer_bytes=0, l3_read_gibps=round_sig(L3_OVER_DRAM * dram_gibps),
+        dram_read_gibps_runs=(), dram_buffer_bytes=0, l3_read_gibps=l3_estimate(dram_gibps),
         l3_read_source=f"estimated: {L3_OVER_DRAM:g} x dram", compute_gflops=compute, ram_total_bytes=ram_bytes,
         ram_available_bytes=ram_available_bytes)
 
@@ -210,6 +213,8 @@ def datasheet_machine(*, ram_bytes: int, gpu: str | None = None, cpu: str | None
         link = LinkProfile(h2d_gibps=h2d, d2h_gibps=d2h, h2d_latency_us=link_latency_us,
                            d2h_latency_us=link_latency_us, pinned=True)
 
+    if gpu_profile is None and pcie is not None:
+        raise PlanError("--pcie is the GPU's host link: give a GPU (--gpu, or --vram, --hbm and --gpu-tflops)")
     gpu_name = (g["name"] if g else gpu or "entered GPU") if gpu_profile else None
     name = name or "-".join(_slug(x) for x in (gpu_name, cpu_profile.model_name) if x) or "datasheet-machine"
     parts = " + ".join(x for x in (gpu_name, cpu_profile.model_name, f"{fmt_bytes(ram_bytes)} RAM") if x)

@@ -10,3 +10,12 @@ from __future__ import annotations
 class PlanError(ValueError):
     """Bad input to the planner or a plan/profile that fails validation. The message says what
     is wrong and where (for schema failures: the field path, e.g. `partition.stages[0].device`)."""
+
+
+class InfeasibleError(PlanError):
+    """The input is fine, but no split fits the machine (or none serves what was asked): an
+    answer, not a mistake. `reason` says why in one line (the message may say more)."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason

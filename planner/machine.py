@@ -24,6 +24,11 @@ MACHINE_SCHEMA_VERSION = 1
 L3_OVER_DRAM = 3.0                       # B_L3 ≈ 3·M where the L3 was not measured (DESIGN §4)
 
 
+def l3_estimate(dram_gibps: float) -> float:
+    """B_L3 where it was not measured: L3_OVER_DRAM x the DRAM read bandwidth."""
+    return round_sig(L3_OVER_DRAM * dram_gibps, 4)
+
+
 @dataclass(frozen=True)
 class PromptRate:
     rows: int                            # tokens in the prompt chunk
@@ -239,9 +244,9 @@ def complete_profile(data: dict, what: str = "machine profile") -> dict:
         cpu.setdefault("dram_buffer_bytes", 0)
         dram = cpu.get("dram_read_gibps")
         if "l3_read_gibps" not in cpu and isinstance(dram, (int, float)):
-            if not dram > 0:   # the L3 estimate below is derived from it
-                raise PlanError(f"{what}: field 'cpu.dram_read_gibps': must be > 0, got {dram}")
-            cpu["l3_read_gibps"] = L3_OVER_DRAM * cpu["dram_read_gibps"]
+            if not 0 < dram < 1e9:   # the L3 estimate below is derived from it
+                raise PlanError(f"{what}: field 'cpu.dram_read_gibps': must be a positive, finite rate, got {dram}")
+            cpu["l3_read_gibps"] = l3_estimate(dram)
             cpu.setdefault("l3_read_source", f"estimated: {L3_OVER_DRAM:g} x dram")
         cpu.setdefault("l3_read_source", "manual")
         out["cpu"] = cpu
@@ -272,6 +277,11 @@ def check_machine(m: MachineProfile, what: str = "machine profile", prefix: str 
         raise PlanError(f"{what}: inconsistent profile at field '{prefix}{field}': {msg}")
 
     gib = 2**30
+    for name, value in _numbers(to_dict(m)):
+        if isinstance(value, float) and not math.isfinite(value):
+            bad(name, f"must be a finite number, got {value}")
+    if m.link is not None and (m.link.h2d_latency_us < 0 or m.link.d2h_latency_us < 0):
+        bad("link.h2d_latency_us", "latencies must be >= 0")
     c = m.cpu
     positive = [("cpu.dram_read_gibps", c.dram_read_gibps), ("cpu.l3_read_gibps", c.l3_read_gibps),
                 ("cpu.compute_gflops", c.compute_gflops)]
@@ -308,7 +318,27 @@ def check_machine(m: MachineProfile, what: str = "machine profile", prefix: str 
             bad(f"datasheet.rates[{i}].efficiency", f"must be in (0, 1], got {r.efficiency}")
         if not math.isclose(value, r.peak * r.efficiency, rel_tol=1e-4):
             bad(r.field, f"{value:g} is not the datasheet's peak {r.peak:g} x efficiency {r.efficiency:g} = "
-                         f"{r.peak * r.efficiency:g} (edit the efficiency, not the rate, or remake the profile)")
+                         f"{r.peak * r.efficiency:g} (remake the profile with helm-plan machine, --efficiency "
+                         "NAME=X for another efficiency; or measure the machine with helm-plan profile)")
+
+
+def _numbers(data, path: str = ""):
+    """(field path, value) of every number in a profile's plain data."""
+    if isinstance(data, dict):
+        for k, v in data.items():
+            yield from _numbers(v, f"{path}.{k}" if path else k)
+    elif isinstance(data, list):
+        for i, v in enumerate(data):
+            yield from _numbers(v, f"{path}[{i}]")
+    elif isinstance(data, (int, float)) and not isinstance(data, bool):
+        yield path, data
+
+
+def is_machine_profile(data) -> bool:
+    """Whether parsed YAML is meant as a machine profile: kind machine_profile, or a hand-written
+    shorthand without a kind that has a cpu section."""
+    return isinstance(data, dict) and data.get("kind", "machine_profile" if "cpu" in data else None) == \
+        "machine_profile"
 
 
 def _field_value(m: MachineProfile, path: str) -> float | None:

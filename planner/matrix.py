@@ -8,14 +8,15 @@ written, so `helm-plan diff` of any two cells is one command.
 from __future__ import annotations
 
 import math
+import re
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from planner.config import read_config
-from planner.errors import PlanError
-from planner.machine import MachineProfile, load_machine
+from planner.errors import InfeasibleError, PlanError
+from planner.machine import MachineProfile, is_machine_profile, load_machine
 from planner.plan import Plan, model_label
 from planner.planning import make_plan
 from planner.serial import to_dict
@@ -64,8 +65,7 @@ def load_machines(paths: list[str]) -> list[MachineProfile]:
 
 
 def _is_machine_profile(path: Path) -> bool:
-    data, _ = read_yaml(path, str(path))
-    return isinstance(data, dict) and data.get("kind", "machine_profile") == "machine_profile"
+    return is_machine_profile(read_yaml(path, str(path))[0])
 
 
 def _cell(model: str, machine: MachineProfile, plan: Plan | None, reason: str, plan_file: str | None) -> Cell:
@@ -86,9 +86,15 @@ def _cell(model: str, machine: MachineProfile, plan: Plan | None, reason: str, p
 def plan_matrix(models: list[str], machines: list[MachineProfile], out_dir: str | Path | None = None,
                 progress: Callable[[str], None] | None = None, **plan_options) -> list[Cell]:
     """Plan every model on every machine (`plan_options` as make_plan's); a cell where nothing fits
-    says why. Configs are checked first, so a bad path fails before any planning."""
+    says why. Configs are checked first, so a bad path fails before any planning; bad options fail
+    the whole matrix (only an infeasible cell is an answer)."""
+    labels: dict[str, str] = {}
     for model in models:
         read_config(model)
+        label = model_label(str(model), "model")
+        if label in labels:
+            raise PlanError(f"{labels[label]} and {model} are both named {label!r}: give each model once")
+        labels[label] = str(model)
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
         try:
@@ -102,22 +108,19 @@ def plan_matrix(models: list[str], machines: list[MachineProfile], out_dir: str 
                 progress(f"planning {model_label(model, 'model')} on {machine.name}")
             try:
                 plan = make_plan(model, machine, **plan_options)
-            except PlanError as e:
-                cells.append(_cell(model, machine, None, _first_reason(str(e)), None))
+            except InfeasibleError as e:
+                cells.append(_cell(model, machine, None, e.reason, None))
                 continue
             path = None
             if out is not None:
-                path = out / f"{model_label(plan.model.source, plan.model.model_type)}.{machine.name}.yaml"
-                path.write_text(plan.to_yaml())
+                name = f"{model_label(plan.model.source, plan.model.model_type)}.{machine.name}"
+                path = out / (re.sub(r"[^A-Za-z0-9._-]+", "_", name).lstrip(".") + ".yaml")  # never outside out/
+                try:
+                    path.write_text(plan.to_yaml())
+                except OSError as e:
+                    raise PlanError(f"--out-dir: cannot write {path}: {e.strerror or e}") from None
             cells.append(_cell(model, machine, plan, "", str(path) if path else None))
     return cells
-
-
-def _first_reason(message: str) -> str:
-    """The reason of a planning error in one line (the all-CPU and all-GPU needs, without the advice)."""
-    lines = [x.strip() for x in message.splitlines()]
-    body = [x for x in lines[1:] if x and not x.startswith("try ") and not x.startswith("the machine profile")]
-    return "; ".join(body) if body else lines[0]
 
 
 def _num(x: float | None, fmt: str) -> str:
@@ -184,5 +187,9 @@ def plot_matrix(cells: list[Cell], out: str | Path) -> None:
     if values:
         fig.colorbar(image, ax=ax, label="tok/s")
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(out, dpi=120)
+    except OSError as e:
+        raise PlanError(f"--plot: cannot write {out}: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)

@@ -13,7 +13,7 @@ from pathlib import Path
 from planner.capacity import longest_any_split, longest_context, model_max_tokens
 from planner.config import config_digest, config_dtype, read_config
 from planner.cost import SplitCost
-from planner.errors import PlanError
+from planner.errors import InfeasibleError, PlanError
 from planner.machine import Calibration, MachineProfile, tool_version
 from planner.plan import (DEFAULT_PAGE_SIZE_TOKENS, DEFAULT_WATERMARK, PLAN_SCHEMA_VERSION, Candidate, IRSummary,
                           KVPlan, Limits, ModelIdentity, Partition, Plan, Prediction, Search, StagePlan,
@@ -80,25 +80,25 @@ def _budgets(machine: MachineProfile, gpu_memory: int | None, host_memory: int |
     return gpu_budget, host_budget
 
 
-def _infeasible_message(ir_units, shared, costs: tuple[SplitCost, ...], machine: MachineProfile,
-                        model_name: str) -> str:
+def _infeasible(ir_units, shared, costs: tuple[SplitCost, ...], machine: MachineProfile,
+                model_name: str) -> InfeasibleError:
     n = len(ir_units)
     allcpu, allgpu = costs[n], costs[0]
-    lines = [f"no feasible split for {model_name} on {machine.name}:"]
-    lines.append(f"  all-CPU (k={n}) needs {fmt_bytes(allcpu.host_bytes)} host memory, "
-                 f"{fmt_bytes(allcpu.host_budget_bytes)} available")
+    reasons = [f"all-CPU (k={n}) needs {fmt_bytes(allcpu.host_bytes)} host memory, "
+               f"{fmt_bytes(allcpu.host_budget_bytes)} available"]
+    advice = "the machine profile has no GPU; try a shorter --context or a machine with more RAM"
     if machine.has_gpu:
-        lines.append(f"  all-GPU (k=0) needs {fmt_bytes(allgpu.gpu_bytes)} VRAM, "
-                     f"{fmt_bytes(allgpu.gpu_budget_bytes)} usable")
+        reasons.append(f"all-GPU (k=0) needs {fmt_bytes(allgpu.gpu_bytes)} VRAM, "
+                       f"{fmt_bytes(allgpu.gpu_budget_bytes)} usable")
         fits = [c for c in costs if c.split_k < n and c.gpu_bytes <= c.gpu_budget_bytes]
         if fits:
             c = min(fits, key=lambda c: c.split_k)
-            lines.append(f"  with the most the GPU can hold (k={c.split_k}), the host still needs "
-                         f"{fmt_bytes(c.host_bytes)} > {fmt_bytes(c.host_budget_bytes)} available")
-        lines.append("  try --kv-offload, a shorter --context, a smaller batch, or more memory")
-    else:
-        lines.append("  the machine profile has no GPU; try a shorter --context or a machine with more RAM")
-    return "\n".join(lines)
+            reasons.append(f"with the most the GPU can hold (k={c.split_k}), the host still needs "
+                           f"{fmt_bytes(c.host_bytes)} > {fmt_bytes(c.host_budget_bytes)} available")
+        advice = "try --kv-offload, a shorter --context, a smaller batch, or more memory"
+    message = "\n".join([f"no feasible split for {model_name} on {machine.name}:", *(f"  {r}" for r in reasons),
+                         f"  {advice}"])
+    return InfeasibleError(message, "; ".join(reasons))
 
 
 def make_plan(model: str | Path | dict, machine: MachineProfile | None = None, *,
@@ -150,6 +150,9 @@ def make_plan(model: str | Path | dict, machine: MachineProfile | None = None, *
                     gpu_budget_bytes=gpu_budget, host_budget_bytes=host_budget)
     kv_settings = KVPlan(page_size_tokens=page_size_tokens, watermark=watermark, offload=kv_offload)
     model_max = model_max_tokens(data)
+    if model_max and workload.context_tokens > model_max:
+        raise PlanError(f"--context {workload.context_tokens} is longer than the model's max_position_embeddings "
+                        f"({model_max}): no sequence can grow that long")
     objective = SEARCH_OBJECTIVE
     if max_context:
         workload, objective = _longest_workload(identity, ir, machine, workload, limits, kv_settings, calibration,
@@ -184,12 +187,14 @@ def _longest_workload(identity: ModelIdentity, ir: IRSummary, machine: MachinePr
     need = workload.prompt_tokens + workload.max_new_tokens
     if k is None:
         which = f"split k={split_k} does not serve" if split_k is not None else "no split serves"
-        raise PlanError(f"--max-context: {which} one KV page of {kv.page_size_tokens} tokens{within} on "
-                        f"{machine.name}: {why}")
+        raise InfeasibleError(f"--max-context: {which} one KV page of {kv.page_size_tokens} tokens{within} on "
+                              f"{machine.name}: {why}", f"{which} one KV page{within}: {why}")
     if tokens < need:
-        raise PlanError(f"--max-context: the longest context{within} on {machine.name} is {tokens} tokens (k={k}, "
-                        f"then {why}), shorter than prompt + new tokens ({workload.prompt_tokens} + "
-                        f"{workload.max_new_tokens}): lower --prompt-tokens / --max-new-tokens")
+        raise InfeasibleError(
+            f"--max-context: the longest context{within} on {machine.name} is {tokens} tokens (k={k}, then {why}), "
+            f"shorter than prompt + new tokens ({workload.prompt_tokens} + {workload.max_new_tokens}): lower "
+            "--prompt-tokens / --max-new-tokens", f"the longest context{within} is {tokens} tokens, shorter than "
+            f"prompt + new tokens")
     objective = (f"the longest context {'split k=%d' % split_k if split_k is not None else 'any split'} serves"
                  f"{within} ({tokens} tokens at k={k}; one page more: {why}); at it, {SEARCH_OBJECTIVE}")
     return replace(workload, context_tokens=tokens), objective
@@ -212,9 +217,13 @@ def replan(plan: Plan, calibration: Calibration, recalibration: Recalibration | 
     plan whose split was forced keeps it; otherwise the calibrated model may move k."""
     p = plan.partition
     model_max = plan.longest_context.model_max_tokens if plan.longest_context is not None else None
+    # A context chosen by --max-context stays, but its latency bound held for the old calibration,
+    # not necessarily for this one: the objective says where the context came from, nothing more.
+    objective = SEARCH_OBJECTIVE if plan.search.objective == SEARCH_OBJECTIVE else (
+        f"{SEARCH_OBJECTIVE}, at the context plan v{plan.plan_version} chose ({plan.workload.context_tokens} tokens: "
+        f"{plan.search.objective.split(';')[0]}, under that plan's calibration)")
     return _assemble(plan.model, plan.ir, plan.machine, plan.workload, plan.limits, plan.kv,
-                     p.split_k if p.forced else None, True, calibration, recalibration, plan, model_max,
-                     plan.search.objective)
+                     p.split_k if p.forced else None, True, calibration, recalibration, plan, model_max, objective)
 
 
 def _assemble(identity: ModelIdentity, ir: IRSummary, machine: MachineProfile, workload: Workload,
@@ -234,9 +243,9 @@ def _assemble(identity: ModelIdentity, ir: IRSummary, machine: MachineProfile, w
                             f"(k = units on the CPU, 0..{n})")
         chosen = costs[split_k]
         if not chosen.feasible and not allow_infeasible:
-            raise PlanError(f"--split {split_k} is infeasible on {machine.name}: {chosen.reason}")
+            raise InfeasibleError(f"--split {split_k} is infeasible on {machine.name}: {chosen.reason}", chosen.reason)
     elif best is None:
-        raise PlanError(_infeasible_message(units, shared, costs, machine, model_name))
+        raise _infeasible(units, shared, costs, machine, model_name)
     else:
         chosen = best
 

@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from planner.machine import (MACHINE_SCHEMA_VERSION, Calibration, CpuKernels, CpuProfile, DeviceCalibration,
-                             GpuProfile, LinkProfile, MachineProfile, tool_version)
+from planner.machine import (L3_OVER_DRAM, MACHINE_SCHEMA_VERSION, Calibration, CpuKernels, CpuProfile,
+                             DeviceCalibration, GpuProfile, LinkProfile, MachineProfile, l3_estimate, tool_version)
 from planner.serial import from_dict
 from planner.units import GIB, MIB, fmt_bytes, round_sig
 
@@ -332,7 +332,7 @@ def _profile(quick, name, progress, threads, facts, gpu_probe, started) -> Machi
     dram, dram_runs = measure_read_bandwidth(buffer_bytes, 3 if quick else 7,
                                              0.1 if quick else 0.25, progress, "DRAM")
     if quick or l3 == 0:
-        l3_gibps, l3_source = round_sig(3 * dram, 4), "estimated: 3 x dram"
+        l3_gibps, l3_source = l3_estimate(dram), f"estimated: {L3_OVER_DRAM:g} x dram"
     else:
         l3_buf = max(MIB, min(l3 // 2, 256 * MIB))
         l3_gibps, _ = measure_read_bandwidth(l3_buf, 5, 0.1, progress, "L3")

@@ -156,5 +156,9 @@ def plot_plan(plan: Plan, out: str | Path) -> None:
     ax.set_title(f"{plan.model.architecture} on {plan.machine.name} (context {plan.prediction.context_tokens})")
     ax.legend(loc="best")
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(out, dpi=120)
+    except OSError as e:
+        raise PlanError(f"--plot: cannot write {out}: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)

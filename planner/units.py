@@ -53,7 +53,7 @@ def parse_rate(text: str | int | float, what: str = "bandwidth") -> float:
         unit, per_second = (m.group(2).upper(), m.group(3)) if m else ("", None)
         if unit.endswith("PS") and not per_second:          # the 'GBps' spelling
             unit, per_second = unit[:-2], "ps"
-        if not m or (unit and (unit not in _SUFFIX_BYTES or not per_second)):
+        if not m or bool(unit) != bool(per_second) or (unit and unit not in _SUFFIX_BYTES):
             raise PlanError(f"{what}: cannot read {text!r} as a bandwidth (use e.g. 936GB/s, 22.4GiB/s, or a "
                             "number of GiB/s)")
         value = float(m.group(1)) * (_SUFFIX_BYTES[unit] / GIB if unit else 1.0)
@@ -68,7 +68,9 @@ def parse_flops(text: str | int | float, what: str = "compute rate") -> float:
         value = float(text)
     else:
         m = _RATE_RE.match(str(text))
-        unit = m.group(2).upper().replace("FLOP", "FLOPS").replace("FLOPSS", "FLOPS") if m else ""
+        unit = m.group(2).upper() if m else ""
+        if m and m.group(3):                                # 'GFLOP/s': the /s only after FLOP
+            unit = unit + "S" if unit.endswith("FLOP") else "?"
         if not m or unit not in _FLOPS_SCALE:
             raise PlanError(f"{what}: cannot read {text!r} as a FLOP rate (use e.g. 82.6TFLOPS, 500GFLOP/s, or "
                             "a number of GFLOP/s)")

@@ -121,3 +121,23 @@ def test_context_alone_adapts_the_default_workload(tmp_path, capsys):
 def load_plan_workload(path):
     from planner.plan import load_plan
     return load_plan(path).workload
+
+
+def test_a_context_beyond_the_models_limit_is_refused():
+    with pytest.raises(PlanError, match=r"--context 5000 is longer than the model's max_position_embeddings \(4096\)"):
+        make_plan(TINY, machine(2 * GIB), workload=workload_for(16, 16, context_tokens=5000), page_size_tokens=PAGE)
+
+
+def test_a_recalibrated_max_context_plan_does_not_claim_the_old_bound():
+    from planner.machine import Calibration, DeviceCalibration
+    from planner.planning import replan
+
+    weights = EMBED_BYTES + 4 * BLOCK_BYTES + HEAD_BYTES
+    box = machine(weights + 10 * PAGE * 4 * KV_PER_TOKEN_BLOCK + 1000)
+    plan = make_plan(TINY, box, workload=workload_for(16, 16), page_size_tokens=PAGE, max_context=True,
+                     latency_bound_ms=1e6)
+    assert "within 1e+06 ms/token" in plan.search.objective
+    slower = replan(plan, Calibration(cpu=DeviceCalibration(delta_ms_per_block=5.0)), None)
+    assert slower.workload.context_tokens == plan.workload.context_tokens
+    assert slower.search.objective.startswith("minimum predicted ms/token") and \
+        "under that plan's calibration" in slower.search.objective

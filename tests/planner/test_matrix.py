@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import resource
 import time
+from pathlib import Path
 
 import pytest
 
@@ -85,3 +86,22 @@ def test_a_bad_model_fails_before_any_planning(tmp_path, capsys):
     assert cli.main(["matrix", MODELS[0], str(tmp_path / "none.json"), "--machines", str(LAPTOP)]) == 2
     err = capsys.readouterr().err
     assert "model config not found" in err and "planning" not in err
+
+
+def test_usage_errors_fail_the_matrix_and_only_infeasible_cells_are_answers(tmp_path, capsys):
+    assert cli.main(["matrix", MODELS[0], "--machines", FLEET[1], "--latency-bound", "30"]) == 2
+    assert "--latency-bound goes with --max-context" in capsys.readouterr().err
+    assert cli.main(["matrix", MODELS[0], MODELS[0], "--machines", FLEET[1]]) == 2
+    assert "both named 'qwen3-4b'" in capsys.readouterr().err
+    assert cli.main(["matrix", MODELS[0], "--machines", FLEET[1], "--plot", str(tmp_path / "no" / "dir" / "m.png")]) == 2
+    assert "--plot: cannot write" in capsys.readouterr().err
+
+
+def test_cell_files_stay_inside_the_output_directory(tmp_path, capsys):
+    odd = tmp_path / "odd.yaml"
+    assert cli.main(["machine", "--cpu", "7H12", "--gpu", "L4", "--ram", "64GiB", "--name", "a/../../b", "-o",
+                     str(odd)]) == 0
+    out = tmp_path / "cells"
+    assert cli.main(["matrix", MODELS[0], "--machines", str(odd), "--json", "--out-dir", str(out)]) == 0
+    cell, = json.loads(capsys.readouterr().out)
+    assert Path(cell["plan_file"]).parent == out and load_plan(cell["plan_file"]).machine.name == "a/../../b"

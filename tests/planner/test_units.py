@@ -74,3 +74,10 @@ def test_a_unit_that_cannot_be_read_names_the_field():
     text = LAPTOP.read_text().replace("hbm_gibps: 218 GB/s", "hbm_gibps: 218 GB")
     with pytest.raises(PlanError, match=r"field 'gpu.hbm_gibps': cannot read '218 GB' as a bandwidth"):
         load_machine(text)
+
+
+@pytest.mark.parametrize("text,parse", [("936 /s", parse_rate), ("936 ps", parse_rate), ("5 /s", parse_flops),
+                                        ("5 TFLOPS/s", parse_flops), ("5 GB/s", parse_flops)])
+def test_a_per_second_without_its_unit_is_refused(text, parse):
+    with pytest.raises(PlanError, match="cannot read"):
+        parse(text)
