@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from planner.machine import Calibration, MachineProfile
 from planner.search import SearchSpace, evaluate_at
-from planner.trace import SharedWeight, UnitIR
+from planner.ir import SharedWeight, UnitIR
 
 UNKNOWN_MODEL_LIMIT = 1 << 24   # a config without max_position_embeddings: search up to 16M tokens
 

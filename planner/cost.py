@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from planner.machine import DeviceCalibration, MachineProfile
-from planner.trace import SharedWeight, UnitIR
+from planner.ir import SharedWeight, UnitIR
 from planner.units import GIB, fmt_bytes
 
 MIN_DEVICE_PAGES_WITH_OFFLOAD = 2  # the page being written + one page streamed back

@@ -7,6 +7,8 @@ import re
 
 import grpc
 
+from executor.errors import CredentialError
+from executor.server.auth import ClientAuth
 from executor.server.client import ExecutorClient
 from planner.errors import PlanError
 from planner.plan import Plan
@@ -19,6 +21,14 @@ def check_addr(addr: str) -> str:
     if not _ADDR.match(addr) or not 0 < int(addr.rsplit(":", 1)[1]) < 65536:
         raise PlanError(f"--executor {addr!r}: expected HOST:PORT, e.g. 127.0.0.1:50051")
     return addr
+
+
+def client_auth(args) -> ClientAuth:
+    """The daemon credentials helm-plan's flags name (cli_args adds them: --token-file, --tls-*)."""
+    try:
+        return ClientAuth.from_args(args)
+    except CredentialError as e:
+        raise PlanError(str(e)) from None
 
 
 def _rpc_error(addr: str, what: str, e) -> PlanError:

@@ -25,7 +25,7 @@ from planner.machine import Calibration, MachineProfile, check_machine
 from planner.provenance import Recalibration
 from planner.schema import validate
 from planner.serial import OMIT_IF_NONE, from_dict, to_dict
-from planner.trace import SharedWeight, UnitIR
+from planner.ir import SharedWeight, UnitIR
 from planner.units import fmt_bytes
 from planner.yamlio import dump_yaml, parse_yaml, read_yaml
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from planner.cost import SplitCost, evaluate_split
 from planner.machine import Calibration, MachineProfile
-from planner.trace import SharedWeight, UnitIR
+from planner.ir import SharedWeight, UnitIR
 
 
 @dataclass(frozen=True)

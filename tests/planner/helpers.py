@@ -5,7 +5,7 @@ from dataclasses import replace
 
 from planner.machine import (Calibration, CpuProfile, DeviceCalibration, GpuProfile, LinkProfile,
                              MachineProfile)
-from planner.trace import SharedWeight, UnitIR
+from planner.ir import SharedWeight, UnitIR
 from planner.units import GIB, MIB
 
 
