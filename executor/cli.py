@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--kernels", choices=("auto", "helm", "torch"), default="auto",
                      help="CPU-stage kernels: helm (Cython SIMD), torch (reference), auto (helm when built)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    gen.add_argument("--report", metavar="FILE", help="with --plan: write the measured vs predicted step times "
+                     "(the report helm-plan recalibrate reads) to FILE")
     gen.add_argument("-v", "--verbose", action="store_true")
     ClientAuth.add_args(gen)
 
@@ -147,8 +149,9 @@ def _torch_threads() -> int:
 
 
 def _placement(args, config):
+    """(placement, the plan it came from or None): the plan is read and checked once."""
     from executor.placement import Placement
-    from executor.plan_io import fit_page_size
+    from executor.plan_io import fit_page_size, load_checked_plan, placement_for
 
     kv = {}
     if args.page_size is not None:
@@ -156,22 +159,23 @@ def _placement(args, config):
     if args.device_kv_pages is not None:
         kv["device_kv_pages"] = args.device_kv_pages
     if args.plan:
-        from executor.plan_io import placement_from_plan
-
-        return placement_from_plan(args.plan, args.model, config, cpu_threads=args.threads, **kv)
+        plan = load_checked_plan(args.plan, args.model, config)
+        return placement_for(plan, config, cpu_threads=args.threads, **kv), plan
     split = config.num_units if args.split is None else args.split
-    return fit_page_size(Placement.from_split(config.num_units, split, **kv), config).with_threads(args.threads)
+    return fit_page_size(Placement.from_split(config.num_units, split, **kv), config).with_threads(args.threads), None
 
 
 def _generate(args) -> int:
     from executor.engine import Engine
     from executor.loader import load_model
     from executor.model_config import ModelConfig
-    from executor.report import kernel_isa
+    from executor.report import Recorder, kernel_isa
     from executor.tokenizer import IncrementalDecoder, Tokenizer
 
     if args.stop or args.timeout is not None:
         raise RequestError("--stop and --timeout apply to a daemon (--addr)")
+    if args.report and not args.plan:
+        raise RequestError("--report measures against a plan's predictions: give --plan")
     config = ModelConfig.from_dir(args.model)
     sampling, stop = _sampling_and_stop(args)
     tokenizer = Tokenizer(args.model) if args.prompt is not None or not args.json else None
@@ -182,16 +186,22 @@ def _generate(args) -> int:
     else:
         prompt_ids = args.prompt_ids
 
-    placement = _placement(args, config)
+    placement, plan = _placement(args, config)
     t0 = time.perf_counter()
     model = load_model(args.model, placement, config, backend=args.kernels)
     load_s = time.perf_counter() - t0
     engine = Engine(model)
     seq = engine.add_request(prompt_ids, sampling, stop)
+    recorder = Recorder(plan, args.plan, config.architecture, kernel_isa(model)) if plan is not None else None
 
     decoder = IncrementalDecoder(tokenizer) if tokenizer and not args.json else None
+    recorded = None
     while engine.has_work():
-        for event in engine.step():
+        events = engine.step()
+        if recorder is not None and engine.last_step is not recorded:   # every step, prompt chunks too
+            recorded = engine.last_step
+            recorder.record_step(recorded)
+        for event in events:
             if decoder is not None and event.token_id is not None:
                 sys.stdout.write(decoder.push(event.token_id))
                 sys.stdout.flush()
@@ -211,6 +221,14 @@ def _generate(args) -> int:
         "cpu_threads": placement.cpu_threads or _torch_threads(),
         "stages": [repr(s) for s in model.stages],
     }
+    if recorder is not None:
+        report = recorder.report()
+        summary["measured_vs_predicted"] = [
+            {"stage": r.stage, "device": r.device, "phase": r.phase, "context": [r.context_min, r.context_max],
+             "steps": r.samples, "measured_ms": r.measured_mean_ms, "predicted_ms": r.predicted_ms,
+             "error_pct": r.error_pct} for r in report.rows]
+        if args.report:
+            report.write(args.report)
     if args.json:
         print(json.dumps(summary))
     else:
@@ -220,6 +238,10 @@ def _generate(args) -> int:
               f"decode {tps:.2f} tok/s, split k={placement.split_k}, kernels {summary['kernels']}, load {load_s:.2f} s]"
               if tps else f"[{len(seq.output_ids)} tokens, finish={seq.finish_reason}, TTFT {seq.ttft_ms:.1f} ms]",
               file=sys.stderr)
+        for r in summary.get("measured_vs_predicted", ()):
+            print(f"[stage {r['stage']} {r['device']} {r['phase']} context {r['context'][0]}-{r['context'][1]}: "
+                  f"{r['steps']} steps, measured {r['measured_ms']:.3f} ms, plan predicted {r['predicted_ms']:.3f} ms "
+                  f"({r['error_pct']:+.0f}%)]", file=sys.stderr)
     return 0
 
 

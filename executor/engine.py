@@ -78,7 +78,8 @@ class TokenEvent:
 
 
 @dataclass(frozen=True)
-class StageTiming:
+class StageClock:
+    """One stage's measured time in one step (CUDA events on a GPU, the wall clock on the CPU)."""
     stage: int
     device: str
     ms: float
@@ -86,11 +87,25 @@ class StageTiming:
 
 @dataclass(frozen=True)
 class StepRecord:
-    num_tokens: int
-    num_seqs: int
-    max_context: int
-    stages: tuple[StageTiming, ...]
-    prefill_chunks: tuple[tuple[int, int], ...] = ()  # (start, count) of each prompt chunk (count > 1)
+    """What a measurement of one step needs (executor.report.Recorder pairs it with the plan's
+    prediction). A step with prompt chunks (more than one token of a sequence) is a prefill step:
+    `batch` chunks of `tokens` in all, ending on average at `context` (its decodes, a few tokens,
+    left out); otherwise a decode step: `batch` sequences at mean context `context` (each attends
+    over its tokens through the new one)."""
+    phase: str                          # "decode" | "prefill"
+    context: int
+    batch: int
+    tokens: int
+    stages: tuple[StageClock, ...]
+
+    @classmethod
+    def of(cls, batch: StepBatch, stages: tuple[StageClock, ...]) -> "StepRecord":
+        chunks = [(s.start, s.count) for s in batch.slices if s.count > 1]
+        if chunks:
+            return cls("prefill", round(sum(s + n for s, n in chunks) / len(chunks)), len(chunks),
+                       sum(n for _, n in chunks), stages)
+        ends = [s.start + s.count for s in batch.slices]
+        return cls("decode", round(sum(ends) / len(ends)), len(ends), batch.num_tokens, stages)
 
 
 class Engine:
@@ -215,8 +230,8 @@ class Engine:
 
     def _schedule(self) -> list[tuple[Sequence, int, int]]:
         """(sequence, first position, token count) for this step: decodes first, then prefill chunks."""
-        plan = [(seq, seq.num_computed, 1) for seq in self.running]
-        budget = self.max_step_tokens - len(plan)
+        schedule = [(seq, seq.num_computed, 1) for seq in self.running]
+        budget = self.max_step_tokens - len(schedule)
         for seq in list(self.waiting):
             if budget <= 0:
                 break
@@ -224,9 +239,9 @@ class Engine:
                 if len(self.running) >= self.max_running or not self._reserve_kv(seq):
                     break       # in arrival order: a later request never overtakes a waiting one
             count = min(self.prefill_chunk, budget, len(seq.prompt_ids) - seq.num_computed)
-            plan.append((seq, seq.num_computed, count))
+            schedule.append((seq, seq.num_computed, count))
             budget -= count
-        return plan
+        return schedule
 
     def _reserve_kv(self, seq: Sequence) -> bool:
         """Hold the pages `seq` may grow to, if the plan's budget has them free."""
@@ -256,10 +271,8 @@ class Engine:
             if isinstance(clock, tuple):
                 clock[1].synchronize()
                 clock = clock[0].elapsed_time(clock[1])
-            timings.append(StageTiming(i, stage.device.type, clock))
-        self.last_step = StepRecord(batch.num_tokens, len(batch.slices),
-                                    max(s.start + s.count for s in batch.slices), tuple(timings),
-                                    tuple((s.start, s.count) for s in batch.slices if s.count > 1))
+            timings.append(StageClock(i, stage.device.type, clock))
+        self.last_step = StepRecord.of(batch, tuple(timings))
         return logits
 
     def _append(self, seq: Sequence, logits: torch.Tensor) -> TokenEvent:

@@ -29,8 +29,8 @@ import torch
 KVChunk = tuple[torch.Tensor, torch.Tensor, int]
 
 # Freed pages of host memory a pool keeps for the next request: a fresh page's first touch
-# page-faults every 4 KiB (a 29 MiB Qwen3-0.6B page took ~40 ms here, a fifth of a 128-token
-# prompt's TTFT; a reused one 0.4 ms); bounded so a burst of requests does not hold memory idle.
+# page-faults every 4 KiB, a cost of the same order as a short prompt's prefill, which a reused
+# page does not pay; bounded so a burst of requests does not hold memory idle.
 KEEP_FREE_HOST_BYTES = 1 << 30
 
 

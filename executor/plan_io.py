@@ -16,7 +16,7 @@ from executor.model_config import ModelConfig
 from executor.placement import KernelChoice, Placement, StageSpec, resolve_device
 from planner.config import config_digest
 from planner.errors import PlanError
-from planner.plan import load_plan, parse_plan
+from planner.plan import Plan, load_plan, parse_plan
 from planner.profile import meminfo
 
 log = logging.getLogger(__name__)
@@ -24,16 +24,20 @@ log = logging.getLogger(__name__)
 _DTYPE_NAMES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16", "torch.float32": "float32"}
 
 
-def load_checked_plan(plan_path_or_text, model_dir: str | Path, config: ModelConfig, text: str | None = None):
+def load_checked_plan(plan_path_or_text, model_dir: str | Path, config: ModelConfig, text: str | None = None) -> Plan:
     """The plan, schema-validated and checked against the checkpoint's config.json and dtype.
     With `text`, the plan is that YAML text and nothing is read from disk (whatever it says)."""
-
     try:
         plan = parse_plan(text, plan_path_or_text) if text is not None else load_plan(plan_path_or_text)
     except PlanError as e:
         raise PlacementError(f"invalid plan: {e}") from None
     except OSError as e:
         raise PlacementError(f"cannot read plan {plan_path_or_text}: {e}") from None
+    return check_plan_fits(plan, model_dir, config)
+
+
+def check_plan_fits(plan: Plan, model_dir: str | Path, config: ModelConfig) -> Plan:
+    """`plan` (already parsed and validated), checked against the checkpoint's config and dtype."""
     digest = config_digest(Path(model_dir) / "config.json")
     if plan.model.config_digest != digest:
         raise PlacementError(  # strings from the plan are cut short: it may come from the network

@@ -86,6 +86,10 @@ class Recorder:
         return tuple(StagePredicted(ms + (step.link_ms if i else 0.0), roof + (step.link_ms if i else 0.0))
                      for i, (ms, roof) in enumerate(step.stages))
 
+    def record_step(self, step) -> tuple[StagePredicted, ...]:
+        """Store one engine step (an executor.engine.StepRecord); return what the plan predicted."""
+        return self.record(step.phase, step.context, step.batch, step.tokens, tuple(t.ms for t in step.stages))
+
     def record(self, phase: str, context: int, batch: int, tokens: int,
                measured_ms: tuple[float, ...]) -> tuple[StagePredicted, ...]:
         """Store one step (measured ms per stage); return what the plan predicted for it."""

@@ -24,9 +24,9 @@ attention kernel and the projections' GEMMs run at different rates (recalibratio
 One departure from DESIGN §5, where α = min(1, C_L3 / W_kv) with W_kv one block's KV: a block's
 KV is read again only one step later, after every other weight and KV byte of the stage has
 streamed through the cache, so what can stay in L3 is set by W_step, the bytes the whole stage
-reads per step. Measured on helm-dev-2core (300 MiB L3, a 1.2 GB Qwen3-0.6B stage): decode steps
-grew with context as if the KV came from DRAM, while the per-block rule priced it at L3 speed
-(tools/bench_prediction.py: +46% error at 4096 tokens).
+reads per step. On a machine whose L3 holds a block's KV but not a stage's weights, decode steps
+grow with context as if the KV came from DRAM, while the per-block rule prices it at L3 speed
+(tools/bench_prediction.py shows the error per context length).
 """
 from __future__ import annotations
 

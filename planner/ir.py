@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-UNIT_KINDS = ("embedding", "block", "head")
-
 
 @dataclass(frozen=True)
 class UnitIR:

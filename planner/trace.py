@@ -7,7 +7,7 @@ formulas), the parameter bytes it reads and the partition unit it belongs to; sh
 propagated by running the real ops on meta tensors. Per-unit numbers (W_param, W_act, W_kv, F)
 are sums over that graph, never per-family formulas: a new architecture works when it traces.
 (We record at the dispatcher rather than with make_fx/torch.export, which produce the same aten
-graph ~17x slower: Qwen3-32B would no longer plan in seconds.)
+graph an order of magnitude slower: Qwen3-32B would no longer plan in seconds.)
 
 Limits: KV bytes and attention FLOPs are taken per context token from one decode step, which is
 right for full attention; a sliding-window layer's cache stops growing at its window and is

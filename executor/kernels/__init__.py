@@ -45,10 +45,10 @@ BlockStack = _kernels.BlockStack  # (kernels, blocks, kv, Hq, H, I, eps, scale, 
 prepare_linear = _kernels.prepare_linear
 
 #: Every variant compiled into the extension, in order of preference: the first one this CPU can
-#: run is the default. avx512 ranks above avx512bf16 because it measured at least as fast for bf16
-#: everywhere here: at B=1 both stream at the DRAM ceiling, while at B>=2 (or from cache)
-#: VDPBF16PS, which needs two instructions per weight vector for fp32-level accuracy (x split into
-#: bf16 hi + lo) and issues at half the FMA rate on this core, is 1.3-3x slower.
+#: run is the default. avx512 ranks above avx512bf16 for bf16: at B=1 both stream at the DRAM
+#: ceiling, while at B>=2 (or from cache) VDPBF16PS needs two instructions per weight vector for
+#: fp32-level accuracy (x split into bf16 hi + lo) and issues at half the FMA rate
+#: (tools/bench_kernels.py prints both side by side).
 ISAS = ("avx512", "avx512bf16", "avx2", "portable")
 
 #: Rows of x up to which `linear` makes a single pass over the weights (the GEMV register tiles).

@@ -30,7 +30,7 @@ from executor.errors import (HelmError, LoadInProgressError, NotReadyError, Over
                              PlanNotFoundError, RequestError, RequestFailedError, ShuttingDownError)
 from executor.loader import load_model
 from executor.model_config import ModelConfig
-from executor.plan_io import check_host_kv_fits, load_checked_plan, placement_for
+from executor.plan_io import check_host_kv_fits, check_plan_fits, load_checked_plan, placement_for
 from executor.report import Recorder, kernel_isa
 from executor.sampling import SamplingParams, StopCriteria
 from executor.server.messages import (MAX_PROMPT_BYTES_PER_TOKEN, GenerateSpec, GenerationResult, LoadResult,
@@ -40,6 +40,7 @@ from executor.server.worker import Ended, EngineWorker, Produced, Rejected, Subm
 from executor.tokenizer import Tokenizer
 from planner import __version__
 from planner.errors import PlanError
+from planner.plan import Plan
 from planner.report import PlanSummary, Report
 from planner.yamlio import read_text_file
 
@@ -53,7 +54,7 @@ WARMUP_NEW_TOKENS = 2
 @dataclass(frozen=True)
 class _Serving:
     """A loaded plan and the worker running it."""
-    plan: object  # planner.plan.Plan
+    plan: Plan
     summary: PlanSummary
     worker: EngineWorker
     stages: tuple[StageInfo, ...]  # static part (kv filled in from the worker's snapshot)
@@ -104,7 +105,8 @@ class Daemon:
         if self.state == "draining":
             raise ShuttingDownError("the daemon is shutting down; not loading a plan")
         t0 = time.perf_counter()
-        plan = load_checked_plan("plan", self.model_dir, self.config, text=self._plan_text(source))
+        plan = check_plan_fits(source.plan, self.model_dir, self.config) if source.plan is not None else \
+            load_checked_plan("plan", self.model_dir, self.config, text=self._plan_text(source))
         placement = placement_for(plan, self.config, cpu_threads=self.threads)
         check_host_kv_fits(placement, self.config, self.max_batch)
         failure = None

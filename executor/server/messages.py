@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from executor.errors import RequestError
 from executor.kv_cache import KVStats
 from executor.sampling import SamplingParams, StopCriteria
+from planner.plan import Plan
 from planner.report import PlanSummary, device_name
 
 FINISH_REASONS = ("stop", "stop_string", "length", "context", "aborted")
@@ -226,10 +227,12 @@ MAX_PLAN_PATH_CHARS = 1024
 @dataclass(frozen=True)
 class PlanSource:
     """Where LoadPlan reads a plan: a path inside the daemon's --plan-dir, or the YAML itself
-    (`name`: what the YAML is called in logs and reports; default "inline")."""
+    (`name`: what the YAML is called in logs and reports; default "inline"); or, in process only
+    (serve --plan, read once), the parsed plan."""
     path: str | None = None
     yaml: str | None = None
     name: str | None = None
+    plan: Plan | None = None
 
     @classmethod
     def from_pb(cls, msg) -> "PlanSource":

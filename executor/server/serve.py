@@ -27,7 +27,7 @@ from executor.server.guard import BODY_TIMEOUT_S, CONTROL_THREADS, OPEN_READERS,
 from executor.server.messages import PlanSource
 from executor.server.service import SERVICE_NAME, ExecutorServicer
 from planner.errors import PlanError
-from planner.plan import parse_plan
+from planner.plan import Plan, parse_plan
 from planner.yamlio import MAX_FILE_BYTES, read_text_file
 
 log = logging.getLogger("helm.serve")
@@ -54,19 +54,20 @@ def configure_logging(verbose: bool = False) -> None:
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
 
 
-def read_startup_plan(plan_path: str) -> tuple[str, Path]:
-    """(YAML text, checkpoint directory) of the plan given on the command line: the operator's
-    own file, so it is read from anywhere (within the size limit), unlike LoadPlan's paths."""
-
+def read_startup_plan(plan_path: str) -> tuple[Plan, Path]:
+    """(the plan, its checkpoint directory) given on the command line, read and validated once:
+    the operator's own file, so it is read from anywhere (within the size limit), unlike
+    LoadPlan's paths."""
     try:
         text = read_text_file(Path(plan_path), "plan")
     except PlanError as e:
         raise PlanNotFoundError(str(e)) from None
     try:
-        source = Path(parse_plan(text, f"plan {plan_path}").model.source)
+        plan = parse_plan(text, f"plan {plan_path}")
     except PlanError as e:
         raise PlacementError(f"invalid plan {plan_path}: {e}") from None
-    return text, source.parent if source.suffix == ".json" else source
+    source = Path(plan.model.source)
+    return plan, source.parent if source.suffix == ".json" else source
 
 
 def start_server(daemon, host: str, port: int, tokens=None, credentials=None, stall_timeout_s: float = 30.0,
@@ -167,7 +168,7 @@ def serve(args) -> int:
     metrics = None
     try:
         tokens, credentials = security_of(args)
-        plan_text, plan_model_dir = read_startup_plan(args.plan) if args.plan else (None, None)
+        startup_plan, plan_model_dir = read_startup_plan(args.plan) if args.plan else (None, None)
         model_dir = args.model or plan_model_dir
         daemon = Daemon(model_dir, max_batch=args.max_batch, max_queue=args.max_queue, backend=args.kernels,
                         threads=args.threads, plan_dir=args.plan_dir)
@@ -190,7 +191,7 @@ def serve(args) -> int:
         "plan_dir": args.plan_dir}})
     if args.plan:
         try:
-            daemon.load_plan(PlanSource(yaml=plan_text, name=args.plan))
+            daemon.load_plan(PlanSource(plan=startup_plan, name=args.plan))
         except HelmError as e:
             log.error("cannot load the plan", extra={"fields": {"plan": args.plan, "error": str(e)}})
             server.stop(0)

@@ -190,7 +190,7 @@ class EngineWorker:
     def _step(self) -> None:
         events = self.engine.step()
         now = time.perf_counter()
-        stage_ms = self._record(events)
+        stage_ms = self._record()
         for event in events:
             stream = self._streams.get(event.request_id)
             if stream is None:
@@ -204,30 +204,15 @@ class EngineWorker:
                 del self._streams[event.request_id]
                 self._on_end(event.request_id)
 
-    def _record(self, events) -> tuple[tuple[float, float], ...]:
+    def _record(self) -> tuple[tuple[float, float], ...]:
         """Pair the step's stage times with the plan's prediction and store them."""
         record = self.engine.last_step
         if record is None or record is self._last_record:
             return ()
         self._last_record = record
-        phase = "prefill" if record.prefill_chunks else "decode"
-        context, batch, tokens = record.max_context, record.num_seqs, record.num_tokens
-        if phase == "prefill":
-            # The step's prompt chunks (its decodes' share is left out): how many, their tokens and
-            # where they end on average (the Recorder prices their attention over the prefixes).
-            chunks = record.prefill_chunks
-            batch, tokens = len(chunks), sum(n for _, n in chunks)
-            context = round(sum(s + n for s, n in chunks) / len(chunks))
-        if phase == "decode":
-            # Each sequence attended over its whole length: prompt + the tokens before this one.
-            lengths = [s.prompt_len + s.produced for e in events if e.token_id is not None
-                       for s in (self._streams.get(e.request_id),) if s is not None]
-            if lengths:
-                context = round(sum(lengths) / len(lengths))
-        measured = tuple(t.ms for t in record.stages)
-        predicted = self.recorder.record(phase, context, batch, tokens, measured)
-        stage_ms = tuple((m, p.ms) for m, p in zip(measured, predicted))
-        self._on_step(phase, stage_ms)
+        predicted = self.recorder.record_step(record)
+        stage_ms = tuple((t.ms, p.ms) for t, p in zip(record.stages, predicted))
+        self._on_step(record.phase, stage_ms)
         return stage_ms
 
     def _snapshot(self) -> WorkerSnapshot:

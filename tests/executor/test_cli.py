@@ -151,6 +151,30 @@ def test_plan_gives_the_same_tokens_as_its_split(checkpoint, capsys, tmp_path):
     planned = json.loads(out)
     code, out, err = run(capsys, *common, "--split", "3")
     assert planned["split_k"] == 3 and planned["token_ids"] == json.loads(out)["token_ids"]
+    assert "measured_vs_predicted" not in json.loads(out)       # no plan, no prediction
+
+
+def test_offline_generate_measures_against_its_plan(checkpoint, capsys, tmp_path):
+    """The engine's step record carries what a measurement needs, so the offline run reports
+    measured vs predicted per stage (and writes the report recalibration reads) like the daemon."""
+    from planner.plan import save_plan
+    from planner.planning import plan_for_split
+    from planner.report import read_report
+
+    path = checkpoint("qwen3", "bf16")
+    plan_file, report_file = tmp_path / "plan.yaml", tmp_path / "report.json"
+    save_plan(plan_for_split(str(path), split_k=3, page_size_tokens=16), plan_file)
+    code, out, err = run(capsys, "--model", str(path), "--prompt-ids", "11,12,13,14", "--max-new-tokens", "6",
+                         "--ignore-eos", "--json", "--plan", str(plan_file), "--report", str(report_file))
+    assert code == 0, err
+    rows = json.loads(out)["measured_vs_predicted"]
+    assert {(r["stage"], r["phase"]) for r in rows} == {(0, "prefill"), (1, "prefill"), (0, "decode"), (1, "decode")}
+    decode = [r for r in rows if r["phase"] == "decode"]
+    assert sum(r["steps"] for r in decode) == 2 * 5 and all(r["measured_ms"] > 0 and r["predicted_ms"] > 0 for r in rows)
+    report = read_report(report_file)
+    assert report.steps == 6 and report.plan.split_k == 3
+    expect_error(capsys, ["--model", str(path), "--prompt-ids", "11", "--split", "3", "--report", str(report_file)],
+                 "--report measures against a plan's predictions")
 
 
 def test_plan_for_another_model_is_refused(checkpoint, capsys, tmp_path):

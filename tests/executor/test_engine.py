@@ -96,7 +96,25 @@ def test_timings_are_recorded_per_stage(path):
     eng.generate([[11, 12, 13]], stop=StopCriteria(max_new_tokens=3))
     rec = eng.last_step
     assert [t.stage for t in rec.stages] == [0, 1] and all(t.ms > 0 for t in rec.stages)
-    assert rec.num_seqs == 1 and rec.max_context == 5
+    assert (rec.phase, rec.batch, rec.tokens, rec.context) == ("decode", 1, 1, 5)   # token 5 attends over 5
+
+
+def test_a_step_record_says_what_its_prediction_needs(path):
+    """Prompt chunks make a prefill step (their count, tokens and mean end); decodes a decode step
+    (sequences, mean context through the new token)."""
+    eng = engine_for(path, split=3, eos_token_ids=(), prefill_chunk=4)
+    stop = StopCriteria(max_new_tokens=3, ignore_eos=True)
+    eng.add_request(prompt_ids(6, 256, seed=70), stop=stop)
+    eng.add_request(prompt_ids(3, 256, seed=71), stop=stop)
+    eng.step()                                         # chunks [0, 4) and [0, 3)
+    assert (eng.last_step.phase, eng.last_step.batch, eng.last_step.tokens, eng.last_step.context) == \
+        ("prefill", 2, 7, round((4 + 3) / 2))
+    eng.step()                                         # the 6-token prompt's last 2; the other decodes
+    assert (eng.last_step.phase, eng.last_step.batch, eng.last_step.tokens, eng.last_step.context) == \
+        ("prefill", 1, 2, 6)
+    eng.step()                                         # both decode: contexts 7 and 5
+    assert (eng.last_step.phase, eng.last_step.batch, eng.last_step.tokens, eng.last_step.context) == \
+        ("decode", 2, 2, 6)
 
 
 def test_a_failing_request_ends_alone(path, monkeypatch):

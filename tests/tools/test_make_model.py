@@ -16,6 +16,7 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tools import make_model as mm
+from tools.checkpoint import configs, shards, weights
 from tools.make_model import MakeModelError, make_model
 
 ARCHS = ("qwen3", "llama", "qwen2", "mistral")
@@ -81,7 +82,7 @@ def test_tiny_loads_in_transformers_with_exact_names(checkpoint, arch):
     if cfg["tie_word_embeddings"]:
         expected.discard("lm_head.weight")
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    assert names == expected == {s.name for s in mm.tensor_specs(cfg)}
+    assert names == expected == {s.name for s in weights.tensor_specs(cfg)}
     # transformers reads the legacy rope_theta / rope_scaling fields the files carry.
     assert model.config.rope_parameters["rope_theta"] == cfg["rope_theta"]
     if arch == "llama":
@@ -175,7 +176,7 @@ def test_real_preset_tokenizer_and_config_only(tmp_path):
     path = make_model(None, "qwen3-0.6b", "bf16", 0, tmp_path, config_only=True)
     assert sorted(p.name for p in path.iterdir()) == [
         "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
-    assert _config(path) == json.loads((mm.PRESET_DIR / "qwen3-0.6b.json").read_text())
+    assert _config(path) == json.loads((configs.PRESET_DIR / "qwen3-0.6b.json").read_text())
     raw = Tokenizer.from_file(str(path / "tokenizer.json"))
     assert raw.get_vocab_size() == 151936
     assert [raw.id_to_token(i) for i in (151643, 151644, 151645)] == [
@@ -216,19 +217,19 @@ def test_tensor_values_do_not_depend_on_dtype_or_other_tensors(checkpoint):
     one_layer = _tensors(checkpoint("llama", "fp32", num_hidden_layers=1))
     assert torch.equal(one_layer["model.layers.0.mlp.up_proj.weight"],
                        fp32["model.layers.0.mlp.up_proj.weight"])
-    spec = mm.tensor_specs(_config(checkpoint("llama")))[1]
-    assert torch.equal(mm.materialize(spec, 0, "fp32"), fp32[spec.name])
+    spec = weights.tensor_specs(_config(checkpoint("llama")))[1]
+    assert torch.equal(weights.materialize(spec, 0, "fp32"), fp32[spec.name])
 
 
 def test_init_scales(checkpoint):
     cfg = _config(checkpoint("qwen3"))
     t = _tensors(checkpoint("qwen3"))
     q = t["model.layers.1.self_attn.q_proj.weight"]
-    assert abs(q.std().item() - mm.QK_GAIN / 64**0.5) < 0.02
+    assert abs(q.std().item() - weights.QK_GAIN / 64**0.5) < 0.02
     down = t["model.layers.1.mlp.down_proj.weight"]
     assert abs(down.std().item() - 1 / cfg["intermediate_size"] ** 0.5) < 0.01
     qn = t["model.layers.0.self_attn.q_norm.weight"]
-    assert abs(qn.mean().item() - mm.QK_GAIN) < 0.1 and qn.std().item() > 0.05
+    assert abs(qn.mean().item() - weights.QK_GAIN) < 0.1 and qn.std().item() > 0.05
     ln = t["model.layers.0.input_layernorm.weight"]
     assert 0.9 < ln.mean().item() < 1.1 and 0.05 < ln.std().item() < 0.15
     assert abs(t["model.norm.weight"].mean().item() - 3.0) < 0.2
@@ -273,17 +274,17 @@ def test_sharded_checkpoint_loads_with_identical_logits(checkpoint, tmp_path):
 # Configs, overrides, errors
 
 
-@pytest.mark.parametrize("preset", mm.preset_names())
+@pytest.mark.parametrize("preset", configs.preset_names())
 def test_real_preset_config_equals_reference(preset):
-    reference = json.loads((mm.PRESET_DIR / f"{preset}.json").read_text())
-    assert mm.build_config(None, preset, "bf16") == reference
-    assert mm.build_config(reference["model_type"], preset, "fp16")["torch_dtype"] == "float16"
+    reference = json.loads((configs.PRESET_DIR / f"{preset}.json").read_text())
+    assert configs.build_config(None, preset, "bf16") == reference
+    assert configs.build_config(reference["model_type"], preset, "fp16")["torch_dtype"] == "float16"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tiny_config_has_the_real_field_set(arch):
-    reference = json.loads((mm.PRESET_DIR / f"{mm.FAMILIES[arch].reference}.json").read_text())
-    assert mm.build_config(arch, "tiny", "fp32").keys() == reference.keys()
+    reference = json.loads((configs.PRESET_DIR / f"{configs.FAMILIES[arch].reference}.json").read_text())
+    assert configs.build_config(arch, "tiny", "fp32").keys() == reference.keys()
 
 
 def test_overrides_patch_config_and_tensors(tmp_path):
@@ -360,9 +361,9 @@ def test_cli_arch_defaults_to_preset_family_and_set_overrides(tmp_path, capsys):
 
 
 def test_parse_size():
-    assert mm.parse_size("2GB") == 2 * 10**9
-    assert mm.parse_size("500MiB") == 500 * 2**20
-    assert mm.parse_size("1.5 kb") == 1500
-    assert mm.parse_size(123) == 123
+    assert shards.parse_size("2GB") == 2 * 10**9
+    assert shards.parse_size("500MiB") == 500 * 2**20
+    assert shards.parse_size("1.5 kb") == 1500
+    assert shards.parse_size(123) == 123
     with pytest.raises(MakeModelError):
-        mm.parse_size("0")
+        shards.parse_size("0")
