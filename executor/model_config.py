@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 
 from executor.errors import ConfigError
+from planner.config import read_config
+from planner.errors import PlanError
 
 # model_type -> family traits the executor needs beyond the common decoder layout.
 FAMILIES = {
@@ -76,14 +78,10 @@ class ModelConfig:
         path = Path(model_dir)
         if path.is_dir():
             path = path / "config.json"
-        if not path.is_file():
-            raise ConfigError(f"no config.json at {path}: is this a Hugging Face checkpoint directory?")
         try:
-            raw = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path} must hold a JSON object, found {type(raw).__name__}")
+            raw, _ = read_config(path)   # the one reader of config.json (planner.config)
+        except PlanError as e:
+            raise ConfigError(str(e)) from None
         eos = _read_eos(path.parent, raw)
         return cls.from_dict(raw, source=str(path), eos_token_ids=eos)
 

@@ -23,17 +23,9 @@ def _int_arg(name: str, minimum: int):
     return parse
 
 
-def _size_arg(name: str):
-    def parse(text: str) -> int:
-        try:
-            return parse_bytes(text, name)
-        except PlanError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-    return parse
-
-
-def _rate_arg(name: str, parse):
-    def convert(text: str) -> float:
+def _unit_arg(name: str, parse):
+    """An argparse type reading a value with units (planner.units' parse_bytes, parse_rate, parse_flops)."""
+    def convert(text: str):
         try:
             return parse(text, name)
         except PlanError as e:
@@ -76,9 +68,9 @@ def _memory_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--watermark", type=_float_arg, default=DEFAULT_WATERMARK,
                    help="fraction of the VRAM left after weights that KV may use before offloading")
     p.add_argument("--kv-offload", action="store_true", help="let GPU-stage KV pages move to pinned host memory")
-    p.add_argument("--gpu-memory", type=_size_arg("--gpu-memory"), metavar="SIZE",
+    p.add_argument("--gpu-memory", type=_unit_arg("--gpu-memory", parse_bytes), metavar="SIZE",
                    help="cap on VRAM for weights + KV, e.g. 8GiB (as Accelerate's max_memory)")
-    p.add_argument("--host-memory", type=_size_arg("--host-memory"), metavar="SIZE",
+    p.add_argument("--host-memory", type=_unit_arg("--host-memory", parse_bytes), metavar="SIZE",
                    help="cap on host RAM for CPU weights + host KV, e.g. 16GiB")
 
 
@@ -104,24 +96,24 @@ def parser() -> argparse.ArgumentParser:
     ma.add_argument("--list", action="store_true", help="print the catalogue of GPUs and CPUs and exit")
     ma.add_argument("--gpu", metavar="NAME", help="a catalogue GPU (e.g. 'RTX 3090', L40S), or a name for --vram etc.")
     ma.add_argument("--cpu", metavar="NAME", help="a catalogue CPU (e.g. 'EPYC 7H12', i7-13700H)")
-    ma.add_argument("--ram", type=_size_arg("--ram"), metavar="SIZE", help="host RAM, e.g. 128GiB (required)")
-    ma.add_argument("--ram-available", type=_size_arg("--ram-available"), metavar="SIZE",
+    ma.add_argument("--ram", type=_unit_arg("--ram", parse_bytes), metavar="SIZE", help="host RAM, e.g. 128GiB (required)")
+    ma.add_argument("--ram-available", type=_unit_arg("--ram-available", parse_bytes), metavar="SIZE",
                     help="RAM the model may use (default: RAM less max(2 GiB, 10%%))")
-    ma.add_argument("--vram", type=_size_arg("--vram"), metavar="SIZE", help="GPU memory, e.g. 24GiB")
-    ma.add_argument("--hbm", type=_rate_arg("--hbm", parse_rate), metavar="RATE", help="GPU memory bandwidth, e.g. 936GB/s")
-    ma.add_argument("--gpu-tflops", type=_rate_arg("--gpu-tflops", parse_flops), metavar="RATE",
+    ma.add_argument("--vram", type=_unit_arg("--vram", parse_bytes), metavar="SIZE", help="GPU memory, e.g. 24GiB")
+    ma.add_argument("--hbm", type=_unit_arg("--hbm", parse_rate), metavar="RATE", help="GPU memory bandwidth, e.g. 936GB/s")
+    ma.add_argument("--gpu-tflops", type=_unit_arg("--gpu-tflops", parse_flops), metavar="RATE",
                     help="dense FP16/BF16 tensor throughput, e.g. 71TFLOPS (a plain number is GFLOP/s)")
     ma.add_argument("--pcie", metavar="LINK", help="host link: generation x lanes (4x16, gen5x16) or a rate (25GB/s)")
     ma.add_argument("--dram", metavar="MEMORY", help="channels and DIMMs (2ch-DDR5-5200, 8xDDR4-3200) or a rate (83GB/s)")
     ma.add_argument("--cores", type=_int_arg("--cores", 1), help="physical cores for the CPU stage")
     ma.add_argument("--threads", type=_int_arg("--threads", 1), help="logical CPUs (default: the CPU's, or --cores)")
-    ma.add_argument("--l3", type=_size_arg("--l3"), metavar="SIZE", help="last-level cache, e.g. 32MiB")
-    ma.add_argument("--cpu-gflops", type=_rate_arg("--cpu-gflops", parse_flops), metavar="RATE",
+    ma.add_argument("--l3", type=_unit_arg("--l3", parse_bytes), metavar="SIZE", help="last-level cache, e.g. 32MiB")
+    ma.add_argument("--cpu-gflops", type=_unit_arg("--cpu-gflops", parse_flops), metavar="RATE",
                     help="fp32 FMA peak of all cores, e.g. 2.1TFLOPS")
     ma.add_argument("--isa", help="comma-separated SIMD features (default: the catalogue CPU's)")
     ma.add_argument("--efficiency", type=_efficiency_arg, action="append", metavar="NAME=X", default=[],
                     help="replace a default efficiency (dram, hbm, link, gpu_compute, cpu_compute), e.g. dram=0.7")
-    ma.add_argument("--cuda-reserve", type=_size_arg("--cuda-reserve"), metavar="SIZE", default=1 << 30,
+    ma.add_argument("--cuda-reserve", type=_unit_arg("--cuda-reserve", parse_bytes), metavar="SIZE", default=1 << 30,
                     help="VRAM taken by the CUDA context and driver (default 1GiB)")
     ma.add_argument("--link-latency", type=_float_arg, metavar="US", default=10.0,
                     help="microseconds per small host-device copy (default 10)")

@@ -20,6 +20,7 @@ from planner.machine import MachineProfile, is_machine_profile, load_machine
 from planner.plan import Plan, model_label
 from planner.planning import make_plan
 from planner.serial import to_dict
+from planner.plotting import pyplot, save
 from planner.yamlio import read_yaml
 
 
@@ -152,14 +153,8 @@ def matrix_json(cells: list[Cell]) -> list[dict]:
 def plot_matrix(cells: list[Cell], out: str | Path) -> None:
     """A heatmap of tok/s (models x machines), each cell annotated with k and the longest context;
     cells where nothing fits are grey with the reason's first words."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.colors import LogNorm
-    except ImportError:
-        raise PlanError("--plot needs matplotlib, which is not installed (pip install 'helm[plot]' or pip "
-                        "install matplotlib); the table above is complete") from None
+    plt = pyplot("the table above is complete")
+    from matplotlib.colors import LogNorm
     models = list(dict.fromkeys(c.model for c in cells))
     machines = list(dict.fromkeys(c.machine for c in cells))
     grid = [[math.nan] * len(machines) for _ in models]
@@ -186,10 +181,4 @@ def plot_matrix(cells: list[Cell], out: str | Path) -> None:
     ax.set_title("predicted decode tok/s (k = units on the CPU; ctx = longest context)", fontsize=9)
     if values:
         fig.colorbar(image, ax=ax, label="tok/s")
-    fig.tight_layout()
-    try:
-        fig.savefig(out, dpi=120)
-    except OSError as e:
-        raise PlanError(f"--plot: cannot write {out}: {e.strerror or e}") from None
-    finally:
-        plt.close(fig)
+    save(fig, out)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from planner.errors import PlanError
 from planner.plan import Plan
+from planner.plotting import pyplot, save
 from planner.serial import to_dict
 from planner.units import GIB, fmt_bytes
 
@@ -131,13 +131,7 @@ def show_json(plan: Plan) -> dict:
 
 def plot_plan(plan: Plan, out: str | Path) -> None:
     """T_plan against k, feasible candidates filled, infeasible hollow, boundary shaded."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise PlanError("--plot needs matplotlib, which is not installed "
-                        "(pip install 'helm[plot]' or pip install matplotlib); the summary above is complete") from None
+    plt = pyplot("the summary above is complete")
     cands = [c for c in plan.search.candidates if c.total_ms is not None]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     fk = [c.split_k for c in cands if c.feasible]
@@ -155,10 +149,4 @@ def plot_plan(plan: Plan, out: str | Path) -> None:
     ax.set_ylabel("predicted ms / token")
     ax.set_title(f"{plan.model.architecture} on {plan.machine.name} (context {plan.prediction.context_tokens})")
     ax.legend(loc="best")
-    fig.tight_layout()
-    try:
-        fig.savefig(out, dpi=120)
-    except OSError as e:
-        raise PlanError(f"--plot: cannot write {out}: {e.strerror or e}") from None
-    finally:
-        plt.close(fig)
+    save(fig, out)

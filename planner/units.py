@@ -44,40 +44,43 @@ def parse_bytes(text: str | int, what: str = "size") -> int:
     return value
 
 
-def parse_rate(text: str | int | float, what: str = "bandwidth") -> float:
-    """A bandwidth in GiB/s: '936 GB/s' -> 871.7; '22.4GiB/s' -> 22.4; 45 -> 45.0. Raises PlanError."""
+def _per_second(text, what: str, noun: str, example: str, scale_of) -> float:
+    """A rate in the canonical unit: a number as is, text by the scale its unit has (None: unreadable)."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         value = float(text)
     else:
         m = _RATE_RE.match(str(text))
-        unit, per_second = (m.group(2).upper(), m.group(3)) if m else ("", None)
-        if unit.endswith("PS") and not per_second:          # the 'GBps' spelling
-            unit, per_second = unit[:-2], "ps"
-        if not m or bool(unit) != bool(per_second) or (unit and unit not in _SUFFIX_BYTES):
-            raise PlanError(f"{what}: cannot read {text!r} as a bandwidth (use e.g. 936GB/s, 22.4GiB/s, or a "
-                            "number of GiB/s)")
-        value = float(m.group(1)) * (_SUFFIX_BYTES[unit] / GIB if unit else 1.0)
+        scale = scale_of(m.group(2).upper(), bool(m.group(3))) if m else None
+        if scale is None:
+            raise PlanError(f"{what}: cannot read {text!r} as a {noun} (use e.g. {example})")
+        value = float(m.group(1)) * scale
     if not math.isfinite(value) or value <= 0:
-        raise PlanError(f"{what}: {text!r} must be a positive, finite bandwidth")
+        raise PlanError(f"{what}: {text!r} must be a positive, finite {noun}")
     return value
+
+
+def _bandwidth_scale(unit: str, per_second: bool) -> float | None:
+    if unit.endswith("PS") and not per_second:              # the 'GBps' spelling
+        unit, per_second = unit[:-2], True
+    if bool(unit) != per_second or (unit and unit not in _SUFFIX_BYTES):
+        return None
+    return _SUFFIX_BYTES[unit] / GIB if unit else 1.0
+
+
+def _flops_scale(unit: str, per_second: bool) -> float | None:
+    if per_second:                                          # 'GFLOP/s': the /s only after FLOP
+        unit = unit + "S" if unit.endswith("FLOP") else "?"
+    return _FLOPS_SCALE.get(unit)
+
+
+def parse_rate(text: str | int | float, what: str = "bandwidth") -> float:
+    """A bandwidth in GiB/s: '936 GB/s' -> 871.7; '22.4GiB/s' -> 22.4; 45 -> 45.0. Raises PlanError."""
+    return _per_second(text, what, "bandwidth", "936GB/s, 22.4GiB/s, or a number of GiB/s", _bandwidth_scale)
 
 
 def parse_flops(text: str | int | float, what: str = "compute rate") -> float:
     """A FLOP rate in GFLOP/s: '82.6 TFLOPS' -> 82600; '500 GFLOP/s' -> 500; 500 -> 500.0."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value = float(text)
-    else:
-        m = _RATE_RE.match(str(text))
-        unit = m.group(2).upper() if m else ""
-        if m and m.group(3):                                # 'GFLOP/s': the /s only after FLOP
-            unit = unit + "S" if unit.endswith("FLOP") else "?"
-        if not m or unit not in _FLOPS_SCALE:
-            raise PlanError(f"{what}: cannot read {text!r} as a FLOP rate (use e.g. 82.6TFLOPS, 500GFLOP/s, or "
-                            "a number of GFLOP/s)")
-        value = float(m.group(1)) * _FLOPS_SCALE[unit]
-    if not math.isfinite(value) or value <= 0:
-        raise PlanError(f"{what}: {text!r} must be a positive, finite FLOP rate")
-    return value
+    return _per_second(text, what, "FLOP rate", "82.6TFLOPS, 500GFLOP/s, or a number of GFLOP/s", _flops_scale)
 
 
 def fmt_rate(gibps: float) -> str:

@@ -24,9 +24,7 @@ import argparse
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,6 +32,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from tools.daemon_process import DaemonProcess  # noqa: E402
 
 TARGET_BEFORE_PCT = 10.0
 TARGET_AFTER_PCT = 5.0
@@ -44,46 +44,6 @@ START_TIMEOUT_S = 900
 def load() -> str:
     one, five, fifteen = os.getloadavg()
     return f"{one:.2f} {five:.2f} {fifteen:.2f}"
-
-
-class Daemon:
-    """`helm-executor serve --port 0` in a subprocess, JSON logs in a file."""
-
-    def __init__(self, plan: Path, model: Path, log_path: Path, threads: int | None):
-        self.log_path = log_path
-        args = [sys.executable, "-m", "executor.cli", "serve", "--plan", str(plan), "--model", str(model),
-                "--host", "127.0.0.1", "--port", "0"]
-        if threads:
-            args += ["--threads", str(threads)]
-        with open(log_path, "w") as log:
-            self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log, cwd=REPO)
-        self.addr = f"127.0.0.1:{self._port()}"
-
-    def _port(self) -> int:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            for line in self.log_path.read_text().splitlines():
-                try:
-                    entry = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if entry.get("msg") == "listening":
-                    return entry["port"]
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the daemon exited with {self.proc.returncode}:\n{self.log_path.read_text()}")
-            time.sleep(0.1)
-        self.stop()
-        raise TimeoutError(f"the daemon did not listen within {START_TIMEOUT_S} s")
-
-    def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                return self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                return self.proc.wait(10)
-        return self.proc.returncode
 
 
 def run_pass(client, pb, prompts: list[list[int]], new_tokens: int, repeat: int, label: str) -> dict[int, list[float]]:
@@ -168,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
           f"DRAM {machine.cpu.dram_read_gibps:g} GiB/s", file=sys.stderr)
 
     rng = random.Random(args.seed)
-    daemon = Daemon(v1_path, model, out / "daemon.log", args.threads)
+    daemon = DaemonProcess(["--plan", str(v1_path), "--model", str(model), "--host", "127.0.0.1",
+                            *(["--threads", str(args.threads)] if args.threads else [])], out / "daemon.log",
+                           START_TIMEOUT_S)
     try:
         with ExecutorClient(daemon.addr) as client:
             client.wait_serving(timeout_s=START_TIMEOUT_S)

@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import threading
@@ -25,6 +24,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script: python tools/soak.py
+    sys.path.insert(0, str(REPO))
+
+from tools.daemon_process import DaemonProcess  # noqa: E402
+
 KINDS = ("complete", "cancel", "deadline", "disconnect")
 
 
@@ -33,29 +37,6 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
-
-
-def start_daemon(plan: str, threads: int | None, log_path: Path, max_batch: int) -> tuple[subprocess.Popen, str]:
-    args = [sys.executable, "-m", "executor.cli", "serve", "--plan", plan, "--port", "0",
-            "--max-batch", str(max_batch), "--max-queue", str(max_batch)]
-    if threads:
-        args += ["--threads", str(threads)]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log, cwd=REPO)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        for line in log_path.read_text().splitlines():
-            try:
-                entry = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if entry.get("msg") == "listening":
-                return proc, f"127.0.0.1:{entry['port']}"
-        if proc.poll() is not None:
-            raise RuntimeError(f"the daemon exited:\n{log_path.read_text()}")
-        time.sleep(0.1)
-    proc.kill()
-    raise TimeoutError("the daemon did not start listening within 600 s")
 
 
 def one_request(addr: str, client, pb, kind: str, prompt: list[int], new_tokens: int, rng: random.Random) -> str:
@@ -155,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     from executor.server.client import ExecutorClient
 
     log_path = Path(tempfile.mkdtemp(prefix="helm-soak-")) / "daemon.log"
-    proc, addr = start_daemon(args.plan, args.threads, log_path, max_batch=args.clients)
+    daemon = DaemonProcess(["--plan", args.plan, "--max-batch", str(args.clients), "--max-queue", str(args.clients),
+                            *(["--threads", str(args.threads)] if args.threads else [])], log_path, 600)
+    proc, addr = daemon.proc, daemon.addr
     try:
         with ExecutorClient(addr) as client:
             client.wait_serving(timeout_s=600)
@@ -178,11 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             wall_s = time.perf_counter() - t0
             kv_left = sum(s.kv.sequences for s in client.info().stages if s.HasField("kv"))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        daemon.stop(60)
     cancelled_logged = sum(1 for line in log_path.read_text().splitlines() if '"request cancelled"' in line)
     peak = max([baseline, end] + [rss for _, rss in samples])
     growth = end / baseline - 1

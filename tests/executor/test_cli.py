@@ -73,12 +73,12 @@ IDS = ["--prompt-ids", "11,12,13", "--max-new-tokens", "2"]
 
 
 def test_missing_config(capsys, tmp_path):
-    expect_error(capsys, ["--model", str(tmp_path), *IDS], "no config.json")
+    expect_error(capsys, ["--model", str(tmp_path), *IDS], "model config not found")
 
 
 def test_corrupt_config(capsys, broken):
     (broken / "config.json").write_text("{\"model_type\": ")
-    expect_error(capsys, ["--model", str(broken), *IDS], "not valid JSON")
+    expect_error(capsys, ["--model", str(broken), *IDS], "malformed model config")
 
 
 def test_unsupported_architecture(capsys, broken):

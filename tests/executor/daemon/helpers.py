@@ -3,16 +3,13 @@ its streams. Every wait has a timeout so a broken daemon fails a test instead of
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 from planner.plan import save_plan
 from planner.planning import plan_for_split, workload_for
+from tools import daemon_process
 
 REPO = Path(__file__).resolve().parents[3]
 START_TIMEOUT_S = 120
@@ -27,54 +24,11 @@ def write_plan(model_dir: Path, split_k: int, out: Path) -> Path:
     return out
 
 
-class DaemonProcess:
-    """`helm-executor serve --port 0 ...` with its JSON logs in a file."""
+class DaemonProcess(daemon_process.DaemonProcess):
+    """The daemon as the tests run it: one CPU thread (OpenMP and the CPU stage)."""
 
     def __init__(self, args: list[str], log_path: Path):
-        self.log_path = log_path
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        with open(log_path, "w") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "executor.cli", "serve", "--port", "0", "--threads", "1", *args],
-                stdout=subprocess.DEVNULL, stderr=log, cwd=REPO, env=env)
-        self.port = self._wait_for_port()
-        self.addr = f"127.0.0.1:{self.port}"
-
-    def logs(self) -> list[dict]:
-        out = []
-        for line in self.log_path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                out.append({"msg": line})
-        return out
-
-    def _wait_for_port(self) -> int:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            for entry in self.logs():
-                if entry.get("msg") == "listening":
-                    return entry["port"]
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the daemon exited with {self.proc.returncode}:\n{self.log_path.read_text()}")
-            time.sleep(0.05)
-        self.kill()
-        raise TimeoutError(f"the daemon did not listen within {START_TIMEOUT_S} s:\n{self.log_path.read_text()}")
-
-    def signal(self, signum: int = signal.SIGTERM) -> None:
-        self.proc.send_signal(signum)
-
-    def wait(self, timeout_s: float = 60) -> int:
-        try:
-            return self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+        super().__init__(["--threads", "1", *args], log_path, START_TIMEOUT_S, {**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 @contextlib.contextmanager

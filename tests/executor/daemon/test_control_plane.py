@@ -44,12 +44,6 @@ def daemon(plan_dir, tmp_path_factory):
         yield proc
 
 
-@pytest.fixture(scope="module")
-def client(daemon):
-    with ExecutorClient(daemon.addr) as c:
-        yield c
-
-
 def request(n: int, seed: int = 0) -> pb.GenerateRequest:
     return pb.GenerateRequest(token_ids=pb.TokenIds(ids=[11 + seed, 12, 13]),
                               stopping=pb.StoppingCriteria(max_new_tokens=n, ignore_eos=True))

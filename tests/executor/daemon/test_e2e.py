@@ -37,12 +37,6 @@ def daemon(plans, tmp_path_factory):
         yield proc
 
 
-@pytest.fixture(scope="module")
-def client(daemon):
-    with ExecutorClient(daemon.addr) as c:
-        yield c
-
-
 def ids_request(prompt, max_new_tokens, request_id="", **sampling):
     return pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=prompt),
                               sampling=pb.SamplingParameters(**sampling),

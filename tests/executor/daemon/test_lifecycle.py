@@ -84,14 +84,20 @@ def _health(client):
         return None
 
 
+def _terminated_mid_request(client, daemon):
+    """A long request streaming its first token, then SIGTERM to the daemon: the stream."""
+    client.wait_serving(timeout_s=120)
+    stream = client.stub.Generate(long_request(1900), timeout=RPC_TIMEOUT_S)
+    assert next(stream).HasField("token")
+    daemon.signal(signal.SIGTERM)
+    return stream
+
+
 def test_drain_timeout_aborts_what_is_left(plan, tmp_path):
     daemon = DaemonProcess(["--plan", str(plan), "--drain-timeout", "0.5"], tmp_path / "daemon.log")
     try:
         with ExecutorClient(daemon.addr) as client:
-            client.wait_serving(timeout_s=120)
-            stream = client.stub.Generate(long_request(1900), timeout=RPC_TIMEOUT_S)
-            assert next(stream).HasField("token")
-            daemon.signal(signal.SIGTERM)
+            stream = _terminated_mid_request(client, daemon)
             ids, _, result = collect(stream)
             assert result.finish_reason == pb.FINISH_REASON_ABORTED and len(ids) < 1899
         assert daemon.wait(60) == 0
@@ -103,10 +109,7 @@ def test_second_signal_exits_at_once(plan, tmp_path):
     daemon = DaemonProcess(["--plan", str(plan), "--drain-timeout", "600"], tmp_path / "daemon.log")
     try:
         with ExecutorClient(daemon.addr) as client:
-            client.wait_serving(timeout_s=120)
-            stream = client.stub.Generate(long_request(1900), timeout=RPC_TIMEOUT_S)
-            assert next(stream).HasField("token")
-            daemon.signal(signal.SIGTERM)
+            stream = _terminated_mid_request(client, daemon)
             wait_until(lambda: _health(client) == NOT_SERVING, what="draining")
             daemon.signal(signal.SIGTERM)
             assert daemon.wait(20) == 128 + signal.SIGTERM
