@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from executor import ops
+from executor import torch_ops
 from executor.attention import TorchAttention
 
 log = logging.getLogger(__name__)
@@ -22,7 +22,7 @@ class TorchBackend:
     name = "torch"
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        return ops.TorchLinear(weight, bias)
+        return torch_ops.TorchLinear(weight, bias)
 
     def attention(self, config, kv):
         return TorchAttention(config, kv, self)
@@ -32,11 +32,11 @@ class TorchBackend:
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return ops.rms_norm(x, weight, eps)
+        return torch_ops.rms_norm(x, weight, eps)
 
     @staticmethod
     def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return ops.silu_mul(gate, up)
+        return torch_ops.silu_mul(gate, up)
 
 
 class KernelLinear:

@@ -1,6 +1,6 @@
 """Reference twins of the CPU kernels: the same contracts in plain fp32 PyTorch, written for
 clarity, not speed. Tests and benchmarks compare every kernel variant against these. (Being in
-the package, they import only where the extension is built; executor/ops.py holds the executor's
+the package, they import only where the extension is built; executor/torch_ops.py holds the executor's
 own PyTorch path.)
 """
 from __future__ import annotations
