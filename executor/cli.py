@@ -2,12 +2,14 @@
 
     helm-executor generate --model DIR [--plan PLAN | --split K] (--prompt TEXT | --prompt-ids 1,2,3)
                            [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
-                           [--seed S] [--ignore-eos] [--json]
+                           [--seed S] [--ignore-eos] [--json] [--report FILE]
     helm-executor serve --plan PLAN [--model DIR] [--host 127.0.0.1] [--port 50051] [--max-queue N]
                         [--plan-dir DIR] [--tokens FILE] [--tls-cert PEM --tls-key PEM] [--metrics-port P]
     helm-executor generate --addr HOST:PORT (--prompt TEXT | --prompt-ids 1,2,3) [--stop STR] ...
     helm-executor report --addr HOST:PORT [-o report.json]
     helm-executor info --addr HOST:PORT [--wait SECONDS]
+
+Each command imports what it uses when it runs: a client command never loads torch or the model.
 """
 from __future__ import annotations
 

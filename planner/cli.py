@@ -11,7 +11,8 @@
     helm-plan recalibrate PLAN (--report REPORT.json | --executor HOST:PORT) -o NEW_PLAN [--apply]
 
 Exit status: 0 success; 1 validate found an invalid file / diff found differences; 2 bad input or
-error (a one-line message, never a traceback).
+error (a one-line message, never a traceback). Each command imports what it uses when it runs, so
+`helm-plan --help` and `helm-plan show` answer without loading torch and transformers.
 """
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from planner import __version__
 from planner.errors import PlanError
 from planner.schema import validate
 from planner.serial import OMIT_IF_NONE, from_dict, to_dict
@@ -372,5 +373,4 @@ def save_machine(machine: MachineProfile, path: str | Path) -> None:
 
 
 def tool_version() -> str:
-    from planner import __version__
     return __version__
