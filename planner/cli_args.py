@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from executor.server.auth import ClientAuth  # the daemon's client flags (grpc only, no torch)
+from planner.daemon_client import add_credential_flags
 from planner.errors import PlanError
 from planner.plan import DEFAULT_PAGE_SIZE_TOKENS, DEFAULT_WATERMARK
 from planner.units import parse_bytes, parse_flops, parse_rate
@@ -184,7 +184,7 @@ def parser() -> argparse.ArgumentParser:
     rc.add_argument("--min-samples", type=_int_arg("--min-samples", 1), default=None,
                     help="decode steps every stage needs (default 20)")
     rc.add_argument("--timeout", type=_float_arg, default=30.0, help="seconds to wait for the daemon's report")
-    ClientAuth.add_args(rc.add_argument_group("daemon credentials", "with --executor, for a daemon with TLS or --tokens "
+    add_credential_flags(rc.add_argument_group("daemon credentials", "with --executor, for a daemon with TLS or --tokens "
                                               "(GetReport and --apply need an admin token)"))
 
     tr = sub.add_parser("trace", help="trace MODEL and print its partition units (no machine needed)")

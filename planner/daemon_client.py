@@ -23,6 +23,11 @@ def check_addr(addr: str) -> str:
     return addr
 
 
+def add_credential_flags(group) -> None:
+    """The daemon's client credential flags (--token-file, --tls-ca, ...) on an argparse group."""
+    ClientAuth.add_args(group)
+
+
 def client_auth(args) -> ClientAuth:
     """The daemon credentials helm-plan's flags name (cli_args adds them: --token-file, --tls-*)."""
     try:
