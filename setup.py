@@ -43,8 +43,15 @@ PB = os.path.join("executor", "pb")
 def generate_protos() -> None:
     """executor/pb/ from protos/ with grpc_tools.protoc (message, gRPC and .pyi modules). protoc
     writes the gRPC module's import of its message module as the absolute proto package path
-    (`from helm.executor.v1 import executor_pb2`); it is made package-relative here."""
-    from grpc_tools import protoc
+    (`from helm.executor.v1 import executor_pb2`); it is made package-relative here. Without
+    grpcio-tools (a machine with no package registry, tools/gpu_run.sh) a carried executor/pb/ is
+    used as it is."""
+    try:
+        from grpc_tools import protoc
+    except ImportError:
+        if os.path.isfile(os.path.join(PB, "executor_pb2.py")):
+            return
+        raise
 
     with tempfile.TemporaryDirectory() as out:
         args = ["grpc_tools.protoc", "-Iprotos", f"--python_out={out}", f"--grpc_python_out={out}",

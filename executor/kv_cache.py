@@ -224,9 +224,12 @@ class KVCache:
             yield kv[0, :, :n], kv[1, :, :n], i * self.page_size
 
     def _prefetch(self, seq: SequencePages, i: int, count: int, layer: int):
-        """Start copying page i's layer slice to the device on the copy stream."""
+        """Start copying page i's layer slice to the device on the copy stream, after the compute
+        stream's work so far: a host page may just have been written by it (a page that started on
+        the host, filled by a prompt chunk), and the copy must read what was written."""
         if i >= count or seq.pages[i].on_device:
             return None
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._copy_stream):
             buf = seq.pages[i].data[layer].to(self.device, non_blocking=True)
             ready = torch.cuda.Event()

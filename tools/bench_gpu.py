@@ -1,0 +1,186 @@
+"""Benchmark: the GPU stage (issue 11). Two runs, side by side in one process, on a random-weight
+checkpoint with a real model's dimensions (default Qwen3-8B, bf16):
+
+1. The GPU capped (default 8 GiB, the RTX 4060 case): HELM's plan for that cap (the search picks
+   k) against Hugging Face Accelerate's `device_map="auto"` with `max_memory={0: cap, "cpu": ...}`,
+   the same prompt and new tokens, greedy: decode tok/s, TTFT, and HELM's measured vs predicted
+   time per stage.
+2. All on the GPU (split 0): decode ms/token at the context against the HBM roofline, the bytes a
+   step reads (weights + KV, from the plan's IR) over the HBM bandwidth the profile measured.
+
+The machine is profiled first (`helm-plan profile --quick`), so the plans price this machine.
+
+    python tools/bench_gpu.py                                    # Qwen3-8B dims, 8 GiB cap
+    python tools/bench_gpu.py --size qwen3-1.7b --gpu-memory 2GiB --new-tokens 16
+    python tools/bench_gpu.py --smoke                            # tiny model, any machine: the code paths
+
+Without CUDA (or with --smoke) it runs the tiny model on the CPU with a placeholder profile and
+leaves Accelerate out: a check that the script works, not a benchmark.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as `python tools/bench_gpu.py`
+    sys.path.insert(0, str(REPO))
+
+from executor.engine import Engine  # noqa: E402
+from executor.loader import load_model  # noqa: E402
+from executor.model_config import ModelConfig  # noqa: E402
+from executor.plan_io import placement_for  # noqa: E402
+from executor.report import Recorder, kernel_isa  # noqa: E402
+from executor.sampling import SamplingParams, StopCriteria  # noqa: E402
+from planner.cost import weight_read_bytes  # noqa: E402
+from planner.machine import load_machine, save_machine  # noqa: E402
+from planner.planning import make_plan, workload_for  # noqa: E402
+from planner.profile import placeholder_machine, profile_machine, stderr_progress  # noqa: E402
+from planner.units import GIB, fmt_bytes, parse_bytes  # noqa: E402
+from tools.make_model import make_model  # noqa: E402
+
+
+def prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, min(vocab, 30000), (n,), generator=g).tolist()
+
+
+def run_helm(model_dir: Path, plan, config: ModelConfig, ids: list[int], new_tokens: int) -> dict:
+    """One greedy request on the plan's split: TTFT, decode tok/s, per-stage measured vs predicted."""
+    placement = placement_for(plan, config)
+    t0 = time.perf_counter()
+    model = load_model(model_dir, placement, config)
+    load_s = time.perf_counter() - t0
+    recorder = Recorder(plan, "bench", config.architecture, kernel_isa(model))
+    engine = Engine(model, eos_token_ids=())
+    stop = StopCriteria(max_new_tokens=new_tokens, ignore_eos=True)
+    engine.generate([ids[:8]], SamplingParams(), StopCriteria(max_new_tokens=2, ignore_eos=True))  # warm-up
+    seq = engine.add_request(ids, SamplingParams(), stop)
+    recorded = None
+    while engine.has_work():
+        engine.step()
+        if engine.last_step is not recorded:
+            recorded = engine.last_step
+            recorder.record_step(recorded)
+    rows = [{"stage": r.stage, "device": r.device, "phase": r.phase, "steps": r.samples,
+             "measured_ms": round(r.measured_mean_ms, 3), "predicted_ms": round(r.predicted_ms, 3),
+             "error_pct": round(r.error_pct, 1)} for r in recorder.report().rows]
+    decode_ms = 1e3 / seq.decode_tokens_per_s if seq.decode_tokens_per_s else float("nan")
+    del engine, model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"split_k": plan.partition.split_k, "load_s": round(load_s, 1), "ttft_ms": round(seq.ttft_ms, 1),
+            "decode_tok_s": round(seq.decode_tokens_per_s or 0.0, 3), "decode_ms_per_token": round(decode_ms, 3),
+            "predicted_ms_per_token": plan.prediction.ms_per_token, "stages": rows}
+
+
+def run_accelerate(model_dir: Path, ids: list[int], new_tokens: int, gpu_memory: int) -> dict:
+    """The same request through transformers with Accelerate's device_map="auto" under the cap."""
+    from transformers import AutoModelForCausalLM
+
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, torch_dtype=torch.bfloat16, device_map="auto",
+        max_memory={0: gpu_memory, "cpu": 512 * GIB})
+    load_s = time.perf_counter() - t0
+    x = torch.tensor([ids], device="cuda")
+    with torch.no_grad():
+        model.generate(x[:, :8], max_new_tokens=2, do_sample=False)  # warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(x, max_new_tokens=1, do_sample=False, min_new_tokens=1)
+        torch.cuda.synchronize()
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        model.generate(x, max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens)
+        torch.cuda.synchronize()
+        total = time.perf_counter() - t0
+    on_gpu = sum(1 for d in model.hf_device_map.values() if d not in ("cpu", "disk"))
+    del model
+    torch.cuda.empty_cache()
+    decode_s = max(1e-9, total - ttft) / max(1, new_tokens - 1)
+    return {"load_s": round(load_s, 1), "ttft_ms": round(1e3 * ttft, 1), "decode_tok_s": round(1 / decode_s, 3),
+            "decode_ms_per_token": round(1e3 * decode_s, 3), "modules_on_gpu": on_gpu}
+
+
+def hbm_roofline_ms(plan, context: int) -> float:
+    """Bytes one decode step reads on the GPU (weights + KV at `context`) over the profiled HBM
+    bandwidth: the floor a batch-1 step cannot beat."""
+    units = plan.ir.units[plan.partition.split_k:]
+    nbytes = sum(weight_read_bytes(u, 1) + u.kv_bytes_per_token * context for u in units)
+    return 1e3 * nbytes / (plan.machine.gpu.hbm_gibps * GIB)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size", default="qwen3-8b", help="a tools/model_configs preset (default qwen3-8b)")
+    p.add_argument("--gpu-memory", default="8GiB", help="the cap of run 1 (default 8GiB)")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--context", type=int, default=1024, help="run 2's context: prompt + new tokens reach it")
+    p.add_argument("--work", default="/tmp/helm-bench-gpu", help="checkpoint and profile go here (reused)")
+    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--smoke", action="store_true", help="tiny model, placeholder profile, no Accelerate")
+    p.add_argument("--skip-accelerate", action="store_true")
+    args = p.parse_args(argv)
+    smoke = args.smoke or not torch.cuda.is_available()
+    size = "tiny" if smoke else args.size
+    work = Path(args.work)
+    model_dir = work / f"{size}-bf16"
+    if not (model_dir / "config.json").is_file():
+        print(f"bench_gpu: writing a random-weight {size} checkpoint to {model_dir}", file=sys.stderr)
+        make_model(None if size != "tiny" else "qwen3", size, "bf16", seed=0, out=model_dir, force=True)
+    config = ModelConfig.from_dir(model_dir)
+    machine_file = work / "machine.yaml"
+    if smoke:
+        machine = placeholder_machine()
+    elif machine_file.is_file():
+        machine = load_machine(machine_file)
+    else:
+        machine = profile_machine(quick=True, progress=stderr_progress())
+        save_machine(machine, machine_file)
+    cap = parse_bytes(args.gpu_memory)
+    ids = prompt(args.prompt_tokens, config.vocab_size)
+    workload = workload_for(args.prompt_tokens, args.new_tokens)
+    results: dict = {"model": size, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                     "gpu_memory_cap": fmt_bytes(cap), "prompt_tokens": args.prompt_tokens,
+                     "new_tokens": args.new_tokens, "smoke": smoke}
+
+    # 1. capped: HELM's plan against Accelerate
+    capped = make_plan(model_dir, machine, workload=workload, gpu_memory_bytes=min(cap, machine.gpu.vram_total_bytes))
+    results["capped"] = {"helm": run_helm(model_dir, capped, config, ids, args.new_tokens)}
+    if not smoke and not args.skip_accelerate:
+        results["capped"]["accelerate"] = run_accelerate(model_dir, ids, args.new_tokens, cap)
+        acc, helm = results["capped"]["accelerate"], results["capped"]["helm"]
+        results["capped"]["decode_speedup"] = round(helm["decode_tok_s"] / acc["decode_tok_s"], 2)
+
+    # 2. all on the GPU, at the context
+    long_ids = prompt(max(1, args.context - args.new_tokens), config.vocab_size, seed=1)
+    all_gpu = make_plan(model_dir, machine, workload=workload_for(len(long_ids), args.new_tokens), split_k=0,
+                        allow_infeasible=True)
+    run = run_helm(model_dir, all_gpu, config, long_ids, args.new_tokens)
+    roofline = hbm_roofline_ms(all_gpu, args.context) if all_gpu.machine.gpu else float("nan")
+    run["hbm_roofline_ms"] = round(roofline, 3)
+    run["over_roofline"] = round(run["decode_ms_per_token"] / roofline, 2) if roofline == roofline else None
+    results["all_gpu"] = run
+
+    text = json.dumps(results, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    c = results["capped"]
+    print(f"\ncapped at {fmt_bytes(cap)}: HELM k={c['helm']['split_k']} {c['helm']['decode_tok_s']} tok/s (predicted "
+          f"{c['helm']['predicted_ms_per_token']} ms/token, measured {c['helm']['decode_ms_per_token']})"
+          + (f"; Accelerate {c['accelerate']['decode_tok_s']} tok/s: {c['decode_speedup']}x" if "accelerate" in c
+             else "") + f"\nall-GPU at context {args.context}: {run['decode_ms_per_token']} ms/token, HBM roofline "
+          f"{run['hbm_roofline_ms']} ms ({run['over_roofline']}x)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
