@@ -27,13 +27,16 @@ def streaming_attention(
     chunks: Iterable[KVChunk],
     scale: float,
     q_positions: torch.Tensor | None = None,
+    first_query: int | None = None,
 ) -> torch.Tensor:
     """Attention of q over KV chunks visited in order.
 
     q: [T, H_q, D] (any float dtype; math in fp32). Query heads are grouped over KV heads as in
     GQA: query head h reads KV head h // (H_q / H_kv).
     q_positions: [T] absolute positions of the queries for causal masking (a key at position p
-    is visible to a query at position >= p); None means every key is visible.
+    is visible to a query at position >= p); None means every key is visible. first_query: the
+    earliest of those positions, known on the host, so chunks wholly before it skip the mask
+    without asking the device (None: every chunk is masked).
     Returns [T, H_q, D] fp32.
     """
     T, h_q, _ = q.shape
@@ -43,14 +46,14 @@ def streaming_attention(
         raise ValueError("attention over an empty KV sequence")
     second = next(chunks, None)
     if second is None:  # the whole sequence is one page: plain softmax, fewer ops
-        return _one_chunk(q, first, scale, q_positions)
+        return _one_chunk(q, first, scale, q_positions, first_query)
     h_kv = first[0].shape[0]
     group = h_q // h_kv
     qg = _grouped(q, h_kv)  # [H_kv, group*T, D]
     m = s = o = None
     for k, v, start in itertools.chain((first, second), chunks):
         scores = torch.matmul(qg, k.float().transpose(1, 2)) * scale  # [H_kv, group*T, n]
-        scores = _mask_future(scores, q_positions, start, group)
+        scores = _mask_future(scores, q_positions, start, group, first_query)
         chunk_max = scores.amax(dim=-1, keepdim=True)  # [H_kv, group*T, 1]
         if m is None:
             m_new = chunk_max
@@ -81,24 +84,25 @@ def _ungrouped(out: torch.Tensor, T: int, h_q: int) -> torch.Tensor:
     return out.reshape(h_q, T, out.shape[-1]).permute(1, 0, 2)
 
 
-def _mask_future(scores: torch.Tensor, q_positions: torch.Tensor | None, start: int, group: int) -> torch.Tensor:
-    """-inf where a key (at start + column) lies after the query's position."""
-    if q_positions is None:
-        return scores
+def _mask_future(scores: torch.Tensor, q_positions: torch.Tensor | None, start: int, group: int,
+                 first_query: int | None) -> torch.Tensor:
+    """-inf where a key (at start + column) lies after the query's position. Decided on the host
+    (no device sync): a chunk whose last key is at or before the first query needs no mask."""
     n = scores.shape[-1]
+    if q_positions is None or (first_query is not None and start + n - 1 <= first_query):
+        return scores
     key_pos = torch.arange(start, start + n, device=q_positions.device)
     hidden = key_pos[None, :] > q_positions[:, None]  # [T, n]
-    if not bool(hidden.any()):
-        return scores
     return scores.masked_fill(hidden.repeat(group, 1)[None], float("-inf"))
 
 
-def _one_chunk(q: torch.Tensor, chunk: KVChunk, scale: float, q_positions: torch.Tensor | None) -> torch.Tensor:
+def _one_chunk(q: torch.Tensor, chunk: KVChunk, scale: float, q_positions: torch.Tensor | None,
+               first_query: int | None = None) -> torch.Tensor:
     k, v, start = chunk
     T, h_q, _ = q.shape
     group = h_q // k.shape[0]
     scores = torch.matmul(_grouped(q, k.shape[0]), k.float().transpose(1, 2)) * scale  # [H_kv, group*T, n]
-    probs = torch.softmax(_mask_future(scores, q_positions, start, group), dim=-1)
+    probs = torch.softmax(_mask_future(scores, q_positions, start, group, first_query), dim=-1)
     return _ungrouped(torch.matmul(probs, v.float()), T, h_q)
 
 
@@ -131,5 +135,6 @@ class TorchAttention:
             end = s.start + s.count
             # Decode (one query at the newest position) needs no mask: every cached key is visible.
             q_pos = positions[rows] if s.count > 1 else None
-            out[rows] = streaming_attention(q[rows], self.kv.chunks(layer, s.seq_id, end), self.scale, q_pos)
+            out[rows] = streaming_attention(q[rows], self.kv.chunks(layer, s.seq_id, end), self.scale, q_pos,
+                                            first_query=s.start)
         return out.reshape(T, cfg.q_dim)

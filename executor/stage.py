@@ -58,7 +58,7 @@ class Stage:
         self.inv_freq = inverse_frequencies(config.rope, config.head_dim).to(self.device)
         self.attention = self.ops.attention(config, kv) if blocks else None
         self.fused = self.ops.fused_blocks(config, blocks, kv, self.attention) if blocks else None  # None: op by op
-        self._pinned: torch.Tensor | None = None  # staging buffer for CPU → CUDA hand-off
+        self._pinned: dict[str, torch.Tensor] = {}  # staging buffers of CPU → CUDA copies, by what they carry
 
     def __repr__(self) -> str:
         return f"Stage(units {self.unit_start}..{self.unit_end - 1} on {self.device}, backend={self.backend})"
@@ -72,7 +72,7 @@ class Stage:
         if self.blocks:
             for s in batch.slices:
                 self.kv.reserve(s.seq_id, s.start + s.count)
-            positions = batch.positions.to(self.device)
+            positions = self._to_device(batch.positions, "positions")
             cos, sin = rotary_tables(self.inv_freq, positions)
             if self.fused is not None and self.fused.accepts(batch):
                 x = self.fused(x, batch, cos, sin)
@@ -82,18 +82,24 @@ class Stage:
             for s in batch.slices:
                 self.kv.mark_written(s.seq_id, s.start, s.count)
         if self.head is not None:
-            x = x[batch.logit_rows.to(self.device)]
+            x = x[self._to_device(batch.logit_rows, "logit_rows")]
             x = self.head.lm_head(self.ops.rms_norm(x, self.head.norm, self.config.rms_norm_eps))
         return x
 
     def _receive(self, x: torch.Tensor) -> torch.Tensor:
+        return self._to_device(x, "hidden")
+
+    def _to_device(self, x: torch.Tensor, what: str) -> torch.Tensor:
+        """x on this stage's device. From host memory to CUDA it goes through a reused pinned buffer,
+        so the copy is asynchronous and the host does not wait for it (a pageable source would make
+        it wait). Reuse is safe: every step ends by reading the logits back, after every copy."""
         if x.device == self.device:
             return x
         if self.device.type == "cuda" and x.device.type == "cpu":
-            # Stage the hidden state in a reused pinned buffer so the copy is asynchronous.
-            if self._pinned is None or self._pinned.numel() < x.numel():
-                self._pinned = torch.empty(x.numel(), dtype=x.dtype, pin_memory=True)
-            staged = self._pinned[: x.numel()].view_as(x)
+            buf = self._pinned.get(what)
+            if buf is None or buf.numel() < x.numel() or buf.dtype != x.dtype:
+                buf = self._pinned[what] = torch.empty(max(x.numel(), 1024), dtype=x.dtype, pin_memory=True)
+            staged = buf[: x.numel()].view_as(x)
             staged.copy_(x)
             return staged.to(self.device, non_blocking=True)
         return x.to(self.device)
