@@ -12,10 +12,12 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/helm-gpu-out}
 mkdir -p "$OUT"
 {
-    python -m pip install -q --no-index --no-deps gpu_carry/wheels/*.whl
-    python setup.py -q build_ext --inplace
-    python -m pip install -q --no-deps --no-build-isolation -e .
+    python -m pip install -q --no-index --no-deps gpu_carry/wheels/*.whl && python setup.py -q build_ext --inplace
 } > "$OUT/setup.txt" 2>&1 || { tail -40 "$OUT/setup.txt"; exit 1; }
+# The project itself, without dependencies; where even that cannot build offline, the checkout
+# on the path serves (the console scripts are then `python -m planner` / `python -m executor.cli`).
+python -m pip install -q --no-deps --no-build-isolation -e . >> "$OUT/setup.txt" 2>&1 \
+    || { echo "pip install -e . failed (see setup.txt): using PYTHONPATH"; export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python -c "import torch, executor.kernels as k; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'kernels', k.KERNEL_ISA)" | tee -a "$OUT/gpu.txt"
 python -m pytest -q -p no:cacheprovider tests/executor/test_cuda.py 2>&1 | tee "$OUT/cuda_tests.txt" | tail -30
