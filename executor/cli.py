@@ -223,14 +223,12 @@ def _generate(args) -> int:
         "cpu_threads": placement.cpu_threads or _torch_threads(),
         "stages": [repr(s) for s in model.stages],
     }
-    if recorder is not None:
-        report = recorder.report()
+    report = recorder.report() if recorder is not None else None
+    if report is not None:
         summary["measured_vs_predicted"] = [
             {"stage": r.stage, "device": r.device, "phase": r.phase, "context": [r.context_min, r.context_max],
              "steps": r.samples, "measured_ms": r.measured_mean_ms, "predicted_ms": r.predicted_ms,
              "error_pct": r.error_pct} for r in report.rows]
-        if args.report:
-            report.write(args.report)
     if args.json:
         print(json.dumps(summary))
     else:
@@ -244,6 +242,11 @@ def _generate(args) -> int:
             print(f"[stage {r['stage']} {r['device']} {r['phase']} context {r['context'][0]}-{r['context'][1]}: "
                   f"{r['steps']} steps, measured {r['measured_ms']:.3f} ms, plan predicted {r['predicted_ms']:.3f} ms "
                   f"({r['error_pct']:+.0f}%)]", file=sys.stderr)
+    if args.report:   # after the summary: a file that cannot be written loses nothing else
+        try:
+            report.write(args.report)
+        except (OSError, ValueError) as e:
+            raise RequestError(f"cannot write --report {args.report}: {getattr(e, 'strerror', None) or e}") from None
     return 0
 
 

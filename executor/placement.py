@@ -91,7 +91,8 @@ class Placement:
             raise PlacementError(f"device KV pages must be >= 1, got {self.device_kv_pages}")
         if self.context_tokens is not None and self.context_tokens < 2:
             raise PlacementError(f"the context must hold at least 2 tokens, got {self.context_tokens}")
-        if (self.kv_sequences is None) != (self.context_tokens is None) or (self.kv_sequences or 1) < 1:
+        if (self.kv_sequences is None) != (self.context_tokens is None) or \
+                (self.kv_sequences is not None and self.kv_sequences < 1):
             raise PlacementError("a KV budget needs both a batch of at least 1 sequence and a context")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise PlacementError(f"CPU threads must be >= 1, got {self.cpu_threads}")

@@ -64,9 +64,6 @@ def placement_for(plan, config: ModelConfig, page_size_tokens: int | None = None
     """The stages and KV settings of a checked plan; CPU threads: `cpu_threads` if given, else the
     cores the plan's machine profile measured with (its bandwidth figures assume that many)."""
     kv = plan.kv
-    if device_kv_pages is None and kv.offload:
-        # Offload on: the GPU stage holds this many pages in VRAM and evicts the rest to the host.
-        device_kv_pages = kv.device_pages or None
     placement = Placement(
         stages=tuple(StageSpec(s.device, s.unit_start, s.unit_end) for s in plan.partition.stages),
         num_units=plan.partition.num_units,
@@ -77,7 +74,13 @@ def placement_for(plan, config: ModelConfig, page_size_tokens: int | None = None
         kernel_choice=kernel_choice_of(plan),
     )
     placement.validate()
-    return fit_page_size(placement, config).with_threads(cpu_threads or plan.machine.cpu.cores)
+    placement = fit_page_size(placement, config)
+    if device_kv_pages is None and kv.offload and kv.device_pages:
+        # Offload on: the GPU stage holds in VRAM the tokens the plan's device pages hold, in this
+        # placement's pages (a --page-size override or a page cut to the context), the rest on the host.
+        planned_tokens = kv.device_pages * kv.page_size_tokens
+        placement = replace(placement, device_kv_pages=max(1, planned_tokens // placement.page_size_tokens))
+    return placement.with_threads(cpu_threads or plan.machine.cpu.cores)
 
 
 def fit_page_size(placement: Placement, config: ModelConfig) -> Placement:
@@ -109,9 +112,17 @@ def check_host_kv_fits(placement: Placement, config: ModelConfig, sequences: int
     what = (f"the plan's KV budget of {pages} pages (its batch x context)" if budget is not None
             else f"{sequences} sequences' first pages")
     token_bytes = 2 * config.num_kv_heads * config.head_dim * torch.empty((), dtype=config.dtype).element_size()
-    host_layers = sum(len(range(max(s.unit_start, 1), min(s.unit_end, config.num_layers + 1)))
-                      for s in placement.stages if resolve_device(s.device).type == "cpu")
-    need = pages * placement.page_size_tokens * host_layers * token_bytes
+
+    def layers(on: str) -> int:
+        return sum(len(range(max(s.unit_start, 1), min(s.unit_end, config.num_layers + 1)))
+                   for s in placement.stages if resolve_device(s.device).type == on)
+
+    # Stages on the host hold every page there; a CUDA stage with KV offload parks the pages beyond
+    # its device pages in pinned host memory (loader.kv_pools).
+    parked = 0
+    if budget is not None and placement.device_kv_pages is not None:
+        parked = max(0, budget - placement.device_kv_pages) * layers("cuda")
+    need = (pages * layers("cpu") + parked) * placement.page_size_tokens * token_bytes
     if need > available:
         raise PlacementError(
             f"KV pages of {placement.page_size_tokens} tokens: {what} need {need / 2**30:.2f} GiB of host "

@@ -186,7 +186,6 @@ class MachineProfile:
 
 
 def machine_from_dict(data: dict, what: str = "machine profile") -> MachineProfile:
-
     data = complete_profile(data, what)
     validate(data, "machine", what)
     machine = from_dict(MachineProfile, data)
@@ -359,7 +358,6 @@ def load_machine(path_or_text: str | Path) -> MachineProfile:
 
 
 def machine_to_yaml(machine: MachineProfile) -> str:
-
     header = [f"HELM machine profile: {machine.name} ({machine.source})"]
     if machine.notes:
         header.append(machine.notes)
@@ -367,7 +365,6 @@ def machine_to_yaml(machine: MachineProfile) -> str:
 
 
 def save_machine(machine: MachineProfile, path: str | Path) -> None:
-
     validate(to_dict(machine), "machine", "machine profile")
     Path(path).write_text(machine_to_yaml(machine))
 

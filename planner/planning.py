@@ -290,6 +290,8 @@ def _check_workload(w: Workload) -> None:
         raise PlanError(f"--max-new-tokens must be >= 0, got {w.max_new_tokens}")
     if w.batch_size < 1:
         raise PlanError(f"--batch-size must be at least 1, got {w.batch_size}")
+    if w.context_tokens < 2:
+        raise PlanError(f"--context {w.context_tokens}: a sequence needs room for a prompt token and a new one (>= 2)")
     if w.context_tokens < w.prompt_tokens + w.max_new_tokens:
         raise PlanError(f"--context {w.context_tokens} is shorter than prompt + new tokens "
                         f"({w.prompt_tokens} + {w.max_new_tokens})")

@@ -147,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     cap = parse_bytes(args.gpu_memory)
     ids = prompt(args.prompt_tokens, config.vocab_size)
     workload = workload_for(args.prompt_tokens, args.new_tokens)
+    def save() -> None:   # after every run: a run cut off by a time limit keeps what finished
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+
     results: dict = {"model": size, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
                      "gpu_memory_cap": fmt_bytes(cap), "prompt_tokens": args.prompt_tokens,
                      "new_tokens": args.new_tokens, "smoke": smoke}
@@ -154,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     # 1. capped: HELM's plan against Accelerate
     capped = make_plan(model_dir, machine, workload=workload, gpu_memory_bytes=min(cap, machine.gpu.vram_total_bytes))
     results["capped"] = {"helm": run_helm(model_dir, capped, config, ids, args.new_tokens)}
+    save()
     if not smoke and not args.skip_accelerate:
         results["capped"]["accelerate"] = run_accelerate(model_dir, ids, args.new_tokens, cap)
         acc, helm = results["capped"]["accelerate"], results["capped"]["helm"]
@@ -169,10 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     run["over_roofline"] = round(run["decode_ms_per_token"] / roofline, 2) if roofline == roofline else None
     results["all_gpu"] = run
 
-    text = json.dumps(results, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    save()
+    print(json.dumps(results, indent=1))
     c = results["capped"]
     print(f"\ncapped at {fmt_bytes(cap)}: HELM k={c['helm']['split_k']} {c['helm']['decode_tok_s']} tok/s (predicted "
           f"{c['helm']['predicted_ms_per_token']} ms/token, measured {c['helm']['decode_ms_per_token']})"

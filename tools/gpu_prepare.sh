@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -f .venv/bin/activate ]; then . .venv/bin/activate; fi
 ver() { python -c "import importlib.metadata as m; print(m.version('$1'))"; }
-test -f executor/pb/executor_pb2.py || python setup.py -q build_py   # generates executor/pb/
+python setup.py -q build_py   # regenerates executor/pb/ from protos/ (never a stale copy)
 out=gpu_carry/wheels
 rm -rf "$out" && mkdir -p "$out"
 pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -1,26 +1,33 @@
 #!/usr/bin/env bash
 # Run on a lent GPU machine (no package registry), from the repository root, with gpu_carry/ and
-# executor/pb/ carried (tools/gpu_prepare.sh made them): install the carried wheels offline, build
-# the CPU kernels in place, install the project without dependencies, then the CUDA tests and the
-# GPU benchmark. Everything it reports goes to $OUT (the device tool's output folder).
+# executor/pb/ carried (tools/gpu_prepare.sh made them): install the carried wheels offline and the
+# project without dependencies (the CPU kernels build with it), then the CUDA tests and/or the GPU
+# benchmark. What it reports goes to $OUT (the device tool's output folder). Each part fits in one
+# 10-minute call:
 #
-#   bash tools/gpu_run.sh                       # CUDA tests + tools/bench_gpu.py (Qwen3-8B dims, 8 GiB cap)
-#   bash tools/gpu_run.sh --skip-accelerate     # arguments go to bench_gpu.py
-#   HELM_GPU_TESTS_ONLY=1 bash tools/gpu_run.sh
+#   bash tools/gpu_run.sh tests                    # the CUDA tests
+#   bash tools/gpu_run.sh bench [bench_gpu args]   # tools/bench_gpu.py (Qwen3-8B dims, 8 GiB cap)
+#   bash tools/gpu_run.sh all                      # both (default)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/helm-gpu-out}
 mkdir -p "$OUT"
-{
-    python -m pip install -q --no-index --no-deps gpu_carry/wheels/*.whl && python setup.py -q build_ext --inplace
-} > "$OUT/setup.txt" 2>&1 || { tail -40 "$OUT/setup.txt"; exit 1; }
-# The project itself, without dependencies; where even that cannot build offline, the checkout
-# on the path serves (the console scripts are then `python -m planner` / `python -m executor.cli`).
-python -m pip install -q --no-deps --no-build-isolation -e . >> "$OUT/setup.txt" 2>&1 \
-    || { echo "pip install -e . failed (see setup.txt): using PYTHONPATH"; export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"; }
+what=${1:-all}
+[ $# -gt 0 ] && shift
+python -m pip install -q --no-index --no-deps gpu_carry/wheels/*.whl > "$OUT/setup.txt" 2>&1 \
+    || { tail -40 "$OUT/setup.txt"; exit 1; }
+# The project, without dependencies (its build compiles the kernels in place); where even that
+# cannot build offline, the kernels are built in place and the checkout goes on the path.
+if ! python -m pip install -q --no-deps --no-build-isolation -e . >> "$OUT/setup.txt" 2>&1; then
+    echo "pip install -e . failed (see setup.txt): building the kernels in place, using PYTHONPATH"
+    python setup.py -q build_ext --inplace >> "$OUT/setup.txt" 2>&1 || { tail -40 "$OUT/setup.txt"; exit 1; }
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python -c "import torch, executor.kernels as k; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'kernels', k.KERNEL_ISA)" | tee -a "$OUT/gpu.txt"
-python -m pytest -q -p no:cacheprovider tests/executor/test_cuda.py 2>&1 | tee "$OUT/cuda_tests.txt" | tail -30
-if [ -z "${HELM_GPU_TESTS_ONLY:-}" ]; then
+if [ "$what" = tests ] || [ "$what" = all ]; then
+    python -m pytest -q -p no:cacheprovider tests/executor/test_cuda.py 2>&1 | tee "$OUT/cuda_tests.txt" | tail -30
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
     python tools/bench_gpu.py --out "$OUT/bench_gpu.json" "$@" 2>&1 | tee "$OUT/bench_gpu.txt" | tail -40
 fi

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -12,8 +13,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from executor.errors import CredentialError
 from executor.pb import executor_pb2 as pb, executor_pb2_grpc as pb_grpc
 from executor.server.auth import BearerToken, ClientAuth, is_loopback
-from executor.server.messages import GenerateSpec
 from planner.report import Report
+
+if TYPE_CHECKING:  # the messages import torch; a client (helm-plan's among them) does not need it
+    from executor.server.messages import GenerateSpec
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 

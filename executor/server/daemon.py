@@ -188,7 +188,8 @@ class Daemon:
     def _warm_up(self, engine: Engine) -> None:
         """One short generation before the plan takes requests (first-call allocations, kernels)."""
         vocab = self.config.vocab_size
-        prompt = [min(i + 1, vocab - 1) for i in range(WARMUP_PROMPT_TOKENS)]
+        length = max(1, min(WARMUP_PROMPT_TOKENS, engine.context_limit - 1))   # a prompt the plan's context holds
+        prompt = [min(i + 1, vocab - 1) for i in range(length)]
         seq, = engine.generate([prompt], SamplingParams(), StopCriteria(max_new_tokens=WARMUP_NEW_TOKENS,
                                                                          ignore_eos=True))
         if seq.finish_reason == "error":  # the engine isolates a request's failure; here it fails the plan
@@ -222,11 +223,12 @@ class Daemon:
         if any(t >= self.config.vocab_size for t in spec.stop.stop_token_ids):
             raise RequestError(f"stop token ids must be in [0, {self.config.vocab_size})")
         prompt = self._prompt_ids(spec)
-        if len(prompt) + spec.stop.max_new_tokens > self.context_tokens:
-            raise RequestError(
-                f"prompt ({len(prompt)} tokens) + max_new_tokens ({spec.stop.max_new_tokens}) exceeds the "
-                f"context of {self.context_tokens} tokens")
         with self._lock:
+            serving = self._serving   # checked against the plan it is submitted to, even across a LoadPlan
+            if len(prompt) + spec.stop.max_new_tokens > serving.context_tokens:
+                raise RequestError(
+                    f"prompt ({len(prompt)} tokens) + max_new_tokens ({spec.stop.max_new_tokens}) exceeds the "
+                    f"plan's context of {serving.context_tokens} tokens")
             if self.state == "draining":
                 raise ShuttingDownError("the daemon is shutting down: not accepting new requests")
             if len(self._active) >= self.max_batch + self.max_queue:
@@ -236,7 +238,6 @@ class Daemon:
             if request_id in self._client_ids:
                 raise RequestError(f"request_id {request_id!r} is already in flight")
             key = f"{request_id}#{next(self._keys)}"  # the engine's id: unique even when a client reuses one
-            serving = self._serving
             events = serving.worker.submit(Submission(key, prompt, spec.sampling, spec.stop))
             self._active[key] = serving.worker
             self._client_ids[request_id] = key
@@ -284,7 +285,6 @@ class Daemon:
         return len(self._active)
 
     def info(self) -> ServerInfo:
-
         with self._lock:
             serving = self._serving
             self._retired = [w for w in self._retired if w.alive]
@@ -299,7 +299,8 @@ class Daemon:
         return ServerInfo(
             state=self.state, architecture=cfg.architecture, model_dir=str(self.model_dir),
             dtype=str(cfg.dtype).removeprefix("torch."), num_layers=cfg.num_layers, vocab_size=cfg.vocab_size,
-            context_tokens=self.context_tokens, has_tokenizer=self.tokenizer is not None,
+            context_tokens=serving.context_tokens if serving else cfg.max_position_embeddings,
+            has_tokenizer=self.tokenizer is not None,
             plan=serving.summary if serving else None, stages=stages,
             kernel_isa=serving.kernel_isa if serving else "", waiting=waiting, running=running,
             max_batch=self.max_batch, max_queue=self.max_queue, on_previous_plans=on_previous,

@@ -144,7 +144,6 @@ def security_of(args):
 
 
 def serve(args) -> int:
-
     configure_logging(args.verbose)
     if args.threads is not None and args.threads < 1:
         log.error("cannot start", extra={"fields": {"error": f"--threads must be >= 1, got {args.threads}"}})

@@ -175,6 +175,10 @@ def test_offline_generate_measures_against_its_plan(checkpoint, capsys, tmp_path
     assert report.steps == 6 and report.plan.split_k == 3
     expect_error(capsys, ["--model", str(path), "--prompt-ids", "11", "--split", "3", "--report", str(report_file)],
                  "--report measures against a plan's predictions")
+    code, out, err = run(capsys, "--model", str(path), "--prompt-ids", "11,12", "--max-new-tokens", "2", "--json",
+                         "--plan", str(plan_file), "--report", str(tmp_path / "no" / "dir" / "r.json"))
+    assert code == 2 and "cannot write --report" in err and "Traceback" not in err
+    assert json.loads(out)["token_ids"]                           # the run's summary is printed first
 
 
 def test_plan_for_another_model_is_refused(checkpoint, capsys, tmp_path):

@@ -138,3 +138,12 @@ def test_show_names_the_measured_kernels_when_the_profile_has_them(capsys):
     assert f"our kernel up to {bf16['attention_kernel_max_queries']} queries" in line
     code, out, _ = run(capsys, "show", PLAN_8B)
     assert code == 0 and not any(line.startswith("kernels") for line in out.splitlines())
+
+
+def test_the_command_line_answers_without_loading_torch():
+    """helm-plan's parser (its daemon credential flags included) and reading a plan import neither
+    torch nor transformers: `--help`, `show`, `diff` and `validate` stay fast."""
+    code = ("import sys, planner.cli; planner.cli.parser(); import planner.daemon_client, planner.plan; "
+            "planner.plan.load_plan(sys.argv[1]); print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code, str(PLAN_8B)], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr

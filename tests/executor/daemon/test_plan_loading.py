@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from executor.errors import LoadInProgressError, PlacementError, PlanLoadError, PlanNotFoundError
+from executor.errors import LoadInProgressError, PlacementError, PlanLoadError, PlanNotFoundError, RequestError
 from executor.kv_cache import PagePool
 from executor.sampling import SamplingParams, StopCriteria
 from executor.server.daemon import Daemon
@@ -169,5 +169,22 @@ def test_pages_the_host_cannot_hold_for_every_sequence_are_refused(model, plan_d
         monkeypatch.setattr("executor.plan_io.host_memory_available", lambda: need)
         daemon.load_plan(PlanSource(yaml=big))
         assert daemon.plan()[0].digest != before
+    finally:
+        daemon.close()
+
+
+def test_a_plan_with_a_tiny_context_loads_and_bounds_requests(model, plan_dir):
+    """The warm-up fits the plan's context, and a request longer than that context is refused
+    before it starts (the daemon admits by the plan, not by the model's 2048 positions)."""
+    from planner.planning import plan_for_split, workload_for
+
+    tiny = plan_for_split(str(model), 2, page_size_tokens=16, workload=workload_for(2, 1, context_tokens=3))
+    daemon = Daemon(model, max_batch=4, plan_dir=plan_dir)
+    try:
+        daemon.load_plan(PlanSource(yaml=tiny.to_yaml()))
+        assert daemon.info().context_tokens == 3
+        assert tokens_of(daemon, prompt=(11, 12), n=1)
+        with pytest.raises(RequestError, match="exceeds the plan's context of 3 tokens"):
+            tokens_of(daemon, prompt=(11, 12), n=4)
     finally:
         daemon.close()

@@ -1,0 +1,56 @@
+"""A plan's KV budget in the executor: the pages the planner checked, whatever page size runs, and
+the host memory they take counted before loading (issue 11: admission follows the plan)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from executor.errors import PlacementError
+from executor.loader import kv_pools
+from executor.model_config import ModelConfig
+from executor.placement import Placement
+from executor.plan_io import check_host_kv_fits, placement_for
+from planner.planning import plan_for_split, workload_for
+
+
+@pytest.fixture(scope="module")
+def offload_plan(checkpoint):
+    """A split plan with KV offload on: 4 device pages of 16 tokens of a 256-token context."""
+    path = checkpoint("qwen3", "fp32")
+    plan = plan_for_split(str(path), split_k=2, page_size_tokens=16, kv_offload=True,
+                          workload=workload_for(128, 128))
+    kv = replace(plan.kv, device_pages=4, host_pages=plan.kv.pages_per_sequence - 4)
+    return replace(plan, kv=kv), ModelConfig.from_dir(path)
+
+
+def test_a_page_size_override_keeps_the_planned_tokens_on_the_device(offload_plan):
+    plan, config = offload_plan
+    assert plan.kv.page_size_tokens == 16 and plan.workload.context_tokens == 256
+    for page, device_pages in ((16, 4), (64, 1), (4, 16)):
+        placement = placement_for(plan, config, page_size_tokens=page)
+        assert placement.device_kv_pages == device_pages             # 64 tokens of VRAM, as planned
+        assert placement.kv_budget_pages == 256 // page               # one sequence of 256 tokens
+        assert kv_pools(placement, "cuda") == (device_pages, 256 // page - device_pages)
+        assert kv_pools(placement, "cpu") == (256 // page, 0)
+
+
+def test_the_host_check_counts_the_pages_offload_parks_there(offload_plan, monkeypatch):
+    plan, config = offload_plan
+    placement = placement_for(plan, config)
+    token_bytes = 2 * config.num_kv_heads * config.head_dim * 4            # fp32
+    cpu_layers, gpu_layers = 1, config.num_layers - 1                       # split 2: block 0 on the CPU
+    monkeypatch.setattr("executor.plan_io.resolve_device", lambda d: __import__("torch").device(d))  # as with CUDA
+    need = (16 * cpu_layers + 12 * gpu_layers) * 16 * token_bytes           # 16 CPU pages, 12 parked GPU pages
+    with pytest.raises(PlacementError, match="KV budget of 16 pages"):
+        check_host_kv_fits(placement, config, 64, available=need - 1)
+    check_host_kv_fits(placement, config, 64, available=need)
+
+
+def test_a_budget_needs_a_sequence_and_a_context():
+    base = Placement.from_split(6, 3)
+    for bad in (dict(kv_sequences=0, context_tokens=16), dict(kv_sequences=1), dict(context_tokens=16),
+                dict(kv_sequences=1, context_tokens=1)):
+        with pytest.raises(PlacementError):
+            replace(base, **bad).validate()
+    replace(base, kv_sequences=2, context_tokens=16).validate()
