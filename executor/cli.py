@@ -195,15 +195,11 @@ def _generate(args) -> int:
     engine = Engine(model)
     seq = engine.add_request(prompt_ids, sampling, stop)
     recorder = Recorder(plan, args.plan, config.architecture, kernel_isa(model)) if plan is not None else None
+    engine.on_step = recorder.record_step if recorder is not None else None
 
     decoder = IncrementalDecoder(tokenizer) if tokenizer and not args.json else None
-    recorded = None
     while engine.has_work():
-        events = engine.step()
-        if recorder is not None and engine.last_step is not recorded:   # every step, prompt chunks too
-            recorded = engine.last_step
-            recorder.record_step(recorded)
-        for event in events:
+        for event in engine.step():
             if decoder is not None and event.token_id is not None:
                 sys.stdout.write(decoder.push(event.token_id))
                 sys.stdout.flush()

@@ -20,6 +20,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -121,6 +122,8 @@ class Engine:
         self.page_size = placement.page_size_tokens
         self.kv_budget_pages = placement.kv_budget_pages  # None: unbounded (no plan)
         self._kv_pages: dict[object, int] = {}  # the ledger: pages held for each started sequence
+        # Called with every executed step's record (a measurement: executor.report.Recorder.record_step).
+        self.on_step: Callable[[StepRecord], object] | None = None
         self.max_step_tokens = max_step_tokens
         self.prefill_chunk = prefill_chunk
         self.max_running = max_running
@@ -273,6 +276,8 @@ class Engine:
                 clock = clock[0].elapsed_time(clock[1])
             timings.append(StageClock(i, stage.device.type, clock))
         self.last_step = StepRecord.of(batch, tuple(timings))
+        if self.on_step is not None:
+            self.on_step(self.last_step)
         return logits
 
     def _append(self, seq: Sequence, logits: torch.Tensor) -> TokenEvent:

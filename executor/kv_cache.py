@@ -23,8 +23,6 @@ from typing import Iterator
 
 import torch
 
-
-
 # One page of a layer's K/V as attention reads it: K [H_kv, n, D], V [H_kv, n, D], first position.
 KVChunk = tuple[torch.Tensor, torch.Tensor, int]
 

@@ -60,13 +60,10 @@ def run_helm(model_dir: Path, plan, config: ModelConfig, ids: list[int], new_tok
     engine = Engine(model, eos_token_ids=())
     stop = StopCriteria(max_new_tokens=new_tokens, ignore_eos=True)
     engine.generate([ids[:8]], SamplingParams(), StopCriteria(max_new_tokens=2, ignore_eos=True))  # warm-up
+    engine.on_step = recorder.record_step   # after the warm-up
     seq = engine.add_request(ids, SamplingParams(), stop)
-    recorded = None
     while engine.has_work():
         engine.step()
-        if engine.last_step is not recorded:
-            recorded = engine.last_step
-            recorder.record_step(recorded)
     rows = [{"stage": r.stage, "device": r.device, "phase": r.phase, "steps": r.samples,
              "measured_ms": round(r.measured_mean_ms, 3), "predicted_ms": round(r.predicted_ms, 3),
              "error_pct": round(r.error_pct, 1)} for r in recorder.report().rows]

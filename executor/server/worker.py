@@ -89,7 +89,8 @@ class EngineWorker:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._retired = False
-        self._last_record = engine.last_step
+        self._stage_ms: tuple[tuple[float, float], ...] = ()  # the step's (measured, predicted) ms per stage
+        engine.on_step = self._record   # every step from now on (the plan's warm-up is not measured)
         self.snapshot = self._snapshot()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -188,9 +189,10 @@ class EngineWorker:
             self._retired = True
 
     def _step(self) -> None:
+        self._stage_ms = ()
         events = self.engine.step()
         now = time.perf_counter()
-        stage_ms = self._record()
+        stage_ms = self._stage_ms
         for event in events:
             stream = self._streams.get(event.request_id)
             if stream is None:
@@ -204,16 +206,11 @@ class EngineWorker:
                 del self._streams[event.request_id]
                 self._on_end(event.request_id)
 
-    def _record(self) -> tuple[tuple[float, float], ...]:
-        """Pair the step's stage times with the plan's prediction and store them."""
-        record = self.engine.last_step
-        if record is None or record is self._last_record:
-            return ()
-        self._last_record = record
+    def _record(self, record) -> None:
+        """Pair an executed step's stage times with the plan's prediction and store them."""
         predicted = self.recorder.record_step(record)
-        stage_ms = tuple((t.ms, p.ms) for t, p in zip(record.stages, predicted))
-        self._on_step(record.phase, stage_ms)
-        return stage_ms
+        self._stage_ms = tuple((t.ms, p.ms) for t, p in zip(record.stages, predicted))
+        self._on_step(record.phase, self._stage_ms)
 
     def _snapshot(self) -> WorkerSnapshot:
         return WorkerSnapshot(len(self.engine.waiting), len(self.engine.running),
