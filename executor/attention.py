@@ -114,20 +114,26 @@ class TorchAttention:
         self.config, self.kv, self.ops = config, kv, ops
         self.scale = config.head_dim ** -0.5
 
+    def project(self, qkv: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.Tensor):
+        """qkv: [T, (H_q + 2·H_kv)·D] fp32 → q [T, H_q, D], k, v [T, H_kv, D]: q/k RMSNorm (where
+        the model has it) and the rotary embedding applied."""
+        cfg = self.config
+        T = qkv.shape[0]
+        q, k, v = qkv.split((cfg.q_dim, cfg.kv_dim, cfg.kv_dim), dim=-1)
+        q = q.reshape(T, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+        if q_norm is not None:
+            q = self.ops.rms_norm(q, q_norm, cfg.rms_norm_eps)
+            k = self.ops.rms_norm(k, k_norm, cfg.rms_norm_eps)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
     def __call__(self, qkv: torch.Tensor, q_norm, k_norm, layer: int, batch: "StepBatch",
                  positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """qkv: [T, (H_q + 2·H_kv)·D] fp32 → attention output [T, H_q·D] fp32."""
         cfg = self.config
         T = qkv.shape[0]
-        q, k, v = qkv.split((cfg.q_dim, cfg.kv_dim, cfg.kv_dim), dim=-1)
-        q = q.reshape(T, cfg.num_heads, cfg.head_dim)  # [T, H_q, D]
-        k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)  # [T, H_kv, D]
-        v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-        if q_norm is not None:
-            q = self.ops.rms_norm(q, q_norm, cfg.rms_norm_eps)
-            k = self.ops.rms_norm(k, k_norm, cfg.rms_norm_eps)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        q, k, v = self.project(qkv, q_norm, k_norm, cos, sin)
         out = torch.empty_like(q)  # [T, H_q, D]
         for s in batch.slices:
             rows = slice(s.offset, s.offset + s.count)

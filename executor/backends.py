@@ -14,6 +14,8 @@ import torch
 
 from executor import torch_ops
 from executor.attention import TorchAttention
+from executor.device_step import ResidentDecode
+from executor.rope import inverse_frequencies, rotary_tables
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +29,12 @@ class TorchBackend:
     def attention(self, config, kv):
         return TorchAttention(config, kv, self)
 
-    def fused_blocks(self, config, blocks, kv, attention) -> None:
-        return None  # op by op
+    def fused_blocks(self, config, blocks, kv, attention) -> ResidentDecode | None:
+        """The static-shape decode step (CUDA graphs on CUDA) where the device KV pool is a slab;
+        otherwise None: op by op."""
+        if kv is None or kv.device_pool.slab is None:
+            return None
+        return ResidentDecode(config, blocks, kv, attention, self)
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -154,6 +160,7 @@ class FusedBlocks:
         self.stack = kernels.BlockStack(kernel_set, spec, layout, config.num_heads, config.hidden_size,
                                         config.intermediate_size, config.rms_norm_eps, config.head_dim ** -0.5,
                                         num_threads=num_threads)
+        self.inv_freq = inverse_frequencies(config.rope, config.head_dim)
         dtypes = {linear.dtype for b in spec for linear in (b[1], b[4], b[6], b[7])}
         self.max_rows = next((r - 1 for r in range(1, self.MAX_ROWS + 1)
                               if any(kernel_set.path(dt, r) != "gemv" for dt in dtypes)), self.MAX_ROWS)
@@ -162,8 +169,9 @@ class FusedBlocks:
         return batch.num_tokens <= self.max_rows and \
             all(self.attention.uses_kernel(s.count) for s in batch.slices)
 
-    def __call__(self, x: torch.Tensor, batch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, batch) -> torch.Tensor:
         seqs = [(s.offset, s.count, s.start, self.kv.page_table(s.seq_id)) for s in batch.slices]
+        cos, sin = rotary_tables(self.inv_freq, batch.positions)
         return self.stack(x.contiguous(), cos, sin, seqs)
 
 

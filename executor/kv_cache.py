@@ -18,6 +18,7 @@ after weights), not the cache's.
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -36,12 +37,20 @@ class PagePool:
     """Up to `capacity_pages` page buffers on one device (None: bounded only by memory). Freed
     buffers are kept for reuse: all of them when pinned (costly to allocate), up to
     KEEP_FREE_HOST_BYTES of ordinary host memory, none on a GPU (PyTorch's caching allocator
-    already reuses those)."""
+    already reuses those).
+
+    slab: the pages are slots of one buffer allocated up front, `capacity_pages` + 1 pages (the
+    last, `scratch_slot`, is written by padded rows of a static-shape step and never handed
+    out). A page then has a fixed slot index (`slot_of`), so a step can address pages by index
+    from a device tensor (executor/device_step.py: CUDA graphs), and the planned VRAM is taken
+    at load, where a plan that does not fit fails, never mid-request."""
 
     def __init__(self, device: torch.device, page_shape: tuple[int, ...], dtype: torch.dtype,
-                 capacity_pages: int | None, pin_memory: bool = False):
+                 capacity_pages: int | None, pin_memory: bool = False, slab: bool = False):
         if capacity_pages is not None and capacity_pages < 0:
             raise ValueError(f"capacity_pages must be >= 0, got {capacity_pages}")
+        if slab and capacity_pages is None:
+            raise ValueError("a slab pool needs a capacity")
         self.device = torch.device(device)
         self.page_shape = page_shape
         self.dtype = dtype
@@ -51,6 +60,17 @@ class PagePool:
         self._free: list[torch.Tensor] = []
         self.keep_free = (capacity_pages or 1 << 30) if self.pin_memory else \
             max(1, KEEP_FREE_HOST_BYTES // self.page_bytes) if self.device.type == "cpu" else 0
+        self._locked: list[torch.Tensor] = []  # every pinned page, kept (and kept registered) while the pool lives
+        if self.pin_memory:
+            weakref.finalize(self, unlock, self._locked)
+        self.slab = None
+        if slab:
+            # Zeroed: a static step reads whole pages, masking the slots after a sequence's end,
+            # and a masked slot still enters as 0 · V, which must not be 0 · NaN. Every slot stays
+            # finite after: it only ever holds K/V written by the model.
+            self.slab = torch.zeros((capacity_pages + 1, *page_shape), dtype=dtype, device=self.device)
+            self._free = [self.slab[i] for i in reversed(range(capacity_pages))]  # slot 0 first
+            self.keep_free = capacity_pages
 
     @property
     def page_bytes(self) -> int:
@@ -58,6 +78,15 @@ class PagePool:
         for dim in self.page_shape:
             n *= dim
         return n * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def scratch_slot(self) -> int:
+        """The slab's slot that is never a page (slab pools only)."""
+        return self.capacity_pages
+
+    def slot_of(self, buf: torch.Tensor) -> int:
+        """The slab slot of a page buffer this pool handed out (slab pools only)."""
+        return (buf.data_ptr() - self.slab.data_ptr()) // self.page_bytes
 
     @property
     def full(self) -> bool:
@@ -70,7 +99,10 @@ class PagePool:
         self.used_pages += 1
         if self._free:
             return self._free.pop()
-        return torch.empty(self.page_shape, dtype=self.dtype, device=self.device, pin_memory=self.pin_memory)
+        if self.pin_memory:
+            self._locked.append(page_locked(self.page_shape, self.dtype))
+            return self._locked[-1]
+        return torch.empty(self.page_shape, dtype=self.dtype, device=self.device)
 
     @property
     def free_pages(self) -> int:
@@ -81,6 +113,31 @@ class PagePool:
         self.used_pages -= 1
         if len(self._free) < self.keep_free:
             self._free.append(buf)
+
+
+def page_locked(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A page-locked host tensor of exactly its size. PyTorch's pinned allocator rounds every
+    allocation up to a power of two (a 75 MiB page would take 128 MiB), which would break the
+    plan's host-RAM budget; so the memory is ordinary (exact) host memory registered with the
+    driver. The caller keeps it alive until `unlock` (see PagePool)."""
+    t = torch.empty(shape, dtype=dtype)
+    size = t.numel() * t.element_size()
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), size, 0) if size else 0
+    if int(err) != 0:
+        raise MemoryError(f"could not page-lock {size} bytes of host memory for KV pages (cudaHostRegister "
+                          f"error {int(err)}); the locked-memory limit (ulimit -l) may be too low")
+    return t
+
+
+def unlock(tensors: list[torch.Tensor]) -> None:
+    """Unregister page_locked tensors, then let them go (the memory must not be freed while registered)."""
+    for t in tensors:
+        if t.numel():
+            try:
+                torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+            except Exception:  # interpreter shutdown: the driver is gone, and so is the memory's pinning
+                pass
+    tensors.clear()
 
 
 @dataclass
@@ -112,17 +169,20 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, page_size: int = 512, device_pages: int | None = None,
-                 host_pages: int | None = None):
+                 host_pages: int | None = None, slab: bool | None = None):
         """device_pages: pages on `device` (None: unbounded); host_pages: pages the full device
         pool may evict to, in pinned host memory (None: unbounded; 0: none, a full device pool
-        is out of KV memory). A cache with an unbounded device pool never evicts."""
+        is out of KV memory). A cache with an unbounded device pool never evicts. slab: the
+        device pool is one buffer of fixed page slots (PagePool; None: on CUDA when bounded)."""
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
         self.num_layers, self.num_kv_heads, self.head_dim, self.dtype = num_layers, num_kv_heads, head_dim, dtype
         self.device = torch.device(device)
         shape = (num_layers, 2, num_kv_heads, page_size, head_dim)
-        self.device_pool = PagePool(self.device, shape, dtype, device_pages)
+        if slab is None:
+            slab = self.device.type == "cuda" and device_pages is not None
+        self.device_pool = PagePool(self.device, shape, dtype, device_pages, slab=slab)
         self.host_pool = PagePool(torch.device("cpu"), shape, dtype, host_pages, pin_memory=True) \
             if device_pages is not None and host_pages != 0 else None
         self._seqs: dict[object, SequencePages] = {}
@@ -168,10 +228,26 @@ class KVCache:
             slot = pos % self.page_size
             take = min(n - done, self.page_size - slot)
             dst = page.data[layer]  # [2, H_kv, P, D]
-            dst[0, :, slot:slot + take].copy_(k[done:done + take].transpose(0, 1), non_blocking=True)
-            dst[1, :, slot:slot + take].copy_(v[done:done + take].transpose(0, 1), non_blocking=True)
+            if page.on_device or k.device == dst.device:
+                dst[0, :, slot:slot + take].copy_(k[done:done + take].transpose(0, 1), non_blocking=True)
+                dst[1, :, slot:slot + take].copy_(v[done:done + take].transpose(0, 1), non_blocking=True)
+            else:
+                self._write_host_page(dst, slot, k[done:done + take], v[done:done + take])
             done += take
         self.mark_written(seq_id, start, n)
+
+    @staticmethod
+    def _write_host_page(dst: torch.Tensor, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """K/V [n, H_kv, D] on the GPU into slots slot.. of a pinned host page's layer slice dst
+        [2, H_kv, P, D]. One copy into that strided slice would convert the dtype through pageable
+        memory and block the host; so the slab is made contiguous in the page's dtype on the
+        GPU and each head's run of slots (contiguous in the page) is copied asynchronously, on
+        the compute stream (a later prefetch of the page waits for it)."""
+        n = k.shape[0]
+        src = torch.stack((k, v)).transpose(1, 2).to(dst.dtype).contiguous()  # [2, H_kv, n, D]
+        for kv in range(2):
+            for h in range(src.shape[1]):
+                dst[kv, h, slot:slot + n].copy_(src[kv, h], non_blocking=True)
 
     def mark_written(self, seq_id, start: int, n: int) -> None:
         """Record that positions start..start+n-1 hold K/V (written by `write` or by a kernel
@@ -192,6 +268,16 @@ class KVCache:
         if seq.table is None:
             seq.table = torch.tensor([p.data.data_ptr() for p in seq.pages], dtype=torch.int64)
         return seq.table
+
+    def device_slots(self, seq_id) -> list[int] | None:
+        """The slab slots of the sequence's pages, oldest first; None when one of its pages is on
+        the host or the device pool is not a slab."""
+        if self.device_pool.slab is None:
+            return None
+        pages = self._seqs[seq_id].pages
+        if not all(p.on_device for p in pages):
+            return None
+        return [self.device_pool.slot_of(p.data) for p in pages]
 
     def chunks(self, layer: int, seq_id, length: int) -> Iterator[KVChunk]:
         """K/V of positions < length, page by page, oldest first, on the compute device.
@@ -268,6 +354,11 @@ class KVCache:
             with torch.cuda.stream(self._copy_stream):
                 host.copy_(page.data, non_blocking=True)
                 page.data.record_stream(self._copy_stream)
+            if self.device_pool.slab is not None:
+                # A slab slot is reused at once (by the page being made): its next write must not
+                # overtake the copy out of it, which record_stream guards only for the allocator's
+                # own buffers.
+                torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
         else:
             host.copy_(page.data)
         self.device_pool.release(page.data)

@@ -48,8 +48,11 @@ def kv_pools(placement: Placement, planned_device: str) -> tuple[int | None, int
 
 
 def load_model(model_dir: str | Path, placement: Placement, config: ModelConfig | None = None,
-               backend: str = "auto") -> LoadedModel:
-    """Stages of `placement` with weights from `model_dir`. backend: CPU-stage kernels (auto|helm|torch)."""
+               backend: str = "auto", kv_slab: bool | None = None) -> LoadedModel:
+    """Stages of `placement` with weights from `model_dir`. backend: CPU-stage kernels (auto|helm|torch).
+    kv_slab: whether a GPU stage's bounded device KV pool is one slab, which its static decode
+    step (executor/device_step.py) needs; None: where the stage runs on CUDA. True also gives it
+    to a GPU stage that runs on the CPU (no CUDA here), which is how the CPU tests run that step."""
     backend = resolve_backend(backend)
     model_dir = Path(model_dir)
     config = config or ModelConfig.from_dir(model_dir)
@@ -62,7 +65,7 @@ def load_model(model_dir: str | Path, placement: Placement, config: ModelConfig 
     choice = _kernel_choice(placement, config, backend)
     reader = CheckpointReader(model_dir)
     try:
-        stages = [_load_stage(reader, config, spec, placement, backend, choice) for spec in placement.stages]
+        stages = [_load_stage(reader, config, spec, placement, backend, choice, kv_slab) for spec in placement.stages]
     finally:
         reader.close()
     return LoadedModel(config, stages, placement, model_dir)
@@ -92,7 +95,7 @@ def _kernel_choice(placement: Placement, config: ModelConfig, backend: str) -> t
 
 
 def _load_stage(reader: CheckpointReader, cfg: ModelConfig, spec: StageSpec, placement: Placement,
-                backend: str, choice: tuple[dict, int]) -> Stage:
+                backend: str, choice: tuple[dict, int], kv_slab: bool | None) -> Stage:
     device = resolve_device(spec.device)
     if spec.device == "cuda" and device.type == "cpu":
         log.info("no CUDA device: the GPU stage (units %d..%d) runs its code on the CPU",
@@ -155,8 +158,10 @@ def _load_stage(reader: CheckpointReader, cfg: ModelConfig, spec: StageSpec, pla
     kv = None
     if blocks:
         device_pages, host_pages = kv_pools(placement, spec.device)
+        slab = spec.device == "cuda" and device_pages is not None and (
+            device.type == "cuda" if kv_slab is None else kv_slab)
         kv = KVCache(
             num_layers=len(blocks), num_kv_heads=cfg.num_kv_heads, head_dim=D, dtype=wdtype, device=device,
-            page_size=placement.page_size_tokens, device_pages=device_pages, host_pages=host_pages,
+            page_size=placement.page_size_tokens, device_pages=device_pages, host_pages=host_pages, slab=slab,
         )
     return Stage(cfg, spec.unit_start, spec.unit_end, device, embedding, blocks, head, kv, ops)

@@ -72,11 +72,11 @@ class Stage:
         if self.blocks:
             for s in batch.slices:
                 self.kv.reserve(s.seq_id, s.start + s.count)
-            positions = self._to_device(batch.positions, "positions")
-            cos, sin = rotary_tables(self.inv_freq, positions)
             if self.fused is not None and self.fused.accepts(batch):
-                x = self.fused(x, batch, cos, sin)
+                x = self.fused(x, batch)
             else:
+                positions = self._to_device(batch.positions, "positions")
+                cos, sin = rotary_tables(self.inv_freq, positions)
                 for i, block in enumerate(self.blocks):
                     x = self._block(x, block, i, batch, positions, cos, sin)
             for s in batch.slices:

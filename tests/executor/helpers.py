@@ -18,11 +18,11 @@ def prompt_ids(n: int, vocab: int, seed: int = 0) -> list[int]:
 
 
 def helm_generate(path, prompts, split=None, sampling=None, max_new_tokens=32, page_size=512,
-                  device_kv_pages=None, backend="auto", **engine_kw):
+                  device_kv_pages=None, backend="auto", kv_slab=None, **engine_kw):
     cfg = ModelConfig.from_dir(path)
     placement = Placement.from_split(cfg.num_units, cfg.num_units if split is None else split,
                                      page_size_tokens=page_size, device_kv_pages=device_kv_pages)
-    model = load_model(path, placement, cfg, backend=backend)
+    model = load_model(path, placement, cfg, backend=backend, kv_slab=kv_slab)
     engine = Engine(model, **engine_kw)
     stop = StopCriteria(max_new_tokens=max_new_tokens, ignore_eos=True)
     seqs = engine.generate(prompts, sampling or SamplingParams(), stop)
@@ -46,12 +46,14 @@ def hf_greedy(path, prompt, max_new_tokens):
     return out[0, len(prompt):].tolist()
 
 
-def helm_teacher_forced_logits(path, ids, prefill: int, split=None, backend="auto") -> torch.Tensor:
+def helm_teacher_forced_logits(path, ids, prefill: int, split=None, backend="auto", device_kv_pages=None,
+                               kv_slab=None) -> torch.Tensor:
     """Logits at every position of ids: one prefill step over ids[:prefill], then one decode step
     per remaining token (the KV cache path), as [len(ids), V] fp32."""
     cfg = ModelConfig.from_dir(path)
-    placement = Placement.from_split(cfg.num_units, cfg.num_units if split is None else split, page_size_tokens=16)
-    model = load_model(path, placement, cfg, backend=backend)
+    placement = Placement.from_split(cfg.num_units, cfg.num_units if split is None else split, page_size_tokens=16,
+                                     device_kv_pages=device_kv_pages)
+    model = load_model(path, placement, cfg, backend=backend, kv_slab=kv_slab)
     rows = []
 
     def run(start, count, all_rows):

@@ -121,3 +121,33 @@ def test_free_releases_host_pages_too():
 def test_bad_settings_rejected(bad):
     with pytest.raises(ValueError):
         cache(**bad)
+
+
+def test_a_slab_pool_hands_out_fixed_slots_and_never_its_scratch():
+    from executor.kv_cache import PagePool
+
+    pool = PagePool(torch.device("cpu"), (2, 3), torch.float32, capacity_pages=3, slab=True)
+    assert pool.slab.shape == (4, 2, 3) and pool.scratch_slot == 3
+    assert not pool.slab.any()  # zeroed: a masked slot enters attention as 0 · V
+    pages = [pool.allocate() for _ in range(3)]
+    assert [pool.slot_of(p) for p in pages] == [0, 1, 2] and pool.allocate() is None
+    pages[1].fill_(7.0)
+    assert pool.slab[1].eq(7.0).all()  # a page is a view of its slot
+    pool.release(pages[1])
+    again = pool.allocate()
+    assert pool.slot_of(again) == 1 and pool.allocate() is None
+    with pytest.raises(ValueError, match="capacity"):
+        PagePool(torch.device("cpu"), (2, 3), torch.float32, capacity_pages=None, slab=True)
+
+
+def test_device_slots_only_while_every_page_is_resident():
+    kv = KVCache(LAYERS, HKV, D, torch.float32, torch.device("cpu"), 4, device_pages=2, host_pages=4, slab=True)
+    kv.reserve("a", 8)
+    kv.write(0, "a", 0, torch.randn(8, HKV, D), torch.randn(8, HKV, D))
+    assert kv.device_slots("a") == [0, 1]
+    kv.reserve("b", 1)  # the device is full of a's full pages: the oldest goes to the host
+    assert kv.stats().evictions == 1
+    assert kv.device_slots("a") is None and kv.device_slots("b") == [0]
+    plain = KVCache(LAYERS, HKV, D, torch.float32, torch.device("cpu"), 4, device_pages=2, host_pages=4)
+    plain.reserve("a", 1)
+    assert plain.device_slots("a") is None  # no slab: no slots

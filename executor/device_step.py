@@ -1,0 +1,177 @@
+"""The GPU stage's decode step at static shapes, replayed as CUDA graphs.
+
+Why: on a fast GPU a decode step of a few tokens is bound by kernel launches (dozens per block,
+each costing microseconds of Python and driver time), not by HBM. A captured CUDA graph replays
+every kernel of the step at once, but it needs every shape and address fixed. So this step:
+
+- pads the batch to a bucket of 1, 2, 4, ... rows and each sequence's pages to a bucket of
+  1, 2, 4, ... pages (one graph per pair of buckets, captured on first use);
+- addresses KV pages by their slot in the device pool's slab (kv_cache.PagePool), from one
+  index tensor copied to the device before the replay;
+- writes each row's new K/V into (its page's slot, its position in the page) with one index_put
+  per layer; padded rows write to the slab's scratch slot, which is never a page;
+- attends with SDPA over the gathered pages, a key visible where its position is at or before
+  the query's (later slots of the last page and padded pages are hidden by the same test).
+
+It is taken for steps in which every sequence decodes one token and has all its pages in the
+device pool (evicted pages need the streaming path, executor/attention.py), and whose gathered
+pages stay within the pool's capacity (rounded up to a bucket): the gather buffer is then at
+most twice one layer's share of the planned KV pool. On the CPU (tests) it runs eagerly, the
+same code on the same padded shapes.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from executor.rope import inverse_frequencies, rotary_tables
+
+# HELM_CUDA_GRAPHS=0 runs the static step eagerly on CUDA (to compare, or to rule graphs out).
+GRAPHS_ENV = "HELM_CUDA_GRAPHS"
+
+_POSITION, _WRITE_SLOT, _WRITE_ROW, _TABLE = 0, 1, 2, 3  # columns of the index tensor
+
+
+def bucket(n: int) -> int:
+    """The smallest power of two >= n (n >= 1)."""
+    return 1 << (n - 1).bit_length()
+
+
+@dataclass
+class _Graph:
+    graph: "torch.cuda.CUDAGraph"
+    x: torch.Tensor  # [rows, H] fp32, the step's input
+    index: torch.Tensor  # [rows, 3 + pages] int64
+    out: torch.Tensor  # [rows, H] fp32, the step's output
+
+
+class ResidentDecode:
+    """The decode step of a GPU stage's blocks over resident KV pages (see the module docstring).
+    A stage's `fused` path: `accepts(batch)` says whether a step can take it, `(x, batch)` runs it."""
+
+    def __init__(self, config, blocks, kv, attention, ops, graphs: bool | None = None):
+        if kv.device_pool.slab is None:
+            raise ValueError("the static decode step needs the device KV pool as a slab")
+        self.config, self.blocks, self.kv, self.attention, self.ops = config, blocks, kv, attention, ops
+        self.pool = kv.device_pool
+        self.device = kv.device
+        self.inv_freq = inverse_frequencies(config.rope, config.head_dim).to(self.device)
+        self.max_pages = bucket(max(1, self.pool.capacity_pages))  # pages gathered per step, all rows
+        self.scale = config.head_dim ** -0.5
+        if graphs is None:
+            graphs = os.environ.get(GRAPHS_ENV, "1") != "0"
+        self.graphs = graphs and self.device.type == "cuda"
+        self._captured: dict[tuple[int, int], _Graph] = {}
+        self._mempool = torch.cuda.graph_pool_handle() if self.graphs else None
+        self._staging: torch.Tensor | None = None  # pinned host buffer of the index tensor
+
+    @property
+    def captured(self) -> list[tuple[int, int]]:
+        """(rows, pages) buckets captured so far."""
+        return sorted(self._captured)
+
+    def accepts(self, batch) -> bool:
+        if any(s.count != 1 for s in batch.slices):
+            return False
+        slots = [self.kv.device_slots(s.seq_id) for s in batch.slices]
+        if any(sl is None for sl in slots):
+            return False
+        return bucket(len(slots)) * bucket(max(len(sl) for sl in slots)) <= self.max_pages
+
+    def __call__(self, x: torch.Tensor, batch) -> torch.Tensor:
+        """x: [B, H] fp32 hidden of the step's B tokens (one per sequence) → [B, H] after the blocks."""
+        rows = len(batch.slices)
+        slots = [self.kv.device_slots(s.seq_id) for s in batch.slices]
+        shape = (bucket(rows), bucket(max(len(sl) for sl in slots)))
+        index = self._index(batch, slots, *shape)
+        if not self.graphs:
+            padded = torch.zeros(shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+            padded[:rows] = x
+            return self.step(padded, index)[:rows]
+        g = self._captured.get(shape)
+        if g is None:
+            g = self._captured[shape] = self._capture(*shape)
+        g.x[:rows].copy_(x)
+        g.index.copy_(index, non_blocking=True)
+        g.graph.replay()
+        return g.out[:rows].clone()  # the next replay overwrites g.out
+
+    def _index(self, batch, slots: list[list[int]], rows: int, pages: int) -> torch.Tensor:
+        """[rows, 3 + pages] int64 on the device: position, write slot, row in the page, page slots."""
+        page, scratch = self.kv.page_size, self.pool.scratch_slot
+        index = torch.full((rows, 3 + pages), scratch, dtype=torch.int64)
+        index[:, _POSITION] = 0
+        index[:, _WRITE_ROW] = 0
+        for r, (s, sl) in enumerate(zip(batch.slices, slots)):
+            index[r, _POSITION] = s.start
+            index[r, _WRITE_SLOT] = sl[s.start // page]
+            index[r, _WRITE_ROW] = s.start % page
+            index[r, _TABLE:_TABLE + len(sl)] = torch.tensor(sl, dtype=torch.int64)
+        if self.device.type != "cuda":
+            return index
+        # Through a reused pinned buffer: the copy is asynchronous (every step ends by reading the
+        # logits back, so the buffer's previous copy is done when it is refilled).
+        if self._staging is None or self._staging.numel() < index.numel():
+            self._staging = torch.empty(max(index.numel(), 1024), dtype=torch.int64, pin_memory=True)
+        staged = self._staging[: index.numel()].view_as(index)
+        staged.copy_(index)
+        return staged.to(self.device, non_blocking=True)
+
+    def step(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The blocks on padded rows: x [rows, H] fp32 (updated in place and returned), index as
+        `_index` makes it. Only device work of fixed shapes: what a CUDA graph captures."""
+        cfg, ops = self.config, self.ops
+        positions = index[:, _POSITION]
+        cos, sin = rotary_tables(self.inv_freq, positions)
+        keys = index.shape[1] - _TABLE
+        key_pos = torch.arange(keys * self.kv.page_size, device=x.device)
+        visible = (key_pos[None, :] <= positions[:, None])[:, None, None, :]  # [rows, 1, 1, keys·P]
+        for layer, w in enumerate(self.blocks):
+            h = ops.rms_norm(x, w.input_norm, cfg.rms_norm_eps)
+            q, k, v = self.attention.project(w.qkv(h), w.q_norm, w.k_norm, cos, sin)
+            x = w.o(self._attend(layer, q, k, v, index, visible), x)  # x += o(attn)
+            h = ops.rms_norm(x, w.post_norm, cfg.rms_norm_eps)
+            gate, up = w.gate_up(h).split(cfg.intermediate_size, dim=-1)
+            x = w.down(ops.silu_mul(gate, up), x)  # x += down(silu(gate) · up)
+        return x
+
+    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
+                visible: torch.Tensor) -> torch.Tensor:
+        """q [rows, H_q, D], k, v [rows, H_kv, D] fp32 → attention output [rows, H_q·D] fp32."""
+        rows, h_q, d = q.shape
+        h_kv = k.shape[1]
+        slab = self.pool.slab[:, layer]  # [slots, 2, H_kv, P, D]
+        table = index[:, _TABLE:].reshape(-1)
+        where = (index[:, _WRITE_SLOT], index[:, _WRITE_ROW])
+        gathered = []
+        for i, new in enumerate((k, v)):
+            part = slab[:, i]  # [slots, H_kv, P, D]
+            part.transpose(1, 2).index_put_(where, new.to(slab.dtype))  # [slots, P, H_kv, D] view
+            g = part.transpose(0, 1).index_select(1, table)  # [H_kv, rows·pages, P, D]
+            gathered.append(g.view(h_kv, rows, -1, d).transpose(0, 1))  # [rows, H_kv, pages·P, D]
+        # The query heads of a KV head are its rows (GQA without repeating K/V): [rows, H_kv, group, D].
+        qg = q.to(slab.dtype).view(rows, h_kv, h_q // h_kv, d)
+        out = F.scaled_dot_product_attention(qg, gathered[0], gathered[1], attn_mask=visible, scale=self.scale)
+        return out.reshape(rows, h_q * d).float()
+
+    def _capture(self, rows: int, pages: int) -> _Graph:
+        """The step at (rows, pages) as a CUDA graph, on static buffers whose rows all point at the
+        scratch slot until a replay fills them."""
+        x = torch.zeros(rows, self.config.hidden_size, device=self.device)
+        index = torch.full((rows, 3 + pages), self.pool.scratch_slot, dtype=torch.int64, device=self.device)
+        index[:, _POSITION] = 0
+        index[:, _WRITE_ROW] = 0
+        # Warm up off the capture: cuBLAS handles and workspaces, SDPA's kernel choice.
+        side, current = torch.cuda.Stream(self.device), torch.cuda.current_stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.step(x.clone(), index)
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
+            out = self.step(x, index)
+        return _Graph(graph, x, index, out)

@@ -1,0 +1,87 @@
+"""The GPU stage's static-shape decode step (executor/device_step.py), run eagerly on the CPU: the
+code and padded shapes a CUDA graph captures, against transformers and the streaming path
+(executor/attention.py) on the same checkpoints. tests/executor/test_cuda.py replays it as graphs."""
+import pytest
+import torch
+
+from executor.device_step import ResidentDecode, bucket
+from executor.sampling import SamplingParams
+from tests.executor.helpers import (helm_generate, helm_teacher_forced_logits, hf_greedy, hf_model,
+                                    prompt_ids)
+from tests.executor.test_correctness import FAMILIES, LOGIT_TOL
+
+
+@pytest.fixture
+def static_steps(monkeypatch):
+    """The (rows, 3 + pages) index shape of every static step taken."""
+    shapes = []
+    step = ResidentDecode.step
+
+    def spy(self, x, index):
+        shapes.append(tuple(index.shape))
+        return step(self, x, index)
+
+    monkeypatch.setattr(ResidentDecode, "step", spy)
+    return shapes
+
+
+def test_bucket():
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_static_decode_matches_transformers_greedy(checkpoint, arch, static_steps):
+    path = checkpoint(arch, "fp32")
+    prompt = prompt_ids(20, 256, seed=1)
+    want = hf_greedy(path, prompt, 24)
+    got, model = helm_generate(path, [prompt], split=1, max_new_tokens=24, page_size=8, device_kv_pages=8,
+                               backend="torch", kv_slab=True)
+    assert isinstance(model.stages[1].fused, ResidentDecode)
+    assert got[0] == want
+    # Every decode step after the first token took the static step; positions 20..42 span 3..6 pages.
+    assert len(static_steps) == 23
+    assert {rows for rows, _ in static_steps} == {1}
+    assert {cols - 3 for _, cols in static_steps} == {4, 8}
+
+
+def test_padded_batches_equal_the_streaming_path(checkpoint, static_steps):
+    path = checkpoint("qwen3", "fp32")
+    prompts = [prompt_ids(n, 256, seed=n) for n in (3, 17, 9)]  # 3 rows: a padded row in a bucket of 4
+    seeded = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=7)
+    for sampling in (None, seeded):
+        want, _ = helm_generate(path, prompts, split=1, sampling=sampling, max_new_tokens=20, page_size=4,
+                                device_kv_pages=40, backend="torch", kv_slab=False)
+        static_steps.clear()
+        got, model = helm_generate(path, prompts, split=1, sampling=sampling, max_new_tokens=20, page_size=4,
+                                   device_kv_pages=40, backend="torch", kv_slab=True)
+        assert got == want
+        assert (4, 3 + 8) in static_steps  # three sequences padded to four rows, up to 8 pages each
+        kv = model.stages[1].kv.stats()
+        assert kv.evictions == 0 and kv.device_pages_used == 0  # all freed at the end
+
+
+def test_evicted_pages_fall_back_to_streaming(checkpoint, static_steps):
+    path = checkpoint("llama", "fp32")
+    prompt = prompt_ids(5, 256, seed=11)
+    want, _ = helm_generate(path, [prompt], max_new_tokens=24)  # all on the CPU
+    got, model = helm_generate(path, [prompt], split=1, max_new_tokens=24, page_size=4, device_kv_pages=3,
+                               backend="torch", kv_slab=True)
+    assert got == want
+    # Static while the sequence's 2-3 pages are resident (positions 5..11), streaming once one is evicted.
+    assert len(static_steps) == 7
+    assert model.stages[1].kv.stats().evictions > 3
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_bf16_static_decode_within_transformers_own_bf16_error(checkpoint, arch, static_steps):
+    path = checkpoint(arch, "bf16")
+    ids = prompt_ids(52, 256, seed=2)
+    with torch.no_grad():
+        want = hf_model(path, torch.float32)(torch.tensor([ids])).logits[0].float()
+        own_err = (hf_model(path, torch.bfloat16)(torch.tensor([ids])).logits[0].float() - want).abs().max().item()
+    got = helm_teacher_forced_logits(path, ids, prefill=20, split=1, backend="torch", device_kv_pages=4,
+                                     kv_slab=True)
+    assert len(static_steps) == 32  # every decode step; the 20-token prefill is op by op
+    err = (got - want).abs().max().item()
+    print(f"{arch} bf16 static step: max |logit diff| {err:.3f}, transformers' own bf16 {own_err:.3f}")
+    assert err < LOGIT_TOL["bf16"] and err < own_err
