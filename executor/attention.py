@@ -106,13 +106,55 @@ def _one_chunk(q: torch.Tensor, chunk: KVChunk, scale: float, q_positions: torch
     return _ungrouped(torch.matmul(probs, v.float()), T, h_q)
 
 
+def prompt_attention_dtype(kv_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype PyTorch's fused attention computes a prompt chunk in, for a KV cache of kv_dtype:
+    on CUDA the cache's (its flash and memory-efficient kernels are half-precision kernels); on
+    the CPU bf16 for a bf16 cache (as transformers computes a bf16 model's attention; its CPU
+    kernel has bf16 paths), fp32 otherwise (its fp16 path is slower than fp32 on CPUs without
+    native fp16)."""
+    if device.type == "cuda":
+        return kv_dtype
+    return torch.bfloat16 if kv_dtype == torch.bfloat16 else torch.float32
+
+
+def fused_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, num_heads: int,
+                           scale: float) -> torch.Tensor:
+    """Causal attention of queries q [n, H_q·D] fp32 at positions start.. over k, v [H_kv, start + n, D]
+    (the sequence's cached keys, this chunk's included) through PyTorch's fused attention (on the
+    CPU a blocked-GEMM flash kernel; on CUDA flash or memory-efficient attention) in
+    prompt_attention_dtype; returns [n, H_q·D] in that dtype. The prompt path of the CPU kernels' stage and
+    of the GPU stage, and the profile's probe of it (executor/probe.py)."""
+    n, head_dim = q.shape[0], k.shape[-1]
+    dtype = prompt_attention_dtype(k.dtype, k.device)
+    qh = q.view(n, num_heads, head_dim).transpose(0, 1).to(dtype)  # [H_q, n, D]
+    k, v = k.to(dtype), v.to(dtype)
+    if start == 0:
+        mask, causal = None, True  # square: the causal diagonal starts at key 0
+    else:
+        keys, queries = torch.arange(start + n, device=k.device), torch.arange(start, start + n, device=k.device)
+        mask, causal = keys[None, :] <= queries[:, None], False
+    gqa = num_heads != k.shape[0]
+    if gqa and mask is not None and k.device.type == "cuda":
+        # CUDA's fused kernels take GQA only without a mask (else SDPA falls back to its unfused
+        # math path): give every query head its K/V, as transformers does.
+        k, v = (t.repeat_interleave(num_heads // t.shape[0], dim=0) for t in (k, v))
+        gqa = False
+    o = torch.nn.functional.scaled_dot_product_attention(
+        qh[None], k[None], v[None], attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+    return o[0].transpose(0, 1).reshape(n, num_heads * head_dim)
+
+
 class TorchAttention:
     """A stage's self-attention in plain PyTorch (the reference path, and the one CUDA stages use):
-    q/k RMSNorm, rotary embedding, K/V appended to the paged cache, streaming attention per sequence."""
+    q/k RMSNorm, rotary embedding, K/V appended to the paged cache, streaming attention per
+    sequence. fused_prompt: a prompt chunk (more than one query) gathers its sequence's pages and
+    takes PyTorch's fused attention (`fused_prompt_attention`) instead of streaming: the GPU
+    stage's prompt path (its decode steps take executor/device_step.py where they can)."""
 
-    def __init__(self, config: "ModelConfig", kv: "KVCache", ops):
+    def __init__(self, config: "ModelConfig", kv: "KVCache", ops, fused_prompt: bool = False):
         self.config, self.kv, self.ops = config, kv, ops
         self.scale = config.head_dim ** -0.5
+        self.fused_prompt = fused_prompt
 
     def project(self, qkv: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.Tensor):
         """qkv: [T, (H_q + 2·H_kv)·D] fp32 → q [T, H_q, D], k, v [T, H_kv, D]: q/k RMSNorm (where
@@ -139,6 +181,12 @@ class TorchAttention:
             rows = slice(s.offset, s.offset + s.count)
             self.kv.write(layer, s.seq_id, s.start, k[rows], v[rows])
             end = s.start + s.count
+            if self.fused_prompt and s.count > 1:
+                ks, vs = zip(*((k, v) for k, v, _ in self.kv.chunks(layer, s.seq_id, end)))
+                k_all, v_all = (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks, 1), torch.cat(vs, 1))
+                out[rows] = fused_prompt_attention(q[rows].reshape(s.count, cfg.q_dim), k_all, v_all, s.start,
+                                                   cfg.num_heads, self.scale).view(s.count, cfg.num_heads, -1)
+                continue
             # Decode (one query at the newest position) needs no mask: every cached key is visible.
             q_pos = positions[rows] if s.count > 1 else None
             out[rows] = streaming_attention(q[rows], self.kv.chunks(layer, s.seq_id, end), self.scale, q_pos,

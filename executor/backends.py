@@ -13,7 +13,7 @@ import logging
 import torch
 
 from executor import torch_ops
-from executor.attention import TorchAttention
+from executor.attention import TorchAttention, fused_prompt_attention
 from executor.device_step import ResidentDecode
 from executor.rope import inverse_frequencies, rotary_tables
 
@@ -27,7 +27,10 @@ class TorchBackend:
         return torch_ops.TorchLinear(weight, bias)
 
     def attention(self, config, kv):
-        return TorchAttention(config, kv, self)
+        # A GPU stage (on CUDA, or its code on the CPU over a slab) takes the fused prompt path;
+        # the CPU reference streams.
+        gpu_stage = kv is not None and (kv.device.type == "cuda" or kv.device_pool.slab is not None)
+        return TorchAttention(config, kv, self, fused_prompt=gpu_stage)
 
     def fused_blocks(self, config, blocks, kv, attention) -> ResidentDecode | None:
         """The static-shape decode step (CUDA graphs on CUDA) where the device KV pool is a slab;
@@ -113,32 +116,6 @@ class KernelAttention:
             vs.append(v)
         k, v = (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks, 1), torch.cat(vs, 1))  # [H_kv, L, D]
         return fused_prompt_attention(q, k, v, start, cfg.num_heads, self.scale)
-
-
-def prompt_attention_dtype(kv_dtype: torch.dtype) -> torch.dtype:
-    """The dtype PyTorch's fused attention computes a prompt chunk in, for a KV cache of kv_dtype:
-    bf16 for a bf16 cache (as transformers computes a bf16 model's attention; its CPU kernel has
-    bf16 paths), fp32 otherwise (its fp16 path is slower than fp32 on CPUs without native fp16)."""
-    return torch.bfloat16 if kv_dtype == torch.bfloat16 else torch.float32
-
-
-def fused_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, num_heads: int,
-                           scale: float) -> torch.Tensor:
-    """Causal attention of queries q [n, H_q·D] fp32 at positions start.. over k, v [H_kv, start + n, D]
-    (the sequence's cached keys, this chunk's included) through PyTorch's fused CPU attention (a
-    blocked-GEMM flash kernel) in prompt_attention_dtype; returns [n, H_q·D]. The executor's prompt
-    path and the profile's probe of it (executor/probe.py)."""
-    n, head_dim = q.shape[0], k.shape[-1]
-    dtype = prompt_attention_dtype(k.dtype)
-    qh = q.view(n, num_heads, head_dim).transpose(0, 1).to(dtype)  # [H_q, n, D]
-    if start == 0:
-        mask, causal = None, True  # square: the causal diagonal starts at key 0
-    else:
-        mask, causal = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None], False
-    o = torch.nn.functional.scaled_dot_product_attention(
-        qh[None], k.to(dtype)[None], v.to(dtype)[None], attn_mask=mask, is_causal=causal, scale=scale,
-        enable_gqa=True)
-    return o[0].transpose(0, 1).reshape(n, num_heads * head_dim)
 
 
 class FusedBlocks:

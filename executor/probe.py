@@ -200,9 +200,9 @@ def prompt_block_gflops(dtype: torch.dtype, threads: int, routes: dict, rows: in
 
 def prompt_attention_gflops(dtype: torch.dtype, threads: int, reps: int) -> float:
     """GFLOP/s (4·D FLOPs per visible query-key pair and head) of the executor's prompt attention
-    for a KV cache of `dtype` (executor.backends.fused_prompt_attention) over the probe prompt's
+    for a KV cache of `dtype` (executor.attention.fused_prompt_attention) over the probe prompt's
     chunks."""
-    from executor.backends import fused_prompt_attention
+    from executor.attention import fused_prompt_attention
     gen = torch.Generator().manual_seed(0)
     n, d, total = ATTN_CHUNK, ATTN_HEAD_DIM, ATTN_CHUNK * ATTN_CHUNKS
     q = torch.randn(n, ATTN_HEADS * d, generator=gen)
@@ -225,7 +225,7 @@ def attention_kernel_max_queries(dtype: torch.dtype, threads: int, reps: int,
     attention kernel is at least as fast as the fused attention of the prompt path, the page
     gather included, over a KV cache of `dtype` with `heads` (query heads, KV heads, head dim)."""
     from executor import kernels
-    from executor.backends import fused_prompt_attention
+    from executor.attention import fused_prompt_attention
     hq, hkv, d = heads
     page, prefix = ATTN_CROSSOVER_PAGE, ATTN_CROSSOVER_PREFIX
     pages = -(-(prefix + max(CROSSOVER_QUERIES)) // page)

@@ -85,3 +85,16 @@ def test_bf16_static_decode_within_transformers_own_bf16_error(checkpoint, arch,
     err = (got - want).abs().max().item()
     print(f"{arch} bf16 static step: max |logit diff| {err:.3f}, transformers' own bf16 {own_err:.3f}")
     assert err < LOGIT_TOL["bf16"] and err < own_err
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+def test_chunked_prompt_on_the_fused_prompt_path_matches_transformers(checkpoint, arch, static_steps):
+    """The GPU stage's prompt chunks gather their pages for PyTorch's fused attention; later
+    chunks (start > 0) take the offset causal mask, across pages."""
+    path = checkpoint(arch, "fp32")
+    prompt = prompt_ids(45, 256, seed=21)
+    want = hf_greedy(path, prompt, 8)
+    got, model = helm_generate(path, [prompt], split=1, max_new_tokens=8, page_size=8, device_kv_pages=8,
+                               backend="torch", kv_slab=True, prefill_chunk=16)
+    assert model.stages[1].attention.fused_prompt
+    assert got[0] == want and len(static_steps) == 7
