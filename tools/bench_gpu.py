@@ -5,8 +5,11 @@ checkpoint with a real model's dimensions (default Qwen3-8B, bf16):
    k) against Hugging Face Accelerate's `device_map="auto"` with `max_memory={0: cap, "cpu": ...}`,
    the same prompt and new tokens, greedy: decode tok/s, TTFT, and HELM's measured vs predicted
    time per stage.
+   Then δ and the η factors are fitted to that request's report and a second request, of another
+   length, is measured against the fitted plan (the fit's error out of sample).
 2. All on the GPU (split 0): decode ms/token at the context against the HBM roofline, the bytes a
-   step reads (weights + KV, from the plan's IR) over the HBM bandwidth the profile measured.
+   step reads (weights + KV, from the plan's IR) over the HBM bandwidth the profile measured; with
+   the decode steps as CUDA graphs (the default) and eagerly.
 
 The machine is profiled first (`helm-plan profile --quick`), so the plans price this machine.
 
@@ -23,6 +26,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -31,15 +35,18 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as `python tools/bench_gpu.py`
     sys.path.insert(0, str(REPO))
 
+from executor.device_step import ResidentDecode  # noqa: E402
 from executor.engine import Engine  # noqa: E402
 from executor.loader import load_model  # noqa: E402
 from executor.model_config import ModelConfig  # noqa: E402
 from executor.plan_io import placement_for  # noqa: E402
 from executor.report import Recorder, kernel_isa  # noqa: E402
 from executor.sampling import SamplingParams, StopCriteria  # noqa: E402
+from planner.calibrate import recalibrate  # noqa: E402
 from planner.cost import weight_read_bytes  # noqa: E402
+from planner.errors import PlanError  # noqa: E402
 from planner.machine import load_machine, save_machine  # noqa: E402
-from planner.planning import make_plan, workload_for  # noqa: E402
+from planner.planning import make_plan, replan, workload_for  # noqa: E402
 from planner.profile import placeholder_machine, profile_machine, stderr_progress  # noqa: E402
 from planner.units import GIB, fmt_bytes, parse_bytes  # noqa: E402
 from tools.make_model import make_model  # noqa: E402
@@ -50,30 +57,73 @@ def prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
     return torch.randint(10, min(vocab, 30000), (n,), generator=g).tolist()
 
 
-def run_helm(model_dir: Path, plan, config: ModelConfig, ids: list[int], new_tokens: int) -> dict:
-    """One greedy request on the plan's split: TTFT, decode tok/s, per-stage measured vs predicted."""
-    placement = placement_for(plan, config)
-    t0 = time.perf_counter()
-    model = load_model(model_dir, placement, config)
-    load_s = time.perf_counter() - t0
-    recorder = Recorder(plan, "bench", config.architecture, kernel_isa(model))
-    engine = Engine(model, eos_token_ids=())
-    stop = StopCriteria(max_new_tokens=new_tokens, ignore_eos=True)
-    engine.generate([ids[:8]], SamplingParams(), StopCriteria(max_new_tokens=2, ignore_eos=True))  # warm-up
-    engine.on_step = recorder.record_step   # after the warm-up
-    seq = engine.add_request(ids, SamplingParams(), stop)
+def _request(engine: Engine, recorder: Recorder | None, ids: list[int], new_tokens: int):
+    """One greedy request alone on the engine, its steps recorded against `recorder`'s plan."""
+    engine.on_step = recorder.record_step if recorder is not None else None
+    seq = engine.add_request(ids, SamplingParams(), StopCriteria(max_new_tokens=new_tokens, ignore_eos=True))
     while engine.has_work():
         engine.step()
-    rows = [{"stage": r.stage, "device": r.device, "phase": r.phase, "steps": r.samples,
+    engine.on_step = None
+    return seq
+
+
+def _stage_rows(recorder: Recorder) -> list[dict]:
+    return [{"stage": r.stage, "device": r.device, "phase": r.phase, "steps": r.samples,
              "measured_ms": round(r.measured_mean_ms, 3), "predicted_ms": round(r.predicted_ms, 3),
              "error_pct": round(r.error_pct, 1)} for r in recorder.report().rows]
-    decode_ms = 1e3 / seq.decode_tokens_per_s if seq.decode_tokens_per_s else float("nan")
+
+
+def _ms_per_token(seq) -> float:
+    return round(1e3 / seq.decode_tokens_per_s, 3) if seq.decode_tokens_per_s else float("nan")
+
+
+def run_helm(model_dir: Path, plan, config: ModelConfig, ids: list[int], new_tokens: int,
+             eager_too: bool = False, refit: bool = False, smoke: bool = False) -> dict:
+    """One greedy request on the plan's split: TTFT, decode tok/s, per-stage measured vs predicted.
+    eager_too: the same request again with the GPU stage's decode steps run eagerly, not as CUDA
+    graphs. refit: fit δ and the η factors to this request's report (planner.calibrate), then
+    measure a second request of another length against the fitted plan: the fit's error out of
+    sample. smoke (no CUDA): the GPU stage's code on the CPU, its decode on the static step."""
+    placement = placement_for(plan, config)
+    t0 = time.perf_counter()
+    model = load_model(model_dir, placement, config, **({"backend": "torch", "kv_slab": True} if smoke else {}))
+    load_s = time.perf_counter() - t0
+    engine = Engine(model, eos_token_ids=())
+    _request(engine, None, ids[:8], 2)  # warm-up
+    recorder = Recorder(plan, "bench", config.architecture, kernel_isa(model))
+    seq = _request(engine, recorder, ids, new_tokens)
+    out = {"split_k": plan.partition.split_k, "load_s": round(load_s, 1), "ttft_ms": round(seq.ttft_ms, 1),
+           "decode_tok_s": round(seq.decode_tokens_per_s or 0.0, 3), "decode_ms_per_token": _ms_per_token(seq),
+           "predicted_ms_per_token": plan.prediction.ms_per_token, "stages": _stage_rows(recorder)}
+    step = model.stages[-1].fused
+    if isinstance(step, ResidentDecode):
+        out["decode_path"] = "cuda graphs" if step.graphs else "static step, eager"
+        out["graph_buckets"] = step.captured
+        if eager_too and step.graphs:
+            step.graphs = False
+            out["eager_decode_ms_per_token"] = _ms_per_token(_request(engine, None, ids, new_tokens))
+            step.graphs = True
+    else:
+        out["decode_path"] = "streaming attention, op by op"
+    if refit:
+        try:
+            searched = recalibrate(plan, recorder.report(), "bench_gpu").plan
+        except PlanError as e:
+            out["after_fit"] = {"error": str(e)}
+        else:
+            # The fitted model at the split that runs (the re-run search may move k: reported).
+            here = replace(plan, partition=replace(plan.partition, forced=True))
+            fitted = replan(here, searched.calibration, searched.recalibration)
+            check = Recorder(fitted, "bench", config.architecture, kernel_isa(model))
+            other = ids[: max(8, len(ids) // 2)]
+            again = _request(engine, check, other, new_tokens)
+            out["after_fit"] = {"prompt_tokens": len(other), "decode_ms_per_token": _ms_per_token(again),
+                                "predicted_ms_per_token": fitted.prediction.ms_per_token,
+                                "stages": _stage_rows(check), "searched_split_k": searched.partition.split_k}
     del engine, model
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return {"split_k": plan.partition.split_k, "load_s": round(load_s, 1), "ttft_ms": round(seq.ttft_ms, 1),
-            "decode_tok_s": round(seq.decode_tokens_per_s or 0.0, 3), "decode_ms_per_token": round(decode_ms, 3),
-            "predicted_ms_per_token": plan.prediction.ms_per_token, "stages": rows}
+    return out
 
 
 def run_accelerate(model_dir: Path, ids: list[int], new_tokens: int, gpu_memory: int) -> dict:
@@ -154,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 1. capped: HELM's plan against Accelerate
     capped = make_plan(model_dir, machine, workload=workload, gpu_memory_bytes=min(cap, machine.gpu.vram_total_bytes))
-    results["capped"] = {"helm": run_helm(model_dir, capped, config, ids, args.new_tokens)}
+    results["capped"] = {"helm": run_helm(model_dir, capped, config, ids, args.new_tokens, refit=True, smoke=smoke)}
     save()
     if not smoke and not args.skip_accelerate:
         results["capped"]["accelerate"] = run_accelerate(model_dir, ids, args.new_tokens, cap)
@@ -165,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     long_ids = prompt(max(1, args.context - args.new_tokens), config.vocab_size, seed=1)
     all_gpu = make_plan(model_dir, machine, workload=workload_for(len(long_ids), args.new_tokens), split_k=0,
                         allow_infeasible=True)
-    run = run_helm(model_dir, all_gpu, config, long_ids, args.new_tokens)
+    run = run_helm(model_dir, all_gpu, config, long_ids, args.new_tokens, eager_too=True, smoke=smoke)
     roofline = hbm_roofline_ms(all_gpu, args.context) if all_gpu.machine.gpu else float("nan")
     run["hbm_roofline_ms"] = round(roofline, 3)
     run["over_roofline"] = round(run["decode_ms_per_token"] / roofline, 2) if roofline == roofline else None

@@ -26,7 +26,7 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python -c "import torch, executor.kernels as k; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'kernels', k.KERNEL_ISA)" | tee -a "$OUT/gpu.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
-    python -m pytest -q -p no:cacheprovider tests/executor/test_cuda.py 2>&1 | tee "$OUT/cuda_tests.txt" | tail -30
+    python -m pytest -q -s -p no:cacheprovider tests/executor/test_cuda.py 2>&1 | tee "$OUT/cuda_tests.txt" | tail -30
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
     python tools/bench_gpu.py --out "$OUT/bench_gpu.json" "$@" 2>&1 | tee "$OUT/bench_gpu.txt" | tail -40

@@ -9,12 +9,15 @@ from tools import bench_gpu
 
 def test_the_gpu_benchmark_runs_end_to_end_in_smoke_mode(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    assert bench_gpu.main(["--smoke", "--work", str(tmp_path / "work"), "--new-tokens", "4", "--prompt-tokens", "8",
+    assert bench_gpu.main(["--smoke", "--work", str(tmp_path / "work"), "--new-tokens", "24", "--prompt-tokens", "8",
                            "--context", "64", "--out", str(out)]) == 0
     results = json.loads(out.read_text())
     assert results["smoke"] and results["model"] == "tiny"
     helm = results["capped"]["helm"]
     assert helm["decode_tok_s"] > 0 and {r["phase"] for r in helm["stages"]} == {"prefill", "decode"}
     assert all(r["measured_ms"] > 0 and r["predicted_ms"] > 0 for r in helm["stages"])
+    assert helm["decode_path"] == "static step, eager"  # the GPU stage's code, on the CPU
+    fit = helm["after_fit"]  # fitted to this request, checked on another
+    assert fit["prompt_tokens"] == 8 and {r["phase"] for r in fit["stages"]} == {"prefill", "decode"}
     assert results["all_gpu"]["split_k"] == 0 and results["all_gpu"]["hbm_roofline_ms"] > 0
     assert "capped at" in capsys.readouterr().err
