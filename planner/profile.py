@@ -24,6 +24,7 @@ from typing import Callable
 
 from planner.machine import (L3_OVER_DRAM, MACHINE_SCHEMA_VERSION, Calibration, CpuKernels, CpuProfile,
                              DeviceCalibration, GpuProfile, LinkProfile, MachineProfile, l3_estimate, tool_version)
+from planner.cost import PREFILL_CHUNK_TOKENS
 from planner.serial import from_dict
 from planner.units import GIB, MIB, fmt_bytes, round_sig
 
@@ -229,13 +230,28 @@ def _copy_gibps(device, nbytes: int, sync, runs: int, progress: Progress) -> lis
     return out
 
 
-def _matmul_gflops(device, hidden: int, sync, reps: int) -> float:
-    """(128, H) x (H, H) fp16 matmul: the shape of a prefill chunk through a projection."""
+def _matmul_gflops(device, hidden: int, timer: Callable[[Callable[[], object], int], float], reps: int) -> float:
+    """(PREFILL_CHUNK_TOKENS, H) x (H, H) bf16 matmul: a prompt chunk through a projection, in the
+    dtype the GPU stage multiplies a bf16 checkpoint in."""
     import torch
-    x = torch.randn(128, hidden, device=device).to(torch.float16)
-    w = torch.randn(hidden, hidden, device=device).to(torch.float16)
+    x = torch.randn(PREFILL_CHUNK_TOKENS, hidden, device=device).to(torch.bfloat16)
+    w = torch.randn(hidden, hidden, device=device).to(torch.bfloat16)
     torch.mm(x, w)
-    return max(2 * 128 * hidden * hidden / _timed(lambda: torch.mm(x, w), sync, reps) for _ in range(3)) / 1e9
+    flops = 2 * PREFILL_CHUNK_TOKENS * hidden * hidden
+    return max(flops / timer(lambda: torch.mm(x, w), reps) for _ in range(3)) / 1e9
+
+
+def _cuda_event_timer(fn: Callable[[], object], reps: int) -> float:
+    """Seconds per call of fn() by CUDA events around the calls: the GPU's time, not the host's
+    launch and synchronisation time (which a short kernel would be mostly made of)."""
+    import torch
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
 
 
 def _link(device, nbytes: int, sync, pin_memory: bool, reps: int) -> tuple[float, float, float, float]:
@@ -260,23 +276,31 @@ def _link(device, nbytes: int, sync, pin_memory: bool, reps: int) -> tuple[float
 def measure_gpu(device, *, name: str, mem_get_info: Callable[[], tuple[int, int]],
                 sync: Callable[[], None], pin_memory: bool, quick: bool,
                 copy_bytes: int | None = None, link_bytes: int | None = None, hidden: int = 4096,
-                progress: Progress = _quiet) -> tuple[GpuProfile, LinkProfile]:
-    """Measure a torch device as the GPU stage's device, and the host link to it."""
+                timer: Callable[[Callable[[], object], int], float] | None = None,
+                release: Callable[[], None] = lambda: None, progress: Progress = _quiet) -> tuple[GpuProfile, LinkProfile]:
+    """Measure a torch device as the GPU stage's device, and the host link to it. timer: seconds
+    per call of a kernel (default: host clock between synchronisations); release: return the
+    probes' freed buffers to the device. Usable VRAM is read after the probes, so what stays
+    allocated once the GPU has run a matmul (cuBLAS's handle and workspace) counts as reserved."""
+    timer = timer or (lambda fn, reps: _timed(fn, sync, reps))
     free, total = mem_get_info()
     progress(f"GPU {name}: {fmt_bytes(total)} total, {fmt_bytes(free)} free with the context")
     copy_bytes = copy_bytes or min((256 * MIB) if quick else GIB, max(free // 8, MIB))
     hbm = _copy_gibps(device, copy_bytes, sync, 3 if quick else 7, progress)
-    flops = _matmul_gflops(device, hidden, sync, 10 if quick else 50)
-    progress(f"prefill matmul (128,{hidden})x({hidden},{hidden}) fp16: {flops:.0f} GFLOP/s")
+    flops = _matmul_gflops(device, hidden, timer, 10 if quick else 50)
+    shape = f"({PREFILL_CHUNK_TOKENS},{hidden})x({hidden},{hidden}) bfloat16"
+    progress(f"prefill matmul {shape}: {flops:.0f} GFLOP/s")
     link_bytes = link_bytes or ((64 * MIB) if quick else (256 * MIB))
     h2d, d2h, lat_h2d, lat_d2h = _link(device, link_bytes, sync, pin_memory, 3 if quick else 10)
     progress(f"link {fmt_bytes(link_bytes)} pinned={pin_memory}: h2d {h2d:.1f} GiB/s, d2h {d2h:.1f} GiB/s, "
              f"latency {lat_h2d:.1f}/{lat_d2h:.1f} us")
+    release()
+    free, total = mem_get_info()
+    progress(f"GPU {name}: {fmt_bytes(free)} free after the probes")
     gpu = GpuProfile(
         name=name, vram_total_bytes=int(total), vram_usable_bytes=int(free),
         cuda_context_reserve_bytes=int(total - free), hbm_gibps=round_sig(statistics.median(hbm), 4),
-        hbm_gibps_runs=tuple(hbm), prefill_gflops=round_sig(flops, 4),
-        prefill_matmul=f"(128,{hidden})x({hidden},{hidden}) float16")
+        hbm_gibps_runs=tuple(hbm), prefill_gflops=round_sig(flops, 4), prefill_matmul=shape)
     link = LinkProfile(h2d_gibps=round_sig(h2d, 4), d2h_gibps=round_sig(d2h, 4),
                        h2d_latency_us=round_sig(lat_h2d, 4), d2h_latency_us=round_sig(lat_d2h, 4),
                        pinned=pin_memory)
@@ -293,7 +317,8 @@ def probe_cuda(quick: bool, progress: Progress) -> tuple[GpuProfile, LinkProfile
     torch.empty(1, device="cuda")  # create the context so mem_get_info sees its reserve
     return measure_gpu(torch.device("cuda"), name=torch.cuda.get_device_name(0),
                        mem_get_info=torch.cuda.mem_get_info, sync=torch.cuda.synchronize,
-                       pin_memory=True, quick=quick, progress=progress)
+                       pin_memory=True, quick=quick, timer=_cuda_event_timer, release=torch.cuda.empty_cache,
+                       progress=progress)
 
 
 # ---- the whole profile -----------------------------------------------------------------------

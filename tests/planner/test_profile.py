@@ -49,14 +49,26 @@ def test_quick_profile_is_fast_valid_and_reports_progress():
 
 
 def test_gpu_measurements_on_a_mocked_device():
-    syncs = []
-    gpu, link = measure_gpu(torch.device("cpu"), name="Mock GPU", mem_get_info=lambda: (6 * GIB, 8 * GIB),
+    syncs, timed, free = [], [], [6 * GIB]
+
+    def timer(fn, reps):
+        timed.append(reps)
+        fn()
+        return 1e-3  # 1 ms per call
+
+    def release():  # the probes' buffers go back; what cuBLAS keeps does not
+        free[0] -= 64 * MIB
+
+    gpu, link = measure_gpu(torch.device("cpu"), name="Mock GPU", mem_get_info=lambda: (free[0], 8 * GIB),
                             sync=lambda: syncs.append(1), pin_memory=False, quick=True,
-                            copy_bytes=8 * MIB, link_bytes=4 * MIB, hidden=128)
+                            copy_bytes=8 * MIB, link_bytes=4 * MIB, hidden=128, timer=timer, release=release)
+    # usable VRAM as read after the probes
     assert (gpu.name, gpu.vram_total_bytes, gpu.vram_usable_bytes, gpu.cuda_context_reserve_bytes) == \
-        ("Mock GPU", 8 * GIB, 6 * GIB, 2 * GIB)
-    assert gpu.hbm_gibps > 0 and len(gpu.hbm_gibps_runs) == 3 and gpu.prefill_gflops > 0
-    assert "(128,128)x(128,128)" in gpu.prefill_matmul
+        ("Mock GPU", 8 * GIB, 6 * GIB - 64 * MIB, 2 * GIB + 64 * MIB)
+    assert gpu.hbm_gibps > 0 and len(gpu.hbm_gibps_runs) == 3
+    # the prefill rate: the executor's prompt-chunk shape, timed by the device timer (1 ms a call)
+    assert timed == [10, 10, 10] and gpu.prefill_gflops == pytest.approx(2 * 512 * 128 * 128 / 1e-3 / 1e9, rel=1e-3)
+    assert gpu.prefill_matmul == "(512,128)x(128,128) bfloat16"
     assert link.h2d_gibps > 0 and link.d2h_gibps > 0 and link.h2d_latency_us > 0 and not link.pinned
     assert len(syncs) > 100                     # every timed region is synchronised
 
