@@ -86,11 +86,11 @@ class ResidentDecode:
         rows = len(batch.slices)
         slots = [self.kv.device_slots(s.seq_id) for s in batch.slices]
         shape = (bucket(rows), bucket(max(len(sl) for sl in slots)))
-        index = self._index(batch, slots, *shape)
+        index = self._staged(self._index(batch, slots, *shape))
         if not self.graphs:
             padded = torch.zeros(shape[0], x.shape[1], dtype=x.dtype, device=x.device)
             padded[:rows] = x
-            return self.step(padded, index)[:rows]
+            return self.step(padded, index.to(self.device, non_blocking=True))[:rows]
         g = self._captured.get(shape)
         if g is None:
             g = self._captured[shape] = self._capture(*shape)
@@ -100,7 +100,7 @@ class ResidentDecode:
         return g.out[:rows].clone()  # the next replay overwrites g.out
 
     def _index(self, batch, slots: list[list[int]], rows: int, pages: int) -> torch.Tensor:
-        """[rows, 3 + pages] int64 on the device: position, write slot, row in the page, page slots."""
+        """[rows, 3 + pages] int64: position, write slot, row in the page, page slots."""
         page, scratch = self.kv.page_size, self.pool.scratch_slot
         index = torch.full((rows, 3 + pages), scratch, dtype=torch.int64)
         index[:, _POSITION] = 0
@@ -110,15 +110,19 @@ class ResidentDecode:
             index[r, _WRITE_SLOT] = sl[s.start // page]
             index[r, _WRITE_ROW] = s.start % page
             index[r, _TABLE:_TABLE + len(sl)] = torch.tensor(sl, dtype=torch.int64)
+        return index
+
+    def _staged(self, index: torch.Tensor) -> torch.Tensor:
+        """The index in a reused pinned buffer on CUDA, so its copy to the device is asynchronous
+        (every step ends by reading the logits back, so the buffer's last copy is done when it is
+        refilled); as it is elsewhere."""
         if self.device.type != "cuda":
             return index
-        # Through a reused pinned buffer: the copy is asynchronous (every step ends by reading the
-        # logits back, so the buffer's previous copy is done when it is refilled).
         if self._staging is None or self._staging.numel() < index.numel():
             self._staging = torch.empty(max(index.numel(), 1024), dtype=torch.int64, pin_memory=True)
         staged = self._staging[: index.numel()].view_as(index)
         staged.copy_(index)
-        return staged.to(self.device, non_blocking=True)
+        return staged
 
     def step(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """The blocks on padded rows: x [rows, H] fp32 (updated in place and returned), index as

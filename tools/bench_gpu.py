@@ -86,8 +86,11 @@ def run_helm(model_dir: Path, plan, config: ModelConfig, ids: list[int], new_tok
     sample. smoke (no CUDA): the GPU stage's code on the CPU, its decode on the static step."""
     placement = placement_for(plan, config)
     t0 = time.perf_counter()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     model = load_model(model_dir, placement, config, **({"backend": "torch", "kv_slab": True} if smoke else {}))
     load_s = time.perf_counter() - t0
+    after_load = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
     engine = Engine(model, eos_token_ids=())
     _request(engine, None, ids[:8], 2)  # warm-up
     recorder = Recorder(plan, "bench", config.architecture, kernel_isa(model))
@@ -95,6 +98,15 @@ def run_helm(model_dir: Path, plan, config: ModelConfig, ids: list[int], new_tok
     out = {"split_k": plan.partition.split_k, "load_s": round(load_s, 1), "ttft_ms": round(seq.ttft_ms, 1),
            "decode_tok_s": round(seq.decode_tokens_per_s or 0.0, 3), "decode_ms_per_token": _ms_per_token(seq),
            "predicted_ms_per_token": plan.prediction.ms_per_token, "stages": _stage_rows(recorder)}
+    if torch.cuda.is_available():
+        kv = model.stages[-1].kv
+        slab = kv.device_pool.slab if kv is not None else None
+        out["gpu_memory"] = {  # what the plan priced, and what the run took beyond it
+            "plan_gpu_bytes": fmt_bytes(plan.search.candidates[plan.partition.split_k].gpu_bytes),
+            "after_load": fmt_bytes(after_load),
+            "kv_slab": fmt_bytes(slab.numel() * slab.element_size() if slab is not None else 0),
+            "peak_allocated": fmt_bytes(torch.cuda.max_memory_allocated()),
+            "peak_reserved": fmt_bytes(torch.cuda.max_memory_reserved())}
     step = model.stages[-1].fused
     if isinstance(step, ResidentDecode):
         out["decode_path"] = "cuda graphs" if step.graphs else "static step, eager"
