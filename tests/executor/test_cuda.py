@@ -77,13 +77,14 @@ def test_cuda_graph_decode_matches_eager_and_transformers(checkpoint, monkeypatc
     path = checkpoint("qwen3", "fp32")
     prompts = [prompt_ids(20, 256, seed=1), prompt_ids(9, 256, seed=2), prompt_ids(3, 256, seed=3)]
     want = [hf_greedy(path, p, 24) for p in prompts]
-    got, model = helm_generate(path, prompts, split=1, max_new_tokens=24, page_size=8, device_kv_pages=16)
+    # 32 slots: the 3 sequences' 18 pages stay resident, and 4 rows x 8 pages fit one step's gather.
+    got, model = helm_generate(path, prompts, split=1, max_new_tokens=24, page_size=8, device_kv_pages=32)
     step = model.stages[1].fused
     assert isinstance(step, ResidentDecode) and step.graphs
     assert (4, 8) in step.captured  # three sequences in a bucket of four rows, up to 8 pages
     assert got == want
     monkeypatch.setenv("HELM_CUDA_GRAPHS", "0")
-    eager, model = helm_generate(path, prompts, split=1, max_new_tokens=24, page_size=8, device_kv_pages=16)
+    eager, model = helm_generate(path, prompts, split=1, max_new_tokens=24, page_size=8, device_kv_pages=32)
     assert not model.stages[1].fused.graphs and eager == want
 
 
