@@ -133,23 +133,37 @@ def fused_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st
     else:
         keys, queries = torch.arange(start + n, device=k.device), torch.arange(start, start + n, device=k.device)
         mask, causal = keys[None, :] <= queries[:, None], False
-    gqa = num_heads != k.shape[0]
-    if gqa and mask is not None and k.device.type == "cuda":
+    group = num_heads // k.shape[0]
+    if group > 1 and mask is not None and k.device.type == "cuda":
         # CUDA's fused kernels take GQA only without a mask (else SDPA falls back to its unfused
-        # math path): give every query head its K/V, as transformers does.
-        k, v = (t.repeat_interleave(num_heads // t.shape[0], dim=0) for t in (k, v))
-        gqa = False
+        # math path): the query heads of a KV head become its rows instead.
+        o = gqa_as_rows(qh, k, v, mask, scale)
+    else:
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qh[None], k[None], v[None], attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=group > 1)[0]
+    return o.transpose(0, 1).reshape(n, num_heads * head_dim)
+
+
+def gqa_as_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Grouped-query attention as multi-head attention over H_kv heads: q [H_q, n, D], k, v
+    [H_kv, L, D], mask [n, L] (True: visible) → [H_q, n, D]. Query head h reads KV head
+    h // group; its rows become rows g·n + t of KV head h // group, the mask tiled to match, so
+    K/V are never repeated per query head."""
+    h_q, n, d = q.shape
+    h_kv = k.shape[0]
+    group = h_q // h_kv
     o = torch.nn.functional.scaled_dot_product_attention(
-        qh[None], k[None], v[None], attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
-    return o[0].transpose(0, 1).reshape(n, num_heads * head_dim)
+        q.reshape(h_kv, group * n, d)[None], k[None], v[None], attn_mask=mask.repeat(group, 1), scale=scale)
+    return o[0].reshape(h_q, n, d)
 
 
 class TorchAttention:
     """A stage's self-attention in plain PyTorch (the reference path, and the one CUDA stages use):
     q/k RMSNorm, rotary embedding, K/V appended to the paged cache, streaming attention per
-    sequence. fused_prompt: a prompt chunk (more than one query) gathers its sequence's pages and
-    takes PyTorch's fused attention (`fused_prompt_attention`) instead of streaming: the GPU
-    stage's prompt path (its decode steps take executor/device_step.py where they can)."""
+    sequence. fused_prompt: a prompt chunk (more than one query) of a sequence whose pages are all
+    on the device gathers them and takes PyTorch's fused attention (`fused_prompt_attention`)
+    instead of streaming: the GPU stage's prompt path (its decode steps take
+    executor/device_step.py where they can)."""
 
     def __init__(self, config: "ModelConfig", kv: "KVCache", ops, fused_prompt: bool = False):
         self.config, self.kv, self.ops = config, kv, ops
@@ -181,8 +195,10 @@ class TorchAttention:
             rows = slice(s.offset, s.offset + s.count)
             self.kv.write(layer, s.seq_id, s.start, k[rows], v[rows])
             end = s.start + s.count
-            if self.fused_prompt and s.count > 1:
-                ks, vs = zip(*((k, v) for k, v, _ in self.kv.chunks(layer, s.seq_id, end)))
+            if self.fused_prompt and s.count > 1 and self.kv.resident(s.seq_id):
+                # Gathered only while every page is on the device: pages on the host stream below,
+                # a page at a time, instead of all coming back at once.
+                ks, vs = zip(*((pk, pv) for pk, pv, _ in self.kv.chunks(layer, s.seq_id, end)))
                 k_all, v_all = (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks, 1), torch.cat(vs, 1))
                 out[rows] = fused_prompt_attention(q[rows].reshape(s.count, cfg.q_dim), k_all, v_all, s.start,
                                                    cfg.num_heads, self.scale).view(s.count, cfg.num_heads, -1)

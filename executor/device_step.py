@@ -21,6 +21,7 @@ same code on the same padded shapes.
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -28,6 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from executor.rope import inverse_frequencies, rotary_tables
+
+log = logging.getLogger(__name__)
 
 # HELM_CUDA_GRAPHS=0 runs the static step eagerly on CUDA (to compare, or to rule graphs out).
 GRAPHS_ENV = "HELM_CUDA_GRAPHS"
@@ -67,6 +70,8 @@ class ResidentDecode:
         self._captured: dict[tuple[int, int], _Graph] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.graphs else None
         self._staging: torch.Tensor | None = None  # pinned host buffer of the index tensor
+        self._staged_copy: torch.cuda.Event | None = None  # its last copy to the device
+        self._slots = None  # (batch, page slots per sequence) of the step `accepts` took
 
     @property
     def captured(self) -> list[tuple[int, int]]:
@@ -74,30 +79,55 @@ class ResidentDecode:
         return sorted(self._captured)
 
     def accepts(self, batch) -> bool:
-        if any(s.count != 1 for s in batch.slices):
+        """Every sequence decodes one token (row r is sequence r) with all its pages in the slab,
+        and the step's gather stays within `max_pages`. Keeps the slots for the call that follows."""
+        self._slots = None
+        if any(s.count != 1 or s.offset != r for r, s in enumerate(batch.slices)):
             return False
         slots = [self.kv.device_slots(s.seq_id) for s in batch.slices]
         if any(sl is None for sl in slots):
             return False
-        return bucket(len(slots)) * bucket(max(len(sl) for sl in slots)) <= self.max_pages
+        if bucket(len(slots)) * bucket(max(len(sl) for sl in slots)) > self.max_pages:
+            return False
+        self._slots = (batch, slots)
+        return True
 
     def __call__(self, x: torch.Tensor, batch) -> torch.Tensor:
         """x: [B, H] fp32 hidden of the step's B tokens (one per sequence) → [B, H] after the blocks."""
+        if self._slots is None or self._slots[0] is not batch:
+            raise RuntimeError("ResidentDecode called on a step it did not accept")
+        slots = self._slots[1]
         rows = len(batch.slices)
-        slots = [self.kv.device_slots(s.seq_id) for s in batch.slices]
         shape = (bucket(rows), bucket(max(len(sl) for sl in slots)))
         index = self._staged(self._index(batch, slots, *shape))
-        if not self.graphs:
+        g = self._graph(shape) if self.graphs else None
+        if g is None:
             padded = torch.zeros(shape[0], x.shape[1], dtype=x.dtype, device=x.device)
             padded[:rows] = x
-            return self.step(padded, index.to(self.device, non_blocking=True))[:rows]
-        g = self._captured.get(shape)
-        if g is None:
-            g = self._captured[shape] = self._capture(*shape)
+            on_device = index.to(self.device, non_blocking=True)
+            if self.device.type == "cuda":
+                self._record_staging_copy()
+            return self.step(padded, on_device)[:rows]
         g.x[:rows].copy_(x)
+        g.x[rows:].zero_()  # padded rows as the eager step has them
         g.index.copy_(index, non_blocking=True)
+        self._record_staging_copy()
         g.graph.replay()
         return g.out[:rows].clone()  # the next replay overwrites g.out
+
+    def _graph(self, shape: tuple[int, int]) -> _Graph | None:
+        """The captured graph of a bucket, captured on first use; None (and eager from then on)
+        when capture fails: the step is still right, only slower, and the daemon serves on."""
+        g = self._captured.get(shape)
+        if g is None:
+            try:
+                g = self._captured[shape] = self._capture(*shape)
+            except Exception:
+                log.warning("CUDA graph capture of the decode step failed at %s rows x pages: running it "
+                            "eagerly from now on", shape, exc_info=True)
+                self.graphs = False
+                return None
+        return g
 
     def _index(self, batch, slots: list[list[int]], rows: int, pages: int) -> torch.Tensor:
         """[rows, 3 + pages] int64: position, write slot, row in the page, page slots."""
@@ -114,15 +144,21 @@ class ResidentDecode:
 
     def _staged(self, index: torch.Tensor) -> torch.Tensor:
         """The index in a reused pinned buffer on CUDA, so its copy to the device is asynchronous
-        (every step ends by reading the logits back, so the buffer's last copy is done when it is
-        refilled); as it is elsewhere."""
+        (refilled only once an event says its last copy is done); as it is elsewhere."""
         if self.device.type != "cuda":
             return index
+        if self._staged_copy is not None:
+            self._staged_copy.synchronize()  # the buffer's last copy to the device is done
         if self._staging is None or self._staging.numel() < index.numel():
             self._staging = torch.empty(max(index.numel(), 1024), dtype=torch.int64, pin_memory=True)
         staged = self._staging[: index.numel()].view_as(index)
         staged.copy_(index)
         return staged
+
+    def _record_staging_copy(self) -> None:
+        if self._staged_copy is None:
+            self._staged_copy = torch.cuda.Event()
+        self._staged_copy.record()
 
     def step(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """The blocks on padded rows: x [rows, H] fp32 (updated in place and returned), index as

@@ -7,7 +7,7 @@ V of `page_size` consecutive tokens for every layer of the stage:
 
     page: [num_layers, 2 (K, V), H_kv, page_size, D]
 
-so a layer's K of one page is a contiguous [H_kv, n, D] slab, what attention reads.
+so a layer's K of one page is a contiguous [H_kv, n, D] block, what attention reads.
 
 `PagePool` is the mechanism (bounded memory on one device, with a free list so pinned host pages
 are not re-allocated); `KVCache` is the policy: which pages a sequence owns, where they live,
@@ -18,6 +18,7 @@ after weights), not the cache's.
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -49,13 +50,14 @@ class PagePool:
                  capacity_pages: int | None, pin_memory: bool = False, slab: bool = False):
         if capacity_pages is not None and capacity_pages < 0:
             raise ValueError(f"capacity_pages must be >= 0, got {capacity_pages}")
-        if slab and capacity_pages is None:
-            raise ValueError("a slab pool needs a capacity")
+        if slab and not capacity_pages:
+            raise ValueError("a slab pool needs a capacity of at least one page")
         self.device = torch.device(device)
         self.page_shape = page_shape
         self.dtype = dtype
         self.capacity_pages = capacity_pages
         self.pin_memory = pin_memory and self.device.type == "cpu" and torch.cuda.is_available()
+        self.page_bytes = math.prod(page_shape) * torch.empty((), dtype=dtype).element_size()
         self.used_pages = 0
         self._free: list[torch.Tensor] = []
         self.keep_free = (capacity_pages or 1 << 30) if self.pin_memory else \
@@ -71,13 +73,6 @@ class PagePool:
             self.slab = torch.zeros((capacity_pages + 1, *page_shape), dtype=dtype, device=self.device)
             self._free = [self.slab[i] for i in reversed(range(capacity_pages))]  # slot 0 first
             self.keep_free = capacity_pages
-
-    @property
-    def page_bytes(self) -> int:
-        n = 1
-        for dim in self.page_shape:
-            n *= dim
-        return n * torch.empty((), dtype=self.dtype).element_size()
 
     @property
     def scratch_slot(self) -> int:
@@ -96,13 +91,15 @@ class PagePool:
         """A page buffer, or None when the pool is at capacity. Contents are undefined."""
         if self.full:
             return None
-        self.used_pages += 1
         if self._free:
-            return self._free.pop()
-        if self.pin_memory:
-            self._locked.append(page_locked(self.page_shape, self.dtype))
-            return self._locked[-1]
-        return torch.empty(self.page_shape, dtype=self.dtype, device=self.device)
+            buf = self._free.pop()
+        elif self.pin_memory:
+            buf = page_locked(self.page_shape, self.dtype)
+            self._locked.append(buf)
+        else:
+            buf = torch.empty(self.page_shape, dtype=self.dtype, device=self.device)
+        self.used_pages += 1  # after the allocation: one that raises takes no page
+        return buf
 
     @property
     def free_pages(self) -> int:
@@ -130,7 +127,12 @@ def page_locked(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 def unlock(tensors: list[torch.Tensor]) -> None:
-    """Unregister page_locked tensors, then let them go (the memory must not be freed while registered)."""
+    """Unregister page_locked tensors, then let them go (the memory must not be freed while
+    registered, nor while a copy may still use it: the device is synchronised first)."""
+    try:
+        torch.cuda.synchronize()
+    except Exception:  # interpreter shutdown: nothing runs any more
+        pass
     for t in tensors:
         if t.numel():
             try:
@@ -146,6 +148,7 @@ class Page:
     on_device: bool
     serial: int  # allocation order: lower is older
     num_tokens: int = 0
+    slot: int | None = None  # its slot in the device pool's slab (None: on the host, or no slab)
 
 
 @dataclass
@@ -169,19 +172,17 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, page_size: int = 512, device_pages: int | None = None,
-                 host_pages: int | None = None, slab: bool | None = None):
+                 host_pages: int | None = None, slab: bool = False):
         """device_pages: pages on `device` (None: unbounded); host_pages: pages the full device
         pool may evict to, in pinned host memory (None: unbounded; 0: none, a full device pool
         is out of KV memory). A cache with an unbounded device pool never evicts. slab: the
-        device pool is one buffer of fixed page slots (PagePool; None: on CUDA when bounded)."""
+        device pool is one buffer of fixed page slots (PagePool; the loader decides)."""
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
         self.num_layers, self.num_kv_heads, self.head_dim, self.dtype = num_layers, num_kv_heads, head_dim, dtype
         self.device = torch.device(device)
         shape = (num_layers, 2, num_kv_heads, page_size, head_dim)
-        if slab is None:
-            slab = self.device.type == "cuda" and device_pages is not None
         self.device_pool = PagePool(self.device, shape, dtype, device_pages, slab=slab)
         self.host_pool = PagePool(torch.device("cpu"), shape, dtype, host_pages, pin_memory=True) \
             if device_pages is not None and host_pages != 0 else None
@@ -240,7 +241,7 @@ class KVCache:
     def _write_host_page(dst: torch.Tensor, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """K/V [n, H_kv, D] on the GPU into slots slot.. of a pinned host page's layer slice dst
         [2, H_kv, P, D]. One copy into that strided slice would convert the dtype through pageable
-        memory and block the host; so the slab is made contiguous in the page's dtype on the
+        memory and block the host; so the K/V block is made contiguous in the page's dtype on the
         GPU and each head's run of slots (contiguous in the page) is copied asynchronously, on
         the compute stream (a later prefetch of the page waits for it)."""
         n = k.shape[0]
@@ -274,10 +275,12 @@ class KVCache:
         the host or the device pool is not a slab."""
         if self.device_pool.slab is None:
             return None
-        pages = self._seqs[seq_id].pages
-        if not all(p.on_device for p in pages):
-            return None
-        return [self.device_pool.slot_of(p.data) for p in pages]
+        slots = [p.slot for p in self._seqs[seq_id].pages]
+        return None if None in slots else slots
+
+    def resident(self, seq_id) -> bool:
+        """Whether every page of the sequence is on the compute device."""
+        return all(p.on_device for p in self._seqs[seq_id].pages)
 
     def chunks(self, layer: int, seq_id, length: int) -> Iterator[KVChunk]:
         """K/V of positions < length, page by page, oldest first, on the compute device.
@@ -326,7 +329,8 @@ class KVCache:
         if buf is None and self._evict_oldest():
             buf = self.device_pool.allocate()
         if buf is not None:
-            return Page(buf, on_device=True, serial=next(self._serial))
+            slot = self.device_pool.slot_of(buf) if self.device_pool.slab is not None else None
+            return Page(buf, on_device=True, serial=next(self._serial), slot=slot)
         # Device full of partial pages: the new page lives on the host from the start.
         host = self.host_pool.allocate() if self.host_pool is not None else None
         if host is None:
@@ -362,7 +366,7 @@ class KVCache:
         else:
             host.copy_(page.data)
         self.device_pool.release(page.data)
-        page.data, page.on_device = host, False
+        page.data, page.on_device, page.slot = host, False, None
         self.evictions += 1
         return True
 

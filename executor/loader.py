@@ -158,7 +158,7 @@ def _load_stage(reader: CheckpointReader, cfg: ModelConfig, spec: StageSpec, pla
     kv = None
     if blocks:
         device_pages, host_pages = kv_pools(placement, spec.device)
-        slab = spec.device == "cuda" and device_pages is not None and (
+        slab = spec.device == "cuda" and bool(device_pages) and (
             device.type == "cuda" if kv_slab is None else kv_slab)
         kv = KVCache(
             num_layers=len(blocks), num_kv_heads=cfg.num_kv_heads, head_dim=D, dtype=wdtype, device=device,

@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from planner.cost import PREFILL_CHUNK_TOKENS
 from planner.machine import (L3_OVER_DRAM, MACHINE_SCHEMA_VERSION, Calibration, CpuKernels, CpuProfile,
                              DeviceCalibration, GpuProfile, LinkProfile, MachineProfile, l3_estimate, tool_version)
-from planner.cost import PREFILL_CHUNK_TOKENS
 from planner.serial import from_dict
 from planner.units import GIB, MIB, fmt_bytes, round_sig
 
@@ -230,12 +230,13 @@ def _copy_gibps(device, nbytes: int, sync, runs: int, progress: Progress) -> lis
     return out
 
 
-def _matmul_gflops(device, hidden: int, timer: Callable[[Callable[[], object], int], float], reps: int) -> float:
-    """(PREFILL_CHUNK_TOKENS, H) x (H, H) bf16 matmul: a prompt chunk through a projection, in the
-    dtype the GPU stage multiplies a bf16 checkpoint in."""
+def _matmul_gflops(device, hidden: int, dtype, timer: Callable[[Callable[[], object], int], float],
+                   reps: int) -> float:
+    """(PREFILL_CHUNK_TOKENS, H) x (H, H) matmul in `dtype`: a prompt chunk through a projection,
+    as the GPU stage multiplies it (in the checkpoint's half-precision dtype)."""
     import torch
-    x = torch.randn(PREFILL_CHUNK_TOKENS, hidden, device=device).to(torch.bfloat16)
-    w = torch.randn(hidden, hidden, device=device).to(torch.bfloat16)
+    x = torch.randn(PREFILL_CHUNK_TOKENS, hidden, device=device).to(dtype)
+    w = torch.randn(hidden, hidden, device=device).to(dtype)
     torch.mm(x, w)
     flops = 2 * PREFILL_CHUNK_TOKENS * hidden * hidden
     return max(flops / timer(lambda: torch.mm(x, w), reps) for _ in range(3)) / 1e9
@@ -277,18 +278,21 @@ def measure_gpu(device, *, name: str, mem_get_info: Callable[[], tuple[int, int]
                 sync: Callable[[], None], pin_memory: bool, quick: bool,
                 copy_bytes: int | None = None, link_bytes: int | None = None, hidden: int = 4096,
                 timer: Callable[[Callable[[], object], int], float] | None = None,
-                release: Callable[[], None] = lambda: None, progress: Progress = _quiet) -> tuple[GpuProfile, LinkProfile]:
+                release: Callable[[], None] = lambda: None, matmul_dtype=None,
+                progress: Progress = _quiet) -> tuple[GpuProfile, LinkProfile]:
     """Measure a torch device as the GPU stage's device, and the host link to it. timer: seconds
     per call of a kernel (default: host clock between synchronisations); release: return the
-    probes' freed buffers to the device. Usable VRAM is read after the probes, so what stays
+    probes' freed buffers to the device; matmul_dtype: the prefill matmul's (default bf16). Usable VRAM is read after the probes, so what stays
     allocated once the GPU has run a matmul (cuBLAS's handle and workspace) counts as reserved."""
+    import torch
     timer = timer or (lambda fn, reps: _timed(fn, sync, reps))
+    matmul_dtype = matmul_dtype or torch.bfloat16
     free, total = mem_get_info()
     progress(f"GPU {name}: {fmt_bytes(total)} total, {fmt_bytes(free)} free with the context")
     copy_bytes = copy_bytes or min((256 * MIB) if quick else GIB, max(free // 8, MIB))
     hbm = _copy_gibps(device, copy_bytes, sync, 3 if quick else 7, progress)
-    flops = _matmul_gflops(device, hidden, timer, 10 if quick else 50)
-    shape = f"({PREFILL_CHUNK_TOKENS},{hidden})x({hidden},{hidden}) bfloat16"
+    flops = _matmul_gflops(device, hidden, matmul_dtype, timer, 10 if quick else 50)
+    shape = f"({PREFILL_CHUNK_TOKENS},{hidden})x({hidden},{hidden}) {str(matmul_dtype).removeprefix('torch.')}"
     progress(f"prefill matmul {shape}: {flops:.0f} GFLOP/s")
     link_bytes = link_bytes or ((64 * MIB) if quick else (256 * MIB))
     h2d, d2h, lat_h2d, lat_d2h = _link(device, link_bytes, sync, pin_memory, 3 if quick else 10)
@@ -318,6 +322,8 @@ def probe_cuda(quick: bool, progress: Progress) -> tuple[GpuProfile, LinkProfile
     return measure_gpu(torch.device("cuda"), name=torch.cuda.get_device_name(0),
                        mem_get_info=torch.cuda.mem_get_info, sync=torch.cuda.synchronize,
                        pin_memory=True, quick=quick, timer=_cuda_event_timer, release=torch.cuda.empty_cache,
+                       # GPUs without bf16 tensor cores (before Ampere) run fp16 checkpoints' rate
+                       matmul_dtype=torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16,
                        progress=progress)
 
 

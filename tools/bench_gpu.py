@@ -102,7 +102,8 @@ def run_helm(model_dir: Path, plan, config: ModelConfig, ids: list[int], new_tok
         kv = model.stages[-1].kv
         slab = kv.device_pool.slab if kv is not None else None
         out["gpu_memory"] = {  # what the plan priced, and what the run took beyond it
-            "plan_gpu_bytes": fmt_bytes(plan.search.candidates[plan.partition.split_k].gpu_bytes),
+            "plan_gpu_bytes": fmt_bytes(next(c.gpu_bytes for c in plan.search.candidates
+                                             if c.split_k == plan.partition.split_k)),
             "after_load": fmt_bytes(after_load),
             "kv_slab": fmt_bytes(slab.numel() * slab.element_size() if slab is not None else 0),
             "peak_allocated": fmt_bytes(torch.cuda.max_memory_allocated()),

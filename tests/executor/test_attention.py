@@ -90,3 +90,20 @@ def test_max_rising_late_rescales_earlier_pages():
 def test_empty_sequence_is_an_error():
     with pytest.raises(ValueError):
         streaming_attention(torch.ones(1, 1, 4), [], 1.0)
+
+
+@pytest.mark.parametrize("heads", [(8, 2), (6, 1), (4, 4)])
+def test_gqa_as_rows_matches_sdpa_with_repeated_kv(heads):
+    """The GPU stage's masked prompt attention (query heads folded into rows) against SDPA with
+    K/V repeated per query head, on an offset causal mask (a chunk after cached keys)."""
+    from executor.attention import gqa_as_rows
+
+    hq, hkv = heads
+    g = torch.Generator().manual_seed(5)
+    n, start, d = 7, 30, 16
+    q = torch.randn(n, hq, d, generator=g)
+    k, v = torch.randn(hkv, start + n, d, generator=g), torch.randn(hkv, start + n, d, generator=g)
+    positions = torch.arange(start, start + n)
+    mask = torch.arange(start + n)[None, :] <= positions[:, None]
+    got = gqa_as_rows(q.permute(1, 0, 2).contiguous(), k, v, mask, d ** -0.5).permute(1, 0, 2)
+    assert (got - reference(q, k, v, positions)).abs().max() < TOL

@@ -4,8 +4,13 @@ code and padded shapes a CUDA graph captures, against transformers and the strea
 import pytest
 import torch
 
+from executor import attention
 from executor.device_step import ResidentDecode, bucket
-from executor.sampling import SamplingParams
+from executor.engine import Engine
+from executor.loader import load_model
+from executor.model_config import ModelConfig
+from executor.placement import Placement
+from executor.sampling import SamplingParams, StopCriteria
 from tests.executor.helpers import (helm_generate, helm_teacher_forced_logits, hf_greedy, hf_model,
                                     prompt_ids)
 from tests.executor.test_correctness import FAMILIES, LOGIT_TOL
@@ -98,3 +103,40 @@ def test_chunked_prompt_on_the_fused_prompt_path_matches_transformers(checkpoint
                                backend="torch", kv_slab=True, prefill_chunk=16)
     assert model.stages[1].attention.fused_prompt
     assert got[0] == want and len(static_steps) == 7
+
+
+def test_stale_kv_in_masked_slots_is_never_read(checkpoint, static_steps):
+    """Slots after a sequence's end, padded pages and the scratch slot hold whatever earlier
+    sequences left (here: large finite values in every slot); the position mask hides them all."""
+    path = checkpoint("qwen3", "fp32")
+    prompts = [prompt_ids(n, 256, seed=n) for n in (3, 17, 9)]
+    want, _ = helm_generate(path, prompts, max_new_tokens=12)
+    cfg = ModelConfig.from_dir(path)
+    placement = Placement.from_split(cfg.num_units, 1, page_size_tokens=4, device_kv_pages=40)
+    model = load_model(path, placement, cfg, backend="torch", kv_slab=True)
+    model.stages[1].kv.device_pool.slab.fill_(1e4)
+    seqs = Engine(model).generate(prompts, SamplingParams(), StopCriteria(max_new_tokens=12, ignore_eos=True))
+    assert [s.output_ids for s in seqs] == want and static_steps
+
+
+def test_prompt_chunks_of_a_sequence_with_host_pages_stream(checkpoint, static_steps, monkeypatch):
+    """The GPU stage gathers a prompt's pages for the fused attention only while all are on the
+    device; once one is on the host, its chunks stream the pages back one at a time."""
+    path = checkpoint("llama", "fp32")
+    prompt = prompt_ids(45, 256, seed=31)
+    want = hf_greedy(path, prompt, 6)
+    gathered = []
+    fused = attention.fused_prompt_attention
+
+    def spy(*args, **kw):
+        gathered.append(args[1].shape[1])  # the keys gathered
+        return fused(*args, **kw)
+
+    monkeypatch.setattr(attention, "fused_prompt_attention", spy)
+    got, model = helm_generate(path, [prompt], split=1, max_new_tokens=6, page_size=8, device_kv_pages=3,
+                               backend="torch", kv_slab=True, prefill_chunk=16)
+    assert model.stages[1].kv.stats().evictions > 0
+    assert got[0] == want and not static_steps  # every decode step has host pages: streamed
+    # Only the first chunk (2 pages, both in the slab) was gathered, once per layer; the later
+    # chunks have a page on the host and streamed.
+    assert gathered == [16] * model.config.num_layers
