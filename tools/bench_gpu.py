@@ -107,6 +107,8 @@ def run_helm(model_dir: Path, plan, config: ModelConfig, ids: list[int], new_tok
             "after_load": fmt_bytes(after_load),
             "kv_slab": fmt_bytes(slab.numel() * slab.element_size() if slab is not None else 0),
             "peak_allocated": fmt_bytes(torch.cuda.max_memory_allocated()),
+            # the GPU stage's working set, which the plan does not price yet (issue 11, item 8)
+            "working_set": fmt_bytes(torch.cuda.max_memory_allocated() - after_load),
             "peak_reserved": fmt_bytes(torch.cuda.max_memory_reserved())}
     step = model.stages[-1].fused
     if isinstance(step, ResidentDecode):
