@@ -130,17 +130,14 @@ class ResidentDecode:
         return g
 
     def _index(self, batch, slots: list[list[int]], rows: int, pages: int) -> torch.Tensor:
-        """[rows, 3 + pages] int64: position, write slot, row in the page, page slots."""
+        """[rows, 3 + pages] int64: position, write slot, row in the page, page slots (padded rows
+        and pages: the scratch slot). Built as lists, one tensor at the end: per-element tensor
+        writes would cost more host time than the step saves."""
         page, scratch = self.kv.page_size, self.pool.scratch_slot
-        index = torch.full((rows, 3 + pages), scratch, dtype=torch.int64)
-        index[:, _POSITION] = 0
-        index[:, _WRITE_ROW] = 0
+        table = [[0, scratch, 0] + [scratch] * pages for _ in range(rows)]
         for r, (s, sl) in enumerate(zip(batch.slices, slots)):
-            index[r, _POSITION] = s.start
-            index[r, _WRITE_SLOT] = sl[s.start // page]
-            index[r, _WRITE_ROW] = s.start % page
-            index[r, _TABLE:_TABLE + len(sl)] = torch.tensor(sl, dtype=torch.int64)
-        return index
+            table[r][:3 + len(sl)] = [s.start, sl[s.start // page], s.start % page, *sl]
+        return torch.tensor(table, dtype=torch.int64)
 
     def _staged(self, index: torch.Tensor) -> torch.Tensor:
         """The index in a reused pinned buffer on CUDA, so its copy to the device is asynchronous
