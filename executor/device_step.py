@@ -5,7 +5,8 @@ each costing microseconds of Python and driver time), not by HBM. A captured CUD
 every kernel of the step at once, but it needs every shape and address fixed. So this step:
 
 - pads the batch to a bucket of 1, 2, 4, ... rows and each sequence's pages to a bucket of
-  1, 2, 4, ... pages (one graph per pair of buckets, captured on first use);
+  1, 2, 4, ... pages (one graph per pair of buckets, captured at load for the plan's batch and
+  context; a step outside them runs the same code eagerly);
 - addresses KV pages by their slot in the device pool's slab (kv_cache.PagePool), from one
   index tensor copied to the device before the replay;
 - writes each row's new K/V into (its page's slot, its position in the page) with one index_put
@@ -43,6 +44,11 @@ def bucket(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def _buckets(n: int) -> list[int]:
+    """Every bucket up to bucket(n): 1, 2, 4, ..."""
+    return [1 << i for i in range(bucket(max(1, n)).bit_length())]
+
+
 @dataclass
 class _Graph:
     graph: "torch.cuda.CUDAGraph"
@@ -69,13 +75,14 @@ class ResidentDecode:
         self.graphs = graphs and self.device.type == "cuda"
         self._captured: dict[tuple[int, int], _Graph] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.graphs else None
+        self._side = torch.cuda.Stream(self.device) if self.graphs else None  # warm-up and capture
         self._staging: torch.Tensor | None = None  # pinned host buffer of the index tensor
         self._staged_copy: torch.cuda.Event | None = None  # its last copy to the device
         self._slots = None  # (batch, page slots per sequence) of the step `accepts` took
 
     @property
     def captured(self) -> list[tuple[int, int]]:
-        """(rows, pages) buckets captured so far."""
+        """(rows, pages) buckets captured."""
         return sorted(self._captured)
 
     def accepts(self, batch) -> bool:
@@ -100,7 +107,7 @@ class ResidentDecode:
         rows = len(batch.slices)
         shape = (bucket(rows), bucket(max(len(sl) for sl in slots)))
         index = self._staged(self._index(batch, slots, *shape))
-        g = self._graph(shape) if self.graphs else None
+        g = self._captured.get(shape) if self.graphs else None  # a bucket not captured at load: eager
         if g is None:
             padded = torch.zeros(shape[0], x.shape[1], dtype=x.dtype, device=x.device)
             padded[:rows] = x
@@ -115,19 +122,22 @@ class ResidentDecode:
         g.graph.replay()
         return g.out[:rows].clone()  # the next replay overwrites g.out
 
-    def _graph(self, shape: tuple[int, int]) -> _Graph | None:
-        """The captured graph of a bucket, captured on first use; None (and eager from then on)
-        when capture fails: the step is still right, only slower, and the daemon serves on."""
-        g = self._captured.get(shape)
-        if g is None:
-            try:
-                g = self._captured[shape] = self._capture(*shape)
-            except Exception:
-                log.warning("CUDA graph capture of the decode step failed at %s rows x pages: running it "
-                            "eagerly from now on", shape, exc_info=True)
-                self.graphs = False
-                return None
-        return g
+    def capture(self, max_rows: int, max_pages_per_sequence: int) -> None:
+        """Capture the step's CUDA graph for every bucket a step can take: rows up to
+        bucket(max_rows), pages up to bucket(max_pages_per_sequence), their product within
+        `max_pages`. At load, not on first use: a capture that fails leaves the stream and the
+        allocator in capture state, which no later step could recover from, so the plan's load
+        fails instead (HELM_CUDA_GRAPHS=0 runs every step eagerly)."""
+        if not self.graphs:
+            return
+        for rows in _buckets(max_rows):
+            for pages in _buckets(max_pages_per_sequence):
+                if rows * pages <= self.max_pages and (rows, pages) not in self._captured:
+                    try:
+                        self._captured[(rows, pages)] = self._capture(rows, pages)
+                    except Exception as e:
+                        raise RuntimeError(f"CUDA graph capture of the GPU stage's decode step failed at {rows} "
+                                           f"rows x {pages} pages ({e}); {GRAPHS_ENV}=0 runs it eagerly") from e
 
     def _index(self, batch, slots: list[list[int]], rows: int, pages: int) -> torch.Tensor:
         """[rows, 3 + pages] int64: position, write slot, row in the page, page slots (padded rows
@@ -201,14 +211,15 @@ class ResidentDecode:
         index = torch.full((rows, 3 + pages), self.pool.scratch_slot, dtype=torch.int64, device=self.device)
         index[:, _POSITION] = 0
         index[:, _WRITE_ROW] = 0
-        # Warm up off the capture: cuBLAS handles and workspaces, SDPA's kernel choice.
-        side, current = torch.cuda.Stream(self.device), torch.cuda.current_stream(self.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
+        # Warm up on the stream the capture uses (one for every bucket: cuBLAS keeps a workspace
+        # per stream): cuBLAS handles and workspaces, SDPA's kernel choice.
+        current = torch.cuda.current_stream(self.device)
+        self._side.wait_stream(current)
+        with torch.cuda.stream(self._side):
             for _ in range(2):
                 self.step(x.clone(), index)
-        current.wait_stream(side)
+        current.wait_stream(self._side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self._mempool, stream=self._side, capture_error_mode="thread_local"):
             out = self.step(x, index)
         return _Graph(graph, x, index, out)

@@ -18,12 +18,15 @@ after weights), not the cache's.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
+
+log = logging.getLogger(__name__)
 
 # One page of a layer's K/V as attention reads it: K [H_kv, n, D], V [H_kv, n, D], first position.
 KVChunk = tuple[torch.Tensor, torch.Tensor, int]
@@ -121,9 +124,23 @@ def page_locked(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     size = t.numel() * t.element_size()
     err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), size, 0) if size else 0
     if int(err) != 0:
+        _clear_cuda_error()
         raise MemoryError(f"could not page-lock {size} bytes of host memory for KV pages (cudaHostRegister "
                           f"error {int(err)}); the locked-memory limit (ulimit -l) may be too low")
     return t
+
+
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a failed call PyTorch did not make (and so does
+    not clear): left pending, the next kernel launch anywhere would report it as its own failure.
+    torch.cuda.cudart() does not bind cudaGetLastError: call it in the runtime this process loaded."""
+    import ctypes
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next(line.split()[-1] for line in maps if "libcudart.so" in line)
+        ctypes.CDLL(path).cudaGetLastError()
+    except (OSError, StopIteration):
+        log.warning("could not clear the CUDA runtime's last error after a failed cudaHostRegister")
 
 
 def unlock(tensors: list[torch.Tensor]) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from executor.backends import make_backend, resolve_backend
+from executor.device_step import ResidentDecode
 from executor.kv_cache import KVCache
 from executor.model_config import ModelConfig
 from executor.placement import Placement, StageSpec, resolve_device
@@ -68,7 +69,20 @@ def load_model(model_dir: str | Path, placement: Placement, config: ModelConfig 
         stages = [_load_stage(reader, config, spec, placement, backend, choice, kv_slab) for spec in placement.stages]
     finally:
         reader.close()
+    for stage in stages:
+        if isinstance(stage.fused, ResidentDecode):
+            stage.fused.capture(*_decode_buckets(placement, config))
     return LoadedModel(config, stages, placement, model_dir)
+
+
+def _decode_buckets(placement: Placement, config: ModelConfig) -> tuple[int, int]:
+    """(rows, pages per sequence) the GPU stage's decode graphs are captured up to: as many
+    sequences as the plan's KV budget has pages (short requests share it: the engine admits by
+    pages), each up to the plan's context (without a plan: the device pool's pages, the model's
+    context)."""
+    context = placement.context_tokens or config.max_position_embeddings
+    rows = placement.kv_budget_pages or placement.device_kv_pages or 1
+    return rows, -(-context // placement.page_size_tokens)
 
 
 def _kernel_choice(placement: Placement, config: ModelConfig, backend: str) -> tuple[dict, int]:

@@ -323,7 +323,7 @@ def probe_cuda(quick: bool, progress: Progress) -> tuple[GpuProfile, LinkProfile
                        mem_get_info=torch.cuda.mem_get_info, sync=torch.cuda.synchronize,
                        pin_memory=True, quick=quick, timer=_cuda_event_timer, release=torch.cuda.empty_cache,
                        # GPUs without bf16 tensor cores (before Ampere) run fp16 checkpoints' rate
-                       matmul_dtype=torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16,
+                       matmul_dtype=torch.bfloat16 if torch.cuda.get_device_capability()[0] >= 8 else torch.float16,
                        progress=progress)
 
 

@@ -140,3 +140,32 @@ def test_prompt_chunks_of_a_sequence_with_host_pages_stream(checkpoint, static_s
     # Only the first chunk (2 pages, both in the slab) was gathered, once per layer; the later
     # chunks have a page on the host and streamed.
     assert gathered == [16] * model.config.num_layers
+
+
+def test_graphs_are_captured_at_load_for_every_bucket_a_step_takes(checkpoint, static_steps, monkeypatch):
+    """Capture happens at load (a failed capture cannot be recovered from mid-serving), so the
+    buckets captured must cover every static step the plan's budget allows: here, run eagerly on
+    the CPU, every step's (rows, pages) is among the buckets capture() enumerates."""
+    from dataclasses import replace
+
+    from executor.loader import _decode_buckets
+
+    path = checkpoint("qwen3", "fp32")
+    cfg = ModelConfig.from_dir(path)
+    placement = replace(Placement.from_split(cfg.num_units, 1, page_size_tokens=4, device_kv_pages=12),
+                        kv_sequences=2, context_tokens=24)   # a budget of 12 pages, 6 per sequence at most
+    model = load_model(path, placement, cfg, backend="torch", kv_slab=True)
+    step = model.stages[1].fused
+    assert _decode_buckets(placement, cfg) == (12, 6)
+    captured = []
+    monkeypatch.setattr(step, "graphs", True)
+    monkeypatch.setattr(step, "_capture", lambda rows, pages: captured.append((rows, pages)))
+    step.capture(*_decode_buckets(placement, cfg))
+    # rows up to 16, pages up to 8, at most 16 pages gathered (the pool's 12, bucketed)
+    assert sorted(captured) == [(1, 1), (1, 2), (1, 4), (1, 8), (2, 1), (2, 2), (2, 4), (2, 8), (4, 1), (4, 2),
+                                (4, 4), (8, 1), (8, 2), (16, 1)]
+    monkeypatch.setattr(step, "graphs", False)
+    prompts = [prompt_ids(n, 256, seed=n) for n in (2, 3, 5, 9)]   # short: the ledger admits several
+    Engine(model).generate(prompts, SamplingParams(), StopCriteria(max_new_tokens=6, ignore_eos=True))
+    taken = {(rows, cols - 3) for rows, cols in static_steps}
+    assert taken and taken <= set(captured) and any(rows > 2 for rows, _ in taken)
