@@ -147,7 +147,8 @@ def unlock(tensors: list[torch.Tensor]) -> None:
     """Unregister page_locked tensors, then let them go (the memory must not be freed while
     registered, nor while a copy may still use it: the device is synchronised first)."""
     try:
-        torch.cuda.synchronize()
+        if not torch.cuda.is_current_stream_capturing():  # collected mid-capture: a sync would break it
+            torch.cuda.synchronize()
     except Exception:  # interpreter shutdown: nothing runs any more
         pass
     for t in tensors:
