@@ -22,7 +22,6 @@ same code on the same padded shapes.
 """
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 
@@ -30,8 +29,6 @@ import torch
 import torch.nn.functional as F
 
 from executor.rope import inverse_frequencies, rotary_tables
-
-log = logging.getLogger(__name__)
 
 # HELM_CUDA_GRAPHS=0 runs the static step eagerly on CUDA (to compare, or to rule graphs out).
 GRAPHS_ENV = "HELM_CUDA_GRAPHS"
