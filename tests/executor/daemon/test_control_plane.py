@@ -123,10 +123,14 @@ def test_watch_streams_cannot_take_the_pool(daemon, client):
     """Health Watch is open to anyone and holds a thread while open: its lane is bounded."""
     from grpc_health.v1 import health_pb2
 
-    watches = [client.health.Watch(health_pb2.HealthCheckRequest(), timeout=60) for _ in range(WATCH_STREAMS + 4)]
+    # One at a time: opened at once, their requests would also compete for the lane of requests
+    # being read (OPEN_READERS), and a slow machine would see refusals from that lane too.
+    watches = []
     try:
         refused = 0
-        for w in watches:
+        for _ in range(WATCH_STREAMS + 4):
+            w = client.health.Watch(health_pb2.HealthCheckRequest(), timeout=60)
+            watches.append(w)
             try:
                 assert next(w).status == health_pb2.HealthCheckResponse.SERVING
             except grpc.RpcError as e:
