@@ -198,8 +198,7 @@ class TorchAttention:
             if self.fused_prompt and s.count > 1 and self.kv.resident(s.seq_id):
                 # Gathered only while every page is on the device: pages on the host stream below,
                 # a page at a time, instead of all coming back at once.
-                ks, vs = zip(*((pk, pv) for pk, pv, _ in self.kv.chunks(layer, s.seq_id, end)))
-                k_all, v_all = (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks, 1), torch.cat(vs, 1))
+                k_all, v_all = self.kv.gathered(layer, s.seq_id, end)
                 out[rows] = fused_prompt_attention(q[rows].reshape(s.count, cfg.q_dim), k_all, v_all, s.start,
                                                    cfg.num_heads, self.scale).view(s.count, cfg.num_heads, -1)
                 continue

@@ -109,13 +109,8 @@ class KernelAttention:
         """Causal attention of a chunk of queries q [n, H_q·D] (fp32) at positions start.. over the
         sequence's cached keys: its pages gathered into one K and one V for
         `fused_prompt_attention`. Returns [n, H_q·D]."""
-        cfg, n = self.config, q.shape[0]
-        ks, vs = [], []
-        for k, v, _ in self.kv.chunks(layer, seq_id, start + n):
-            ks.append(k)
-            vs.append(v)
-        k, v = (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks, 1), torch.cat(vs, 1))  # [H_kv, L, D]
-        return fused_prompt_attention(q, k, v, start, cfg.num_heads, self.scale)
+        k, v = self.kv.gathered(layer, seq_id, start + q.shape[0])  # [H_kv, L, D]
+        return fused_prompt_attention(q, k, v, start, self.config.num_heads, self.scale)
 
 
 class FusedBlocks:

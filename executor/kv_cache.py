@@ -300,6 +300,12 @@ class KVCache:
         """Whether every page of the sequence is on the compute device."""
         return all(p.on_device for p in self._seqs[seq_id].pages)
 
+    def gathered(self, layer: int, seq_id, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of positions < length as one [H_kv, length, D] tensor each, on the compute
+        device (a prompt chunk's fused attention reads them so); a view when one page holds them."""
+        ks, vs = zip(*((k, v) for k, v, _ in self.chunks(layer, seq_id, length)))
+        return (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks, 1), torch.cat(vs, 1))
+
     def chunks(self, layer: int, seq_id, length: int) -> Iterator[KVChunk]:
         """K/V of positions < length, page by page, oldest first, on the compute device.
 
