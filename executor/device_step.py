@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from executor.rope import inverse_frequencies, rotary_tables
+from executor.torch_ops import decoder_block
 
 # HELM_CUDA_GRAPHS=0 runs the static step eagerly on CUDA (to compare, or to rule graphs out).
 GRAPHS_ENV = "HELM_CUDA_GRAPHS"
@@ -167,19 +168,14 @@ class ResidentDecode:
     def step(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """The blocks on padded rows: x [rows, H] fp32 (updated in place and returned), index as
         `_index` makes it. Only device work of fixed shapes: what a CUDA graph captures."""
-        cfg, ops = self.config, self.ops
         positions = index[:, _POSITION]
         cos, sin = rotary_tables(self.inv_freq, positions)
         keys = index.shape[1] - _TABLE
         key_pos = torch.arange(keys * self.kv.page_size, device=x.device)
         visible = (key_pos[None, :] <= positions[:, None])[:, None, None, :]  # [rows, 1, 1, keys·P]
         for layer, w in enumerate(self.blocks):
-            h = ops.rms_norm(x, w.input_norm, cfg.rms_norm_eps)
-            q, k, v = self.attention.project(w.qkv(h), w.q_norm, w.k_norm, cos, sin)
-            x = w.o(self._attend(layer, q, k, v, index, visible), x)  # x += o(attn)
-            h = ops.rms_norm(x, w.post_norm, cfg.rms_norm_eps)
-            gate, up = w.gate_up(h).split(cfg.intermediate_size, dim=-1)
-            x = w.down(ops.silu_mul(gate, up), x)  # x += down(silu(gate) · up)
+            x = decoder_block(x, w, self.ops, self.config, lambda qkv: self._attend(
+                layer, *self.attention.project(qkv, w.q_norm, w.k_norm, cos, sin), index, visible))
         return x
 
     def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,

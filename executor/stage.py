@@ -18,6 +18,7 @@ from executor.kv_cache import KVCache
 from executor.model_config import ModelConfig
 from executor.backends import TorchBackend
 from executor.rope import inverse_frequencies, rotary_tables
+from executor.torch_ops import decoder_block
 
 # [T, K] fp32 → [T, N] fp32; called as (x, residual) it adds into residual [T, N] in place.
 Linear = Callable[..., torch.Tensor]
@@ -105,10 +106,5 @@ class Stage:
         return x.to(self.device)
 
     def _block(self, x, w: BlockWeights, layer, batch, positions, cos, sin):
-        cfg, ops = self.config, self.ops
-        h = ops.rms_norm(x, w.input_norm, cfg.rms_norm_eps)
-        attn = self.attention(w.qkv(h), w.q_norm, w.k_norm, layer, batch, positions, cos, sin)  # [T, H_q·D]
-        x = w.o(attn, x)  # x += o(attn)
-        h = ops.rms_norm(x, w.post_norm, cfg.rms_norm_eps)
-        gate, up = w.gate_up(h).split(cfg.intermediate_size, dim=-1)
-        return w.down(ops.silu_mul(gate, up), x)  # x += down(silu(gate) · up)
+        return decoder_block(x, w, self.ops, self.config, lambda qkv: self.attention(
+            qkv, w.q_norm, w.k_norm, layer, batch, positions, cos, sin))
