@@ -30,16 +30,12 @@ import torch.nn.functional as F
 
 from executor.rope import inverse_frequencies, rotary_tables
 from executor.torch_ops import decoder_block
+from planner.step_shape import bucket
 
 # HELM_CUDA_GRAPHS=0 runs the static step eagerly on CUDA (to compare, or to rule graphs out).
 GRAPHS_ENV = "HELM_CUDA_GRAPHS"
 
 _POSITION, _WRITE_SLOT, _WRITE_ROW, _TABLE = 0, 1, 2, 3  # columns of the index tensor
-
-
-def bucket(n: int) -> int:
-    """The smallest power of two >= n (n >= 1)."""
-    return 1 << (n - 1).bit_length()
 
 
 def _buckets(n: int) -> list[int]:

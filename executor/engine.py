@@ -28,7 +28,7 @@ from executor.batch import StepBatch
 from executor.errors import RequestError
 from executor.loader import LoadedModel
 from executor.sampling import SamplingParams, StopCriteria, make_generator, sample
-from planner.cost import PREFILL_CHUNK_TOKENS
+from planner.step_shape import MAX_RUNNING_SEQUENCES, MAX_STEP_TOKENS, PREFILL_CHUNK_TOKENS, step_tokens
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +111,8 @@ class StepRecord:
 
 class Engine:
     def __init__(self, model: LoadedModel, eos_token_ids: tuple[int, ...] = (),
-                 context_limit: int | None = None, max_step_tokens: int = 2048,
-                 prefill_chunk: int = PREFILL_CHUNK_TOKENS, max_running: int = 64):
+                 context_limit: int | None = None, max_step_tokens: int | None = None,
+                 prefill_chunk: int = PREFILL_CHUNK_TOKENS, max_running: int = MAX_RUNNING_SEQUENCES):
         self.model = model
         self.config = model.config
         self.eos_token_ids = tuple(eos_token_ids or model.config.eos_token_ids)
@@ -124,6 +124,9 @@ class Engine:
         self._kv_pages: dict[object, int] = {}  # the ledger: pages held for each started sequence
         # Called with every executed step's record (a measurement: executor.report.Recorder.record_step).
         self.on_step: Callable[[StepRecord], object] | None = None
+        if max_step_tokens is None:  # a plan's working set is priced for its batch's prompt chunks
+            max_step_tokens = (step_tokens(placement.kv_sequences, self.context_limit) if placement.kv_sequences
+                               else MAX_STEP_TOKENS)
         self.max_step_tokens = max_step_tokens
         self.prefill_chunk = prefill_chunk
         self.max_running = max_running

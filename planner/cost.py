@@ -36,10 +36,11 @@ from typing import Callable
 
 from planner.machine import DeviceCalibration, MachineProfile
 from planner.ir import SharedWeight, UnitIR
+from planner.step_shape import PREFILL_CHUNK_TOKENS
 from planner.units import GIB, fmt_bytes
+from planner.working_set import gpu_working_bytes
 
 MIN_DEVICE_PAGES_WITH_OFFLOAD = 2  # the page being written + one page streamed back
-PREFILL_CHUNK_TOKENS = 512  # the executor prefills a long prompt in steps of at most this many tokens
 
 
 @dataclass(frozen=True)
@@ -196,10 +197,11 @@ class SplitCost:
     comm_ms: float
     comm_prefill_ms: float
     kv: KVLayout
-    gpu_bytes: int              # weights + device KV
+    gpu_bytes: int              # weights + device KV + working set
     host_bytes: int             # CPU weights + CPU KV + offloaded pages
     gpu_budget_bytes: int
     host_budget_bytes: int
+    gpu_work_bytes: int = 0     # the GPU stage's working set (planner/working_set.py)
 
     def stage_ms(self, device: str) -> float:
         return sum(s.ms for s in self.stages if s.device == device)
@@ -241,13 +243,21 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
     cpu_weights = stage_weight_bytes(units, 0, k, shared)
     reasons = []
 
-    # -- where the GPU stage's KV pages live
+    # -- where the GPU stage's KV pages live, and the VRAM the stage works in beside them
+    def work(device_pages: int) -> int:
+        return gpu_working_bytes(units[k:], dtype=dtype, batch=batch, context=context, page_size_tokens=page_size_tokens,
+                                 budget_pages=needed, device_pages=device_pages, device_page_bytes=dev_page)
+
     device_pages, host_pages = needed, 0
     if k < n and offload and dev_page:
-        room = max(0, gpu_budget_bytes - gpu_weights)
+        room = max(0, gpu_budget_bytes - gpu_weights - work(0))
         device_pages = min(needed, int(watermark * room // dev_page))
+        # the decode graphs' gather grows with the pool: give back pages until the pool fits
+        while device_pages and gpu_weights + device_pages * dev_page + work(device_pages) > gpu_budget_bytes:
+            device_pages -= 1
         host_pages = needed - device_pages
-    gpu_bytes = gpu_weights + device_pages * dev_page if k < n else 0
+    gpu_work = work(device_pages) if k < n else 0
+    gpu_bytes = gpu_weights + device_pages * dev_page + gpu_work if k < n else 0
     cpu_pages = batch * pages if cpu_kv_tok else 0
     host_bytes = cpu_weights + cpu_pages * cpu_page + host_pages * dev_page
 
@@ -258,7 +268,8 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
             reasons.append(f"cuda weights need {fmt_bytes(gpu_weights)} > {fmt_bytes(gpu_budget_bytes)} usable VRAM")
         elif gpu_bytes > gpu_budget_bytes:
             reasons.append(f"cuda needs {fmt_bytes(gpu_bytes)} (weights {fmt_bytes(gpu_weights)} + KV "
-                           f"{fmt_bytes(gpu_bytes - gpu_weights)}) > {fmt_bytes(gpu_budget_bytes)} usable VRAM")
+                           f"{fmt_bytes(device_pages * dev_page)} + working set {fmt_bytes(gpu_work)}) > "
+                           f"{fmt_bytes(gpu_budget_bytes)} usable VRAM")
         elif host_pages and device_pages < MIN_DEVICE_PAGES_WITH_OFFLOAD:
             reasons.append(f"cuda weights leave room for {device_pages} KV page(s) of {fmt_bytes(dev_page)}; "
                            f"offload needs >= {MIN_DEVICE_PAGES_WITH_OFFLOAD}")
@@ -306,4 +317,4 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
     return SplitCost(split_k=k, feasible=not reasons, reason="; ".join(reasons), stages=tuple(stages),
                      comm_ms=comm, comm_prefill_ms=comm_prefill, kv=kv, gpu_bytes=gpu_bytes,
                      host_bytes=host_bytes, gpu_budget_bytes=gpu_budget_bytes,
-                     host_budget_bytes=host_budget_bytes)
+                     host_budget_bytes=host_budget_bytes, gpu_work_bytes=gpu_work)

@@ -4,7 +4,9 @@ search and the plan file read; the trace itself (torch, transformers) is only ne
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from planner.serial import OMIT_IF_NONE
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,10 @@ class UnitIR:
     attn_flops_per_context_token: int   # F_attn / c: activation×activation FLOPs per context token
     num_nodes: int                      # aten ops recorded for the unit in the decode graph
     traced_as: int                      # unit whose trace this unit reuses (itself when traced)
+    # Activation values live at once at the unit's peak, per prompt token, in the traced prefill
+    # (the model's own graph): what its working memory grows with (None: an IR traced before
+    # this was recorded).
+    work_values_per_token: int | None = field(default=None, metadata=OMIT_IF_NONE)
 
     def prefill_flops(self, tokens: int) -> int:
         """FLOPs to prefill `tokens` tokens of one sequence (causal attention)."""

@@ -77,6 +77,8 @@ class StagePlan:
     unit_end: int                       # exclusive
     num_blocks: int
     weight_bytes: int                   # resident weights (a tied weight counted once per device)
+    # The GPU stage's working set beyond weights and KV (planner/working_set.py); None on the CPU
+    working_bytes: int | None = field(default=None, metadata=OMIT_IF_NONE)
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,7 @@ class Candidate:
     cuda_ms: float | None               # per token (None when the machine has no GPU)
     comm_ms: float
     total_ms: float | None
-    gpu_bytes: int                      # weights + device KV
+    gpu_bytes: int                      # weights + device KV + working set
     host_bytes: int                     # CPU weights + CPU KV + offloaded pages
 
 
@@ -275,7 +277,9 @@ def header_lines(plan: Plan) -> list[str]:
             parts.append(f"{s.num_blocks} block{'s' if s.num_blocks != 1 else ''}")
         if s.unit_end == p.num_units:
             parts.append("head")
-        return f"{s.device} units {s.unit_start}-{s.unit_end - 1} ({' + '.join(parts)}, {fmt_bytes(s.weight_bytes)})"
+        work = f" + {fmt_bytes(s.working_bytes)} working set" if s.working_bytes else ""
+        return (f"{s.device} units {s.unit_start}-{s.unit_end - 1} ({' + '.join(parts)}, "
+                f"{fmt_bytes(s.weight_bytes)}{work})")
 
     name = model_label(plan.model.source, plan.model.model_type)
     profile = "" if plan.machine.source == "measured" else f" ({plan.machine.source} profile)"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from planner.cost import PREFILL_CHUNK_TOKENS
+from planner.step_shape import PREFILL_CHUNK_TOKENS
 from planner.machine import Calibration
 from planner.plan import Plan, Prediction
 from planner.planning import plan_space, prediction_of

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from planner.cost import PREFILL_CHUNK_TOKENS
+from planner.step_shape import PREFILL_CHUNK_TOKENS
 from planner.machine import (L3_OVER_DRAM, MACHINE_SCHEMA_VERSION, Calibration, CpuKernels, CpuProfile,
                              DeviceCalibration, GpuProfile, LinkProfile, MachineProfile, l3_estimate, tool_version)
 from planner.serial import from_dict

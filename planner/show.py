@@ -14,7 +14,8 @@ def _stage_line(plan: Plan, i: int) -> str:
     s = plan.partition.stages[i]
     p = next(x for x in plan.prediction.stages if x.device == s.device)
     span = f"units {s.unit_start}-{s.unit_end - 1}"
-    return (f"  {s.device:<5} {span:<13} {s.num_blocks:>3} blocks {fmt_bytes(s.weight_bytes):>10}  "
+    work = f" (+{fmt_bytes(s.working_bytes)} working set)" if s.working_bytes else ""
+    return (f"  {s.device:<5} {span:<13} {s.num_blocks:>3} blocks {fmt_bytes(s.weight_bytes):>10}{work}  "
             f"{p.ms_per_token:>9.3f} ms/token (proj {p.proj_ms_per_token:.3f}, attn {p.attn_ms_per_token:.3f}, "
             f"δ {p.overhead_ms_per_token:.3f}), reads weights at {p.weight_read_gibps:.1f} GiB/s")
 

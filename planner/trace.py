@@ -173,7 +173,7 @@ class _Recorder:
             kind="op", unit=self._current_unit(), module=self._current_module(),
             shape=tuple(tuple(t.shape) for t in outs) if len(outs) != 1 else tuple(outs[0].shape),
             dtype=",".join(str(t.dtype).replace("torch.", "") for t in outs),
-            bytes=sum(_tensor_bytes(t) for t in outs), flops=int(flops),
+            bytes=sum(_tensor_bytes(t) for t in outs), numel=sum(t.numel() for t in outs), flops=int(flops),
             tainted=any(n.meta["tainted"] for n in inputs),
             roots=frozenset().union(*(n.meta["roots"] for n in derived)) if is_derived else frozenset(),
             weight_op=bool(derived) and not is_derived,
@@ -276,6 +276,54 @@ class _Recorder:
                    if isinstance(t, torch.Tensor) and id(t) in self.env]
         self.graph.output(tuple(outputs))
         return result
+
+
+def _aliases(target) -> bool:
+    """Whether an op's output is (a view of, or written into) an input rather than new memory."""
+    schema = getattr(target, "_schema", None)
+    return target is operator.getitem or (schema is not None and any(r.alias_info is not None for r in schema.returns))
+
+
+def _peak_live_values(graph, num_units: int) -> list[int]:
+    """Per unit, the most activation values alive at once while its ops run: every op output that
+    is new memory computed from the input tokens (not a view, not an in-place write, not a cast of
+    a weight, not the masks and rotary tables made from positions alone) lives from its op to the
+    last op that reads it or a view of it; what a unit receives from the units before it (the
+    residual stream) counts while it is still read. Values, not bytes: the graph keeps some in
+    the model's dtype and some (its norms) in fp32, the executor all of them in fp32."""
+    nodes = list(graph.nodes)
+    owner: dict = {}
+    born, dies = {}, {}
+    for i, node in enumerate(nodes):
+        if node.op != "call_function":
+            continue
+        if _aliases(node.target):
+            base = next((a for a in node.all_input_nodes if a in owner), None)
+            owner[node] = owner[base] if base is not None else None
+        elif node.meta["tainted"] and not node.meta["roots"] and node.meta.get("numel"):
+            owner[node] = node
+            born[node] = dies[node] = i
+        else:
+            owner[node] = None
+        for a in node.all_input_nodes:
+            o = owner.get(a)
+            if o is not None:
+                dies[o] = i
+    out_node = next(n for n in nodes if n.op == "output")
+    for a in out_node.all_input_nodes:  # what the forward returns (the logits) lives to its end
+        if owner.get(a) is not None:
+            dies[owner[a]] = len(nodes)
+    delta = [0] * (len(nodes) + 2)
+    for node, start in born.items():
+        delta[start] += node.meta["numel"]
+        delta[dies[node] + 1] -= node.meta["numel"]
+    peak, live = [0] * num_units, 0
+    for i, node in enumerate(nodes):
+        live += delta[i]
+        if node.op == "call_function":
+            u = node.meta["unit"]
+            peak[u] = max(peak[u], live)
+    return peak
 
 
 def _kv_tensor_ids(cache) -> set[int]:
@@ -394,6 +442,7 @@ def _trace(data: dict, dtype: str, digest: str, dedupe: bool) -> TraceResult:
     out_node = next(n for n in graph.nodes if n.op == "output")
     act[-1] = sum(n.meta["bytes"] for n in out_node.all_input_nodes if n.meta.get("tainted"))
     kv_len = S + 1  # the decode step attends over the cache plus itself
+    work = _peak_live_values(prefill_graph, num_units)
 
     # ---- weights per unit -----------------------------------------------------------------
     param_bytes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
@@ -403,7 +452,7 @@ def _trace(data: dict, dtype: str, digest: str, dedupe: bool) -> TraceResult:
     for i, rep in stubs.items():
         src, dst = block_prefix[rep] + ".", block_prefix[i] + "."
         used[1 + i] = {(dst + n[len(src):] if n.startswith(src) else n): v for n, v in used[1 + rep].items()}
-        for arr in (proj, attn, kv, nodes):
+        for arr in (proj, attn, kv, nodes, work):
             arr[1 + i] = arr[1 + rep]
     units = []
     for u in range(num_units):
@@ -422,7 +471,7 @@ def _trace(data: dict, dtype: str, digest: str, dedupe: bool) -> TraceResult:
             kv_bytes_per_token=kv[u] // S,
             proj_flops_per_token=proj[u],
             attn_flops_per_context_token=attn[u] // kv_len,
-            num_nodes=nodes[u], traced_as=traced_as))
+            num_nodes=nodes[u], traced_as=traced_as, work_values_per_token=-(-work[u] // S)))
     owners: dict[str, list[int]] = {}
     for u in range(num_units):
         for n in used[u]:

@@ -73,6 +73,24 @@ def _stage_rows(recorder: Recorder) -> list[dict]:
              "error_pct": round(r.error_pct, 1)} for r in recorder.report().rows]
 
 
+def _gpu_memory(plan, model, after_load: int) -> dict:
+    """What the plan priced for the GPU stage (planner/working_set.py) against what CUDA's
+    allocator held: the working set measured is the peak beyond the stage's weights and its KV
+    pages (the slab's scratch slot, the decode graphs' pool and every step's temporaries)."""
+    stage, kv = plan.partition.stages[-1], model.stages[-1].kv
+    pool = kv.device_pool if kv is not None else None
+    pages = pool.capacity_pages * pool.page_bytes if pool is not None and pool.capacity_pages else 0
+    peak = torch.cuda.max_memory_allocated()
+    measured = peak - stage.weight_bytes - pages
+    priced = stage.working_bytes or 0
+    return {"plan_gpu_bytes": fmt_bytes(next(c.gpu_bytes for c in plan.search.candidates
+                                             if c.split_k == plan.partition.split_k)),
+            "after_load": fmt_bytes(after_load), "peak_allocated": fmt_bytes(peak),
+            "peak_reserved": fmt_bytes(torch.cuda.max_memory_reserved()),
+            "plan_working_set": fmt_bytes(priced), "working_set": fmt_bytes(measured),
+            "working_set_over_plan": round(measured / priced, 3) if priced else None}
+
+
 def _ms_per_token(seq) -> float:
     return round(1e3 / seq.decode_tokens_per_s, 3) if seq.decode_tokens_per_s else float("nan")
 
@@ -99,17 +117,7 @@ def run_helm(model_dir: Path, plan, config: ModelConfig, ids: list[int], new_tok
            "decode_tok_s": round(seq.decode_tokens_per_s or 0.0, 3), "decode_ms_per_token": _ms_per_token(seq),
            "predicted_ms_per_token": plan.prediction.ms_per_token, "stages": _stage_rows(recorder)}
     if torch.cuda.is_available():
-        kv = model.stages[-1].kv
-        slab = kv.device_pool.slab if kv is not None else None
-        out["gpu_memory"] = {  # what the plan priced, and what the run took beyond it
-            "plan_gpu_bytes": fmt_bytes(next(c.gpu_bytes for c in plan.search.candidates
-                                             if c.split_k == plan.partition.split_k)),
-            "after_load": fmt_bytes(after_load),
-            "kv_slab": fmt_bytes(slab.numel() * slab.element_size() if slab is not None else 0),
-            "peak_allocated": fmt_bytes(torch.cuda.max_memory_allocated()),
-            # the GPU stage's working set, which the plan does not price yet (issue 11, item 8)
-            "working_set": fmt_bytes(torch.cuda.max_memory_allocated() - after_load),
-            "peak_reserved": fmt_bytes(torch.cuda.max_memory_reserved())}
+        out["gpu_memory"] = _gpu_memory(plan, model, after_load)
     step = model.stages[-1].fused
     if isinstance(step, ResidentDecode):
         out["decode_path"] = "cuda graphs" if step.graphs else "static step, eager"

@@ -42,6 +42,7 @@ from planner import __version__
 from planner.errors import PlanError
 from planner.plan import Plan
 from planner.report import PlanSummary, Report
+from planner.step_shape import MAX_RUNNING_SEQUENCES
 from planner.yamlio import read_text_file
 
 log = logging.getLogger("helm.daemon")
@@ -63,7 +64,7 @@ class _Serving:
 
 
 class Daemon:
-    def __init__(self, model_dir: str | Path, max_batch: int = 64, max_queue: int = 64, backend: str = "auto",
+    def __init__(self, model_dir: str | Path, max_batch: int = MAX_RUNNING_SEQUENCES, max_queue: int = 64, backend: str = "auto",
                  threads: int | None = None, plan_dir: str | Path | None = None):
 
         if max_batch < 1 or max_queue < 0:

@@ -183,3 +183,50 @@ def test_a_vram_cap_holds_under_16_concurrent_requests_at_the_plans_context(chec
         assert most == 4 and len(replays) > 100
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def _cublas_workspace_bytes() -> int:
+    """What cuBLAS allocates for a stream on its first GEMM there: the profile's usable VRAM was
+    read after its probe's (planner/profile.py), the executor keeps one more, on the stream its
+    decode graphs are captured on. The default stream's is made here first, as the profile's was."""
+    stream = torch.cuda.Stream()
+    a = torch.ones(64, 64, device="cuda", dtype=torch.bfloat16)
+    a @ a
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with torch.cuda.stream(stream):
+        b = a @ a
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated() - before - b.numel() * b.element_size()
+
+
+def test_the_plans_gpu_bytes_bound_what_the_gpu_stage_allocates(checkpoint):
+    """planner/working_set.py against CUDA's allocator: a plan for 2 sequences of 1024 tokens
+    (prompts of 960: a second chunk attends over the first with a mask), served at its batch and
+    context, allocates at its peak no more than the plan's GPU bytes (weights, KV pages, working
+    set) plus the capture stream's cuBLAS workspace. Prints both, for the notes."""
+    from executor.engine import Engine
+    from executor.loader import load_model
+    from executor.model_config import ModelConfig
+    from executor.plan_io import placement_for
+    from executor.sampling import StopCriteria
+    from planner.planning import plan_for_split, workload_for
+
+    path = checkpoint("qwen3", "bf16", max_position_embeddings=4096)
+    cfg = ModelConfig.from_dir(path)
+    plan = plan_for_split(path, 1, page_size_tokens=64, workload=workload_for(960, 64, batch_size=2))
+    priced = plan.search.candidates[1].gpu_bytes
+    workspace = _cublas_workspace_bytes()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    engine = Engine(load_model(path, placement_for(plan, cfg), cfg), eos_token_ids=())
+    stop = StopCriteria(max_new_tokens=64, ignore_eos=True)
+    seqs = [engine.add_request(prompt_ids(960, cfg.vocab_size, seed=i), stop=stop) for i in range(2)]
+    while engine.has_work():
+        engine.step()
+    assert all(s.finish_reason == "length" for s in seqs)
+    peak = torch.cuda.max_memory_allocated() - base
+    print(f"\nGPU stage peak {peak / 2**20:.2f} MiB; plan {priced / 2**20:.2f} MiB (working set "
+          f"{plan.partition.stages[1].working_bytes / 2**20:.2f} MiB) + cuBLAS workspace {workspace / 2**20:.2f} MiB")
+    assert peak <= priced + workspace

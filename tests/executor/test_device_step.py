@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from executor import attention
-from executor.device_step import ResidentDecode, bucket
+from executor.device_step import ResidentDecode
+from planner.step_shape import bucket
 from executor.engine import Engine
 from executor.loader import load_model
 from executor.model_config import ModelConfig

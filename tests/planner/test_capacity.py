@@ -9,6 +9,8 @@ from planner.errors import PlanError
 from planner.machine import load_machine
 from planner.planning import make_plan, workload_for
 from planner.predict import predict
+from planner.trace import trace_model
+from planner.working_set import gpu_working_bytes
 
 GIB = 2**30
 
@@ -58,18 +60,42 @@ def test_all_cpu_longest_context_is_the_host_ram_left_after_the_weights():
 
 
 def test_a_split_longest_context_with_and_without_kv_offload():
-    # k = 3: embedding + 2 blocks on the CPU; 2 blocks + head on the GPU
+    # k = 3: embedding + 2 blocks on the CPU; 2 blocks + head on the GPU, which also works in the
+    # VRAM planner/working_set.py prices (tests/planner/test_working_set.py), growing with the context
     gpu_weights, cpu_weights = 2 * BLOCK_BYTES + HEAD_BYTES, EMBED_BYTES + 2 * BLOCK_BYTES
     page = PAGE * 2 * KV_PER_TOKEN_BLOCK                      # one page over a stage's 2 blocks
-    vram = gpu_weights + 7 * page + 100                       # room for 7 device pages
+    gpu_units = trace_model(TINY).units[3:]
+
+    def work(pages, device_pages):                            # at a context of `pages` pages, batch 1
+        return gpu_working_bytes(gpu_units, dtype="bfloat16", batch=1, context=pages * PAGE, page_size_tokens=PAGE,
+                                 budget_pages=pages, device_pages=device_pages, device_page_bytes=page)
+
+    vram = gpu_weights + 7 * page + work(7, 7) + 100          # room for 7 device pages
     ram = cpu_weights + 40 * page + 100                       # 40 pages of host memory
     plan = make_plan(TINY, machine(ram, vram), workload=workload_for(16, 16), page_size_tokens=PAGE, split_k=3)
     lc = plan.longest_context
     # without offload: every GPU-stage page in VRAM (7 fit) and as many CPU-stage pages on the host (40 fit)
+    assert gpu_weights + 8 * page + work(8, 8) > vram
     assert lc.without_offload_tokens == 7 * PAGE and "usable VRAM" in lc.without_offload_bound
-    # with offload: ⌊0.8 · room / page⌋ = 5 pages stay in VRAM; P pages per sequence need P CPU-stage
-    # pages and P - 5 parked ones on the host: 2P - 5 <= 40, so P = 22
-    assert lc.with_offload_tokens == 22 * PAGE and "available" in lc.with_offload_bound
+
+    # with offload: the most pages under 0.8 of the room left after weights and working set that
+    # fit beside the working set they grow stay in VRAM; P pages per sequence need P CPU-stage pages
+    # and the rest parked on the host, all within the 40 pages of host memory. Here a longer context
+    # grows the working set (a prompt chunk's mask over it) faster than parking pages frees VRAM:
+    # this model's GPU stage has 2 blocks of 2 KV heads, so offload cannot serve more. (Qwen3-8B on
+    # the laptop, 15 GPU blocks: tests/planner/test_plan.py.)
+    def device_pages(pages):
+        room = vram - gpu_weights - work(pages, 0)
+        return max((d for d in range(pages + 1) if d <= 0.8 * room // page
+                    and gpu_weights + d * page + work(pages, d) <= vram), default=-1)
+
+    def serves(pages):                 # offload needs 2 device pages: one written, one streamed back
+        d = device_pages(pages)
+        return (d >= 2 or d == pages) and 2 * pages - d <= 40
+
+    longest = max(p for p in range(1, 64) if serves(p))
+    assert lc.with_offload_tokens == longest * PAGE == lc.without_offload_tokens
+    assert "usable VRAM" in lc.with_offload_bound
 
 
 def test_the_model_position_limit_caps_the_longest_context():

@@ -40,16 +40,16 @@ def test_plan_writes_a_valid_plan_and_a_summary(tmp_path, capsys):
 def test_show_prints_summary_and_every_candidate(capsys):
     code, out, _ = run(capsys, "show", PLAN_8B)
     assert code == 0
-    assert "split     k=21 of 38 units" in out and "predicted 207.705 ms/token" in out
+    assert "split     k=22 of 38 units" in out and "predicted 214.584 ms/token" in out
     rows = [line for line in out.splitlines() if re.match(r"^[ *]\s*\d+\s+(yes|no) ", line)]
     assert len(rows) == 39
-    assert "*  21  yes" in out
+    assert "*  22  yes" in out and "working set" in out
 
 
 def test_show_plot_without_matplotlib_degrades_with_a_message(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)     # as if not installed
     code, out, err = run(capsys, "show", PLAN_8B, "--plot", tmp_path / "p.png")
-    assert code == 2 and "split     k=21" in out
+    assert code == 2 and "split     k=22" in out
     assert "--plot needs matplotlib" in err and "pip install" in err and "Traceback" not in err
 
 

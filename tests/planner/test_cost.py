@@ -6,6 +6,7 @@ import pytest
 from planner.cost import (device_rates, evaluate_split, kv_read_gibps, stage_weight_bytes,
                           unit_decode_ms)
 from planner.units import GIB, MIB
+from planner.working_set import gpu_working_bytes
 from tests.planner.helpers import machine, model_units, unit
 
 
@@ -77,15 +78,23 @@ def test_split_totals_link_term_and_delta():
         assert split(k, units, shared, m).comm_ms == 0
 
 
-def test_vram_feasibility_counts_weights_and_kv_pages_exactly():
+def work(units, *, context=1024, device_pages, budget_pages=2, page=4 * MIB):
+    """The GPU stage's working set as planner/working_set.py prices it (tested by hand there)."""
+    return gpu_working_bytes(units, dtype="bfloat16", batch=1, context=context, page_size_tokens=512,
+                             budget_pages=budget_pages, device_pages=device_pages, device_page_bytes=page)
+
+
+def test_vram_feasibility_counts_weights_kv_pages_and_working_set_exactly():
     units, shared = model_units(2, block_bytes=100 * MIB, emb_bytes=10 * MIB, head_bytes=10 * MIB, kv=4096)
     # GPU holds blocks 1..2 + head; KV page = 512 tokens × 2 blocks × 4096 B = 4 MiB; context 1024 → 2 pages
-    need = 2 * 100 * MIB + 10 * MIB + 2 * 4 * MIB
+    working = work(units[1:], device_pages=2)
+    need = 2 * 100 * MIB + 10 * MIB + 2 * 4 * MIB + working
     m = machine()
     ok = split(1, units, shared, m, gpu_budget_bytes=need)
     assert ok.feasible and ok.gpu_bytes == need and ok.kv.device_pages == 2 and ok.kv.device_page_bytes == 4 * MIB
+    assert ok.gpu_work_bytes == working > 0
     bad = split(1, units, shared, m, gpu_budget_bytes=need - 1)
-    assert not bad.feasible and "KV" in bad.reason and "usable VRAM" in bad.reason
+    assert not bad.feasible and "KV" in bad.reason and "working set" in bad.reason and "usable VRAM" in bad.reason
     host = split(3, units, shared, m, host_budget_bytes=10 * MIB + 2 * 100 * MIB + 2 * 4 * MIB - 1)
     assert not host.feasible and "host needs" in host.reason
     nogpu = split(1, units, shared, machine(gpu=False))
@@ -97,18 +106,23 @@ def test_kv_offload_parks_pages_on_the_host_and_streams_them_back():
     units, shared = model_units(2, block_bytes=100 * MIB, emb_bytes=10 * MIB, head_bytes=10 * MIB, kv=4096)
     m = machine(hbm_gibps=100.0, link_gibps=10.0)
     weights = 2 * 100 * MIB + 10 * MIB
-    # room after weights: 10 MiB; watermark 0.8 → 8 MiB → 2 pages of 4 MiB; context 4096 → 8 pages needed
-    c = split(1, units, shared, m, context=4096, offload=True, gpu_budget_bytes=weights + 10 * MIB)
+    # context 4096 → 8 pages of 4 MiB needed. The room after weights and the working set without
+    # pages, 0.8 × 20 MiB under the watermark, holds 4 pages; but each page also grows the decode
+    # graphs' gather, and the pool's scratch page comes with the first: 2 pages fit beside them.
+    budget = weights + work(units[1:], context=4096, device_pages=0, budget_pages=8) + 20 * MIB
+    c = split(1, units, shared, m, context=4096, offload=True, gpu_budget_bytes=budget)
     assert c.feasible, c.reason
     assert (c.kv.device_pages, c.kv.host_pages) == (2, 6)
+    assert c.gpu_bytes == weights + 2 * 4 * MIB + work(units[1:], context=4096, device_pages=2, budget_pages=8) <= budget
+    assert weights + 3 * 4 * MIB + work(units[1:], context=4096, device_pages=3, budget_pages=8) > budget
     assert c.host_bytes == 10 * MIB + 6 * 4 * MIB
     full = split(1, units, shared, m, context=4096, gpu_budget_bytes=GIB)
     streamed = 6 / 8 * 2 * 4096 * 4096
     extra = c.stage_ms("cuda") - full.stage_ms("cuda")
     assert extra == pytest.approx(1e3 * streamed / (10 * GIB) - 1e3 * streamed / (100 * GIB))
     # without offload the same budget is infeasible; with too little room even offload is
-    assert not split(1, units, shared, m, context=4096, gpu_budget_bytes=weights + 10 * MIB).feasible
-    tight = split(1, units, shared, m, context=4096, offload=True, gpu_budget_bytes=weights + 5 * MIB)
+    assert not split(1, units, shared, m, context=4096, gpu_budget_bytes=budget).feasible
+    tight = split(1, units, shared, m, context=4096, offload=True, gpu_budget_bytes=budget - 10 * MIB)
     assert not tight.feasible and "offload needs" in tight.reason
 
 
@@ -125,12 +139,20 @@ def test_worked_example_qwen3_8b_on_the_4060_laptop(laptop_plan_8b):
     """DESIGN §5, with its rates read as written, GB/s (the profile's notes say why): k=21
     (embedding + 20 blocks on the CPU, 16 blocks + head on the GPU), 8.6 ms per block on the CPU,
     all-CPU blocks ≈ 310 ms, T_comm ≈ 5 µs. The thesis' stage totals (≈155 + 31 = 186 ms) fit
-    neither reading of its units; the planner's, computed here by hand, are 173.4 + 34.3 ms."""
+    neither reading of its units; the planner's, computed here by hand, are 173.4 + 34.3 ms.
+    The thesis' k=21 fills the 7 GiB left after the CUDA context with weights and KV alone; the
+    GPU stage's working set (activations of a 512-token prompt chunk, ...) does not fit beside
+    them, so the plan takes k=22."""
     p = laptop_plan_8b
-    assert p.partition.split_k == 21
+    thesis = p.search.candidates[21]
+    weights_and_kv = p.ir.units[21].weight_bytes * 16 + p.ir.units[-1].weight_bytes + 2 * 16 * 512 * 4096
+    assert weights_and_kv <= p.limits.gpu_budget_bytes < thesis.gpu_bytes
+    assert not thesis.feasible and "working set" in thesis.reason
+    assert p.partition.split_k == 22
     cpu, gpu = p.partition.stages
-    assert (cpu.device, cpu.unit_start, cpu.unit_end, cpu.num_blocks) == ("cpu", 0, 21, 20)
-    assert (gpu.device, gpu.unit_start, gpu.unit_end, gpu.num_blocks) == ("cuda", 21, 38, 16)
+    assert (cpu.device, cpu.unit_start, cpu.unit_end, cpu.num_blocks) == ("cpu", 0, 22, 21)
+    assert (gpu.device, gpu.unit_start, gpu.unit_end, gpu.num_blocks) == ("cuda", 22, 38, 15)
+    assert gpu.working_bytes == p.search.candidates[22].gpu_bytes - gpu.weight_bytes - 2 * 15 * 512 * 4096
     block_bytes, head_bytes, kv_block = 385_892_864, 151936 * 4096 * 2 + 4096 * 2, 4096 * 1024
     assert p.ir.units[1].weight_bytes == block_bytes and p.ir.units[-1].weight_bytes == head_bytes
     # one block on the CPU: its weights at 45 GB/s (the thesis' 8.6 ms), plus attention at c = 1024:
@@ -143,12 +165,15 @@ def test_worked_example_qwen3_8b_on_the_4060_laptop(laptop_plan_8b):
     assert attn_dram > 1e3 * 4 * 32 * 128 * 1024 / 500e9  # memory-bound, not compute-bound
     assert per_block == pytest.approx(proj + attn_dram, rel=1e-3)
     assert 36 * proj == pytest.approx(310, rel=0.01)       # the thesis' all-CPU blocks
-    stage = {s.device: s for s in p.prediction.stages}
-    assert stage["cpu"].ms_per_token == pytest.approx(20 * (proj + attn_dram), rel=0.01)  # + the embedding's row
+    assert thesis.cpu_ms == pytest.approx(20 * (proj + attn_dram), rel=0.01)  # + the embedding's row
     # the GPU stage: 16 blocks and the head at 218 GB/s, KV read at HBM speed
-    assert stage["cuda"].ms_per_token == pytest.approx(1e3 * (16 * (block_bytes + kv_block) + head_bytes) / 218e9,
+    assert thesis.cuda_ms == pytest.approx(1e3 * (16 * (block_bytes + kv_block) + head_bytes) / 218e9, rel=1e-3)
+    assert thesis.comm_ms == pytest.approx(4.5e-3 + 1e3 * 4096 * 2 / 16e9, rel=1e-3)
+    assert thesis.total_ms == pytest.approx(207.7, abs=0.05)
+    stage = {s.device: s for s in p.prediction.stages}
+    assert stage["cpu"].ms_per_token == pytest.approx(21 * (proj + attn_dram), rel=0.01)
+    assert stage["cuda"].ms_per_token == pytest.approx(1e3 * (15 * (block_bytes + kv_block) + head_bytes) / 218e9,
                                                        rel=1e-3)
-    assert p.prediction.comm_ms_per_token == pytest.approx(4.5e-3 + 1e3 * 4096 * 2 / 16e9, rel=1e-3)
     assert p.prediction.ms_per_token == p.prediction.roofline_ms_per_token      # δ = 0: "before δ"
     # all-GPU is infeasible (36 × 386 MB ≈ 13.9 GB of blocks > 7 GiB usable), and so is k = 20
     assert not p.search.candidates[0].feasible and not p.search.candidates[20].feasible

@@ -34,9 +34,9 @@ def test_laptop_and_dev_plans_differ_exactly_where_they_should(capsys):
     # profile was entered by hand: default calibration)
     assert sections == {"machine", "limits", "partition", "kv", "prediction", "longest_context", "search", "calibration"}
     by_path = {c.path: c for c in changes}
-    assert (by_path["partition.split_k"].a, by_path["partition.split_k"].b) == (21, 38)
+    assert (by_path["partition.split_k"].a, by_path["partition.split_k"].b) == (22, 38)
     assert by_path["partition.stages[cuda]"].b_present is False
-    assert (by_path["partition.stages[cpu].unit_end"].a, by_path["partition.stages[cpu].unit_end"].b) == (21, 38)
+    assert (by_path["partition.stages[cpu].unit_end"].a, by_path["partition.stages[cpu].unit_end"].b) == (22, 38)
     assert by_path["machine.gpu"].b is None and by_path["machine.gpu"].a["name"].startswith("NVIDIA")
     assert by_path["machine.cpu.dram_read_gibps"].a == pytest.approx(45e9 / 2**30, rel=1e-5)   # 45 GB/s
     assert "prediction.ms_per_token" in by_path and "prediction.stages[cuda]" in by_path
@@ -47,7 +47,7 @@ def test_laptop_and_dev_plans_differ_exactly_where_they_should(capsys):
 
     assert cli.main(["diff", str(LAPTOP_8B), str(DEV_8B)]) == 1
     out = capsys.readouterr().out
-    assert "partition.split_k: 21 -> 38 (+81.0%)" in out
+    assert "partition.split_k: 22 -> 38 (+72.7%)" in out
     assert "search.candidates: " in out and "rows differ" in out
     assert cli.main(["diff", "--json", str(LAPTOP_8B), str(DEV_8B)]) == 1
     data = json.loads(capsys.readouterr().out)

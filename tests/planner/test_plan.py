@@ -14,6 +14,7 @@ from planner.plan import Plan, load_plan, plan_digest, plan_from_dict, save_plan
 from planner.planning import make_plan, plan_for_split, workload_for
 from planner.predict import predict
 from planner.units import GIB
+from planner.working_set import gpu_working_bytes
 from tests.planner.conftest import REPO, config_path, rel_source
 
 # Every checked-in plan and the command that makes it (also listed in plans/README.md).
@@ -38,8 +39,9 @@ def test_executor_contract_fields(laptop_plan_8b):
     assert isinstance(p, Plan) and p.plan_version == 1 and p.digest.startswith("sha256:")
     assert p.model.architecture == "Qwen3ForCausalLM" and p.model.dtype == "bfloat16"
     assert p.model.config_digest == config_digest(config_path("qwen3-8b"))
-    assert p.partition.num_units == 38 and p.partition.split_k == 21
-    assert [(s.device, s.unit_start, s.unit_end) for s in p.partition.stages] == [("cpu", 0, 21), ("cuda", 21, 38)]
+    assert p.partition.num_units == 38 and p.partition.split_k == 22
+    assert [(s.device, s.unit_start, s.unit_end) for s in p.partition.stages] == [("cpu", 0, 22), ("cuda", 22, 38)]
+    assert [s.working_bytes for s in p.partition.stages][0] is None and p.partition.stages[1].working_bytes > 0
     assert all(s.weight_bytes > 0 for s in p.partition.stages)
     assert (p.kv.page_size_tokens, p.kv.watermark, p.kv.offload) == (512, 0.8, False)
     assert (p.kv.device_pages, p.kv.host_pages) == (2, 0)
@@ -56,9 +58,10 @@ def test_write_read_write_gives_identical_bytes(laptop_plan_8b, tmp_path):
     save_plan(again, path)
     assert path.read_text() == text and load_plan(path) == laptop_plan_8b
     lines = text.splitlines()
-    assert lines[0].startswith("# HELM plan v1: Qwen3ForCausalLM") and "k=21 of 38" in lines[0]
-    assert lines[1].startswith("# Predicted") and lines[2].startswith("# Why: k=20")
-    assert lines[3].startswith("# Longest context at batch 1: 1024 tokens") and "with KV offload" in lines[3]
+    assert lines[0].startswith("# HELM plan v1: Qwen3ForCausalLM") and "k=22 of 38" in lines[0]
+    assert "MiB working set)" in lines[0]
+    assert lines[1].startswith("# Predicted") and lines[2].startswith("# Why: k=21") and "working set" in lines[2]
+    assert lines[3].startswith("# Longest context at batch 1: 4096 tokens") and "with KV offload" in lines[3]
     assert not lines[4].startswith("#")
 
 
@@ -106,7 +109,7 @@ def test_a_tampered_plan_is_rejected_by_its_digest(laptop_plan_8b):
         load_plan(tampered)
     assert load_plan(tampered, verify_digest=False).kv.watermark == 0.7
     # a matching digest over inconsistent content is still caught
-    data = yaml.safe_load(text.replace("  split_k: 21\n", "  split_k: 20\n", 1))
+    data = yaml.safe_load(text.replace("  split_k: 22\n", "  split_k: 21\n", 1))
     data["digest"] = plan_digest(data)
     with pytest.raises(PlanError, match=r"inconsistent plan at field 'partition.stages'"):
         plan_from_dict(data)
@@ -134,7 +137,7 @@ def test_forced_and_impossible_requests_are_clear_errors(laptop):
     path = config_path("qwen3-8b")
     with pytest.raises(PlanError, match=r"--split 0 is infeasible on laptop-rtx4060-i7-13700h: cuda weights need"):
         make_plan(path, laptop, split_k=0)
-    assert make_plan(path, laptop, split_k=0, allow_infeasible=True).search.best_feasible_k == 21
+    assert make_plan(path, laptop, split_k=0, allow_infeasible=True).search.best_feasible_k == 22
     with pytest.raises(PlanError, match="out of range.*0..38"):
         make_plan(path, laptop, split_k=39)
     with pytest.raises(PlanError, match="--gpu-memory 64.00 GiB is more than the GPU has"):
@@ -150,20 +153,30 @@ def test_forced_and_impossible_requests_are_clear_errors(laptop):
 
 def test_tighter_gpu_cap_moves_units_to_the_cpu(laptop):
     k = [make_plan(config_path("qwen3-8b"), laptop, gpu_memory_bytes=g * GIB).partition.split_k for g in (7, 5, 3)]
-    assert k[0] == 21 and k[0] < k[1] < k[2]
+    assert k[0] == 22 and k[0] < k[1] < k[2]
 
 
 def test_kv_offload_parks_pages_on_the_host_when_vram_runs_out(laptop):
-    wl = workload_for(32768, 512)                # 65 pages of 512 tokens per sequence
+    wl = workload_for(15872, 512)                # 32 pages of 512 tokens per sequence
     path = config_path("qwen3-8b")
-    with pytest.raises(PlanError, match="--split 21 is infeasible.*KV"):
-        make_plan(path, laptop, workload=wl, split_k=21)
-    off = make_plan(path, laptop, workload=wl, split_k=21, kv_offload=True)
-    assert off.kv.offload and off.kv.device_pages + off.kv.host_pages == off.kv.pages_per_sequence == 65
+    with pytest.raises(PlanError, match="--split 22 is infeasible.*KV"):
+        make_plan(path, laptop, workload=wl, split_k=22)
+    off = make_plan(path, laptop, workload=wl, split_k=22, kv_offload=True)
+    assert off.kv.offload and off.kv.device_pages + off.kv.host_pages == off.kv.pages_per_sequence == 32
     assert off.kv.host_pages > 0 and off.kv.device_pages >= 2
-    # the device keeps pages up to the watermark of the VRAM left after weights
-    room = off.limits.gpu_budget_bytes - off.partition.stages[1].weight_bytes
-    assert off.kv.device_pages == int(0.8 * room // off.kv.device_page_bytes)
+    # the device keeps the most pages that stay under the watermark of the VRAM left after weights
+    # and the working set, and fit beside the working set they grow (the decode graphs' gather)
+    gpu, kv, budget = off.partition.stages[1], off.kv, off.limits.gpu_budget_bytes
+
+    def work(pages):
+        return gpu_working_bytes(off.ir.units[22:], dtype="bfloat16", batch=1, context=16384, page_size_tokens=512,
+                                 budget_pages=32, device_pages=pages, device_page_bytes=kv.device_page_bytes)
+
+    def fits(pages):
+        return (pages <= 0.8 * (budget - gpu.weight_bytes - work(0)) // kv.device_page_bytes
+                and gpu.weight_bytes + pages * kv.device_page_bytes + work(pages) <= budget)
+
+    assert fits(kv.device_pages) and not fits(kv.device_pages + 1) and gpu.working_bytes == work(kv.device_pages)
     # streaming those pages back each step costs time: the search weighs it against moving blocks
     best = make_plan(path, laptop, workload=wl, kv_offload=True)
     assert best.prediction.ms_per_token <= off.prediction.ms_per_token
@@ -187,7 +200,7 @@ def test_parent_plan_versioning(laptop, laptop_plan_8b):
     cpu = {s.device: s for s in child.prediction.stages}
     assert cpu["cpu"].overhead_ms_per_token == pytest.approx(child.partition.stages[0].num_blocks * 0.8)
     assert child.prediction.ms_per_token == pytest.approx(
-        child.prediction.roofline_ms_per_token + 20 * 0.8 + 16 * 0.14, rel=1e-5)
+        child.prediction.roofline_ms_per_token + 21 * 0.8 + 15 * 0.14, rel=1e-5)
 
 
 def test_config_digest_fingerprints_architecture_only(tmp_path):

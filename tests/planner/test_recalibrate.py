@@ -29,7 +29,7 @@ from planner.report import read_report
 from tests.planner.conftest import LAPTOP, REPO, config_path, rel_source
 
 DEV_PLAN = REPO / "plans" / "qwen3-0.6b.helm-dev-2core.yaml"     # all on the CPU, 28 blocks
-LAPTOP_8B = REPO / "plans" / "qwen3-8b.laptop-rtx4060.yaml"      # k=21: 20 blocks cpu, 16 cuda
+LAPTOP_8B = REPO / "plans" / "qwen3-8b.laptop-rtx4060.yaml"      # k=22: 21 blocks cpu, 15 cuda
 LONG = [128 << i for i in range(9)]                                # 128 .. 32768: 9 buckets
 SHORT = [128 << i for i in range(6)]                               # 128 .. 4096: 6 buckets
 CREATED_NS = 1_795_000_000_000_000_000                             # fixed: reports and plans are reproducible
@@ -248,14 +248,14 @@ def test_the_search_rerun_may_move_the_split(tmp_path, capsys):
     truth = Calibration(cuda=DeviceCalibration(delta_ms_per_block=8.0))
     report = synthetic_report(plan, truth, SHORT, noise=0.0)
     result = recalibrate(plan, report, "synthetic")
-    assert result.plan.partition.split_k > plan.partition.split_k == 21
+    assert result.plan.partition.split_k > plan.partition.split_k == 22
     assert result.plan.search.best_feasible_k == result.plan.partition.split_k
     new = tmp_path / "new.yaml"
     save_plan(result.plan, new)
     code = cli.main(["diff", str(LAPTOP_8B), str(new)])
     out = capsys.readouterr().out
     assert code == 1
-    assert f"partition.split_k: 21 -> {result.plan.partition.split_k}" in out
+    assert f"partition.split_k: 22 -> {result.plan.partition.split_k}" in out
     assert "calibration.cuda.delta_ms_per_block: 0 -> 8" in out
     assert "calibration.provenance: default -> recalibrated" in out
     assert "recalibration.devices[cuda].delta_ms_per_block: (absent) -> 8" in out and "plan_version: 1 -> 2" in out
@@ -415,7 +415,7 @@ def test_the_parent_is_never_overwritten(tmp_path, capsys):
 
 def test_the_report_must_come_from_the_recalibrated_plan(dev_plan):
     laptop_report = synthetic_report(load_plan(LAPTOP_8B), Calibration(), SHORT, steps=8)
-    with pytest.raises(PlanError, match="measured another plan.*machine 'laptop-rtx4060-i7-13700h', split k=21"):
+    with pytest.raises(PlanError, match="measured another plan.*machine 'laptop-rtx4060-i7-13700h', split k=22"):
         recalibrate(dev_plan, laptop_report, "synthetic")
 
 

@@ -1,0 +1,23 @@
+"""The shape of the executor's steps: what its scheduler promises, and the planner prices.
+
+The engine (executor/engine.py) runs every running sequence's next token and chunks of waiting
+prompts together in one step; the GPU stage replays its decode steps as CUDA graphs padded to
+power-of-two buckets (executor/device_step.py). The cost model prices prompt chunks and the GPU
+stage's working memory (planner/working_set.py) at these sizes, so they have one owner, here.
+"""
+from __future__ import annotations
+
+PREFILL_CHUNK_TOKENS = 512      # the executor prefills a long prompt in steps of at most this many tokens
+MAX_STEP_TOKENS = 2048          # tokens in one step at most: decodes plus prompt chunks (without a plan)
+MAX_RUNNING_SEQUENCES = 64      # sequences in one step at most (the daemon's default --max-batch)
+
+
+def step_tokens(batch: int, context: int) -> int:
+    """Tokens in one step at most under a plan for `batch` sequences of `context` tokens: a prompt
+    chunk for each (the plan's working set is priced for it, planner/working_set.py)."""
+    return min(MAX_STEP_TOKENS, max(1, batch) * min(PREFILL_CHUNK_TOKENS, max(1, context)))
+
+
+def bucket(n: int) -> int:
+    """The smallest power of two >= n (n >= 1): the rows and pages a static decode step is padded to."""
+    return 1 << (n - 1).bit_length()

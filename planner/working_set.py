@@ -1,0 +1,71 @@
+"""VRAM the GPU stage works in beyond its weights and KV pages (DESIGN §5 feasibility).
+
+A split fits the GPU when weights + device KV pages + this working set fit the usable VRAM. The
+usable VRAM a profile measures is what is free after the CUDA context and cuBLAS's workspace
+(planner/profile.py), so nothing else covers what the executor allocates while it steps:
+
+- the activations of the largest step (step_shape.step_tokens: the engine runs none larger) or
+  of a decode step of every running sequence, layer by layer: per token, the
+  values the model's own graph holds at its peak (UnitIR.work_values_per_token), in fp32 as the
+  executor holds them, times ACTIVATION_WIDENING: the executor fuses gate and up into one
+  output and keeps it whole while silu(gate)·up is made, where the graph frees each sooner;
+- one sequence's prompt chunk at a time through fused attention, per layer: its K/V gathered over
+  the context, and for a chunk after the first its visibility mask (chunk × context booleans,
+  tiled over the query heads of a KV head, and the bias in the dtype SDPA makes of that);
+- the logits of every sequence in a step (the head's values per token, in fp32);
+- the decode step's CUDA graphs (executor/device_step.py): their private pool keeps the largest
+  bucket's K/V gather, mask and activations for as long as the graphs live;
+- the device pool's scratch page, where the static decode step's padded rows write.
+
+tests/executor/test_working_set.py holds the activation term against the executor's own decoder
+block, tools/bench_gpu.py and tests/executor/test_cuda.py against what CUDA allocates.
+"""
+from __future__ import annotations
+
+import math
+
+from planner.ir import UnitIR
+from planner.step_shape import MAX_RUNNING_SEQUENCES, PREFILL_CHUNK_TOKENS, bucket, step_tokens
+
+# The executor's activation values per token over the model graph's at its peak (see the module
+# docstring): a gated MLP's 4·I + H values against 3·I + H, at most 4/3.
+ACTIVATION_WIDENING = 4 / 3
+FP32_BYTES = 4
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def gpu_working_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: int, context: int,
+                      page_size_tokens: int, budget_pages: int, device_pages: int, device_page_bytes: int) -> int:
+    """Bytes the GPU stage `units` (its units, in order) works in for `batch` sequences of
+    `context` tokens: `budget_pages` KV pages for all its sequences (device and host; short
+    sequences share them, so as many may run), `device_pages` of them in VRAM,
+    `device_page_bytes` one page over every block of the stage."""
+    if not units:
+        return 0
+    # the fit prices steps at mean batch sizes and contexts: memory is whole pages and sequences
+    batch, context, budget_pages, device_pages = (math.ceil(x) for x in (batch, context, budget_pages, device_pages))
+    b = DTYPE_BYTES.get(dtype or "bfloat16", 2)
+    blocks = [u for u in units if u.kind == "block"]
+    head = units[-1] if units[-1].kind == "head" else None
+    sequences = max(1, min(MAX_RUNNING_SEQUENCES, budget_pages))
+    chunk = min(PREFILL_CHUNK_TOKENS, max(1, context))
+    per_token = activation_bytes_per_token(units)
+    logits = FP32_BYTES * (head.work_values_per_token or 0) if head is not None else 0
+
+    total = max(step_tokens(batch, context), sequences) * per_token + sequences * logits
+    if blocks:
+        kv_token = max(u.kv_bytes_per_token for u in blocks)          # K and V of one layer
+        group = max(u.attn_flops_per_context_token for u in blocks) * b // (2 * kv_token) if kv_token else 0
+        total += context * kv_token + chunk * context * (1 + group * (1 + b))  # one chunk's attention
+        if device_pages:
+            gathered = bucket(device_pages) * page_size_tokens         # keys one decode graph reads
+            rows = min(bucket(sequences), bucket(device_pages))
+            total += gathered * (kv_token + 1) + rows * per_token + device_page_bytes
+    return total
+
+
+def activation_bytes_per_token(units: tuple[UnitIR, ...]) -> int:
+    """The executor's activation bytes per token in the widest of `units` but the head (whose
+    logits only the last token of each sequence computes)."""
+    values = max((u.work_values_per_token or 0 for u in units if u.kind != "head"), default=0)
+    return math.ceil(values * FP32_BYTES * ACTIVATION_WIDENING)

@@ -1,0 +1,98 @@
+"""The plan's price for the GPU stage's activations (planner/working_set.py) against what the
+executor's own decoder block holds: its code on the meta device, the branch it takes for weights
+off the CPU (CUDA's), every allocation counted while it is alive. The price comes from the traced
+model graph; the measurement from the executor's code: two independent accounts of one block."""
+import json
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from executor.attention import TorchAttention
+from executor.backends import TorchBackend
+from executor.model_config import ModelConfig
+from executor.stage import BlockWeights
+from executor.torch_ops import TorchLinear, decoder_block
+from planner.step_shape import PREFILL_CHUNK_TOKENS
+from planner.trace import trace_model
+from planner.working_set import activation_bytes_per_token
+
+CONFIGS = Path(__file__).resolve().parents[2] / "tools" / "model_configs"
+META = torch.device("meta")
+
+
+class LiveBytes(TorchDispatchMode):
+    """The most bytes of op outputs alive at once: an output that is new memory (not a view or an
+    in-place write) counts from its op until the tensor is collected."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not any(r.alias_info is not None for r in func._schema.returns):
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    size = t.untyped_storage().nbytes()
+                    self.live += size
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(t, self._free, size)
+        return out
+
+    def _free(self, size: int) -> None:
+        self.live -= size
+
+
+def _block_peak(cfg: ModelConfig, tokens: int) -> int:
+    """Peak bytes the executor's decoder block allocates for a prompt chunk of `tokens`, its input
+    held by the caller as in a stage. Attention is the GPU stage's fused path up to the kernel:
+    q/k norms and rotary, K/V cast to the cache's dtype, q cast for SDPA, the kernel's output in
+    that dtype and its copy back into the step's fp32 output. The flash and memory-efficient
+    kernels keep no scores, and the gathered K/V and mask are priced apart (gpu_working_bytes)."""
+    wd, H, D = cfg.dtype, cfg.hidden_size, cfg.head_dim
+
+    def vec(n):
+        return torch.empty(n, device=META)
+
+    def weight(rows, cols):
+        return TorchLinear(torch.empty(rows, cols, dtype=wd, device=META))
+
+    w = BlockWeights(input_norm=vec(H), qkv=weight(cfg.q_dim + 2 * cfg.kv_dim, H),
+                     q_norm=vec(D) if cfg.qk_norm else None, k_norm=vec(D) if cfg.qk_norm else None,
+                     o=weight(H, cfg.q_dim), post_norm=vec(H), gate_up=weight(2 * cfg.intermediate_size, H),
+                     down=weight(H, cfg.intermediate_size))
+    ops = TorchBackend()
+    attention = TorchAttention(cfg, None, ops)
+    cos = sin = torch.empty(tokens, D // 2, device=META)
+
+    def attend(qkv):
+        q, k, v = attention.project(qkv, w.q_norm, w.k_norm, cos, sin)
+        out = torch.empty_like(q)
+        k.to(wd), v.to(wd)  # written into the cache's pages
+        qh = q.transpose(0, 1).to(wd)
+        kernel = torch.empty_like(qh)  # what SDPA returns for qh
+        out[:] = kernel.transpose(0, 1).reshape(tokens, cfg.num_heads, D)
+        del qh, kernel
+        return out.reshape(tokens, cfg.q_dim)
+
+    x = torch.empty(tokens, H, device=META)
+    with LiveBytes() as live:
+        decoder_block(x, w, ops, cfg, attend)
+    return live.peak
+
+
+@pytest.mark.parametrize("model,dtype", [("qwen3-8b", None), ("llama-3.1-8b", None), ("qwen2.5-7b", None),
+                                         ("mistral-7b-v0.3", None), ("qwen3-0.6b", None), ("qwen3-0.6b", "float32")])
+def test_activation_price_covers_the_executors_block_closely(model, dtype):
+    raw = json.loads((CONFIGS / f"{model}.json").read_text())
+    if dtype is not None:
+        raw["torch_dtype"] = dtype
+    cfg = ModelConfig.from_dict(raw)
+    ir = trace_model(raw)
+    priced = activation_bytes_per_token(ir.units[1:2])
+    measured = _block_peak(cfg, PREFILL_CHUNK_TOKENS) / PREFILL_CHUNK_TOKENS
+    assert measured <= priced <= 1.25 * measured, (model, ir.dtype, measured, priced)

@@ -1,0 +1,82 @@
+"""The GPU stage's working set (planner/working_set.py) against hand computations; the trace's
+activation peak against the model graph. tests/executor/test_working_set.py holds the activation
+term against the executor's own decoder block."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from planner.step_shape import step_tokens
+from planner.trace import trace_model
+from planner.working_set import gpu_working_bytes
+from tests.planner.conftest import config_path
+from tests.planner.helpers import unit
+
+MIB = 2**20
+
+
+def gpu_stage(blocks: int = 2):
+    """Blocks with K+V of 4096 B per token per layer and 4 query heads per KV head (attention
+    FLOPs 16384 per context token = 4·H_q·D, K+V 2·H_kv·D·2 bytes), 1000 activation values per
+    token at their peak; a head with 300 per token."""
+    units = [replace(unit(i, "block", MIB, kv=4096, attn=16384), work_values_per_token=1000) for i in range(blocks)]
+    return tuple(units) + (replace(unit(blocks, "head", MIB), work_values_per_token=300),)
+
+
+def work(units, **kw):
+    args = dict(dtype="bfloat16", batch=1, context=1024, page_size_tokens=512, budget_pages=2, device_pages=2,
+                device_page_bytes=8 * MIB)
+    return gpu_working_bytes(units, **{**args, **kw})
+
+
+def test_each_term_by_hand():
+    per_token = 5334                                  # ⌈1000 values · 4 B · 4/3⌉
+    activations = 512 * per_token                     # a 512-token prompt chunk: batch 1
+    logits = 2 * 300 * 4                              # 2 sequences may share the 2 pages, fp32 each
+    gather = 1024 * 4096                              # the sequence's K/V at the context, one layer
+    mask = 512 * 1024 * (1 + 4 * (1 + 2))             # bool [chunk, context], tiled over 4 query heads, bf16 bias
+    graphs = 2 * 512 * (4096 + 1) + 2 * per_token     # bucket(2 pages) of keys and their mask; 2 rows
+    scratch = 8 * MIB
+    assert work(gpu_stage()) == activations + logits + gather + mask + graphs + scratch
+    # no device pages (everything streams): no graphs, no scratch page
+    assert work(gpu_stage(), device_pages=0) == activations + logits + gather + mask
+
+
+def test_what_it_grows_with():
+    units = gpu_stage()
+    base = work(units)
+    # a longer context: the gather and mask of a prompt chunk grow with it
+    assert work(units, context=2048) - base == 1024 * 4096 + 512 * 1024 * 13
+    # a batch of 4: prompt chunks of 4 sequences in one step
+    assert work(units, batch=4, budget_pages=8) - work(units, budget_pages=8) == 3 * 512 * 5334
+    assert step_tokens(4, 1024) == 2048 and step_tokens(8, 1024) == 2048 and step_tokens(1, 100) == 100
+    # more device pages: a larger decode gather (a bucket: 3 pages gather as 4)
+    assert work(units, device_pages=3) - base == 2 * 512 * 4097
+    # the number of blocks does not matter: one layer's temporaries at a time
+    assert work(gpu_stage(10)) == base
+    # fp32 weights: K/V of 8192 B per token (the same heads), the mask's bias in fp32
+    fp32 = tuple(replace(u, kv_bytes_per_token=8192) if u.kind == "block" else u for u in units)
+    assert work(fp32, dtype="float32") - base == 1024 * 4096 + 512 * 1024 * 4 * 2 + 2 * 512 * 4096
+    # one KV head per query head: the mask is not tiled
+    group1 = tuple(replace(u, attn_flops_per_context_token=4096) if u.kind == "block" else u for u in units)
+    assert base - work(group1) == 512 * 1024 * 3 * 3
+
+
+def test_edges():
+    assert work(()) == 0                                               # no GPU stage
+    head_only = gpu_stage()[-1:]
+    assert work(head_only) == 2 * 300 * 4                              # logits only
+    # the fit prices steps at mean batch sizes and contexts: memory rounds up to whole ones
+    assert work(gpu_stage(), batch=1.5, budget_pages=2.5) == work(gpu_stage(), batch=2, budget_pages=3)
+    # an IR traced before the peak was recorded prices what it can: gathers, masks, pages
+    old = tuple(replace(u, work_values_per_token=None) for u in gpu_stage())
+    assert 0 < work(old) == work(gpu_stage()) - 514 * 5334 - 2 * 300 * 4
+
+
+def test_the_trace_finds_the_mlp_peak():
+    """A Qwen3-8B block (H 4096, I 12288) peaks in its MLP, where silu(gate), up and their product
+    (I values each) are alive with the residual stream (H): 3·I + H values per token, measured in
+    the traced prefill; every reused block gets its representative's."""
+    ir = trace_model(config_path("qwen3-8b"))
+    blocks = {u.work_values_per_token for u in ir.units if u.kind == "block"}
+    assert blocks == {3 * 12288 + 4096}
+    assert ir.units[-1].work_values_per_token == 2 * 151936           # logits, and their fp32 copy
