@@ -107,8 +107,11 @@ class GpuProfile:
     cuda_context_reserve_bytes: int      # total - usable (context, driver, other processes)
     hbm_gibps: float                     # device-to-device copy: (read + written bytes) / time
     hbm_gibps_runs: tuple[float, ...]
-    prefill_gflops: float                # (128, H) x (H, H) half-precision matmul
+    prefill_gflops: float                # (512, H) x (H, H) half-precision matmul
     prefill_matmul: str                  # the shape and dtype it was measured with
+    # What a stream's first GEMM allocates and keeps (cuBLAS's workspace for it): usable VRAM is
+    # read after the probes' stream has one; the executor keeps one more (None: not measured)
+    stream_workspace_bytes: int | None = field(default=None, metadata=OMIT_IF_NONE)
 
 
 @dataclass(frozen=True)

@@ -279,11 +279,14 @@ def measure_gpu(device, *, name: str, mem_get_info: Callable[[], tuple[int, int]
                 copy_bytes: int | None = None, link_bytes: int | None = None, hidden: int = 4096,
                 timer: Callable[[Callable[[], object], int], float] | None = None,
                 release: Callable[[], None] = lambda: None, matmul_dtype=None,
+                stream_workspace: Callable[[], int] | None = None,
                 progress: Progress = _quiet) -> tuple[GpuProfile, LinkProfile]:
     """Measure a torch device as the GPU stage's device, and the host link to it. timer: seconds
     per call of a kernel (default: host clock between synchronisations); release: return the
-    probes' freed buffers to the device; matmul_dtype: the prefill matmul's (default bf16). Usable VRAM is read after the probes, so what stays
-    allocated once the GPU has run a matmul (cuBLAS's handle and workspace) counts as reserved."""
+    probes' freed buffers to the device; matmul_dtype: the prefill matmul's (default bf16);
+    stream_workspace: bytes a new stream's first GEMM keeps (None: not measured). Usable VRAM is
+    read after the probes, so what stays allocated once the GPU has run a matmul (cuBLAS's handle
+    and workspace for one stream) counts as reserved."""
     import torch
     timer = timer or (lambda fn, reps: _timed(fn, sync, reps))
     matmul_dtype = matmul_dtype or torch.bfloat16
@@ -301,14 +304,33 @@ def measure_gpu(device, *, name: str, mem_get_info: Callable[[], tuple[int, int]
     release()
     free, total = mem_get_info()
     progress(f"GPU {name}: {fmt_bytes(free)} free after the probes")
+    # after the read: a second stream's workspace is the executor's to price, not the reserve's
+    workspace = stream_workspace() if stream_workspace is not None else None
+    if workspace is not None:
+        progress(f"a second stream's first GEMM keeps {fmt_bytes(workspace)} (cuBLAS workspace)")
     gpu = GpuProfile(
         name=name, vram_total_bytes=int(total), vram_usable_bytes=int(free),
         cuda_context_reserve_bytes=int(total - free), hbm_gibps=round_sig(statistics.median(hbm), 4),
-        hbm_gibps_runs=tuple(hbm), prefill_gflops=round_sig(flops, 4), prefill_matmul=shape)
+        hbm_gibps_runs=tuple(hbm), prefill_gflops=round_sig(flops, 4), prefill_matmul=shape,
+        stream_workspace_bytes=workspace)
     link = LinkProfile(h2d_gibps=round_sig(h2d, 4), d2h_gibps=round_sig(d2h, 4),
                        h2d_latency_us=round_sig(lat_h2d, 4), d2h_latency_us=round_sig(lat_d2h, 4),
                        pinned=pin_memory)
     return gpu, link
+
+
+def _cuda_stream_workspace(dtype) -> int:
+    """Bytes the caching allocator holds after one small GEMM on a new stream, beyond its output:
+    cuBLAS's workspace for that stream, which it keeps (the executor captures its decode graphs
+    on a stream of their own)."""
+    import torch
+    a = torch.ones(64, 64, device="cuda", dtype=dtype)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with torch.cuda.stream(torch.cuda.Stream()):
+        out = a @ a
+    torch.cuda.synchronize()
+    return max(0, torch.cuda.memory_allocated() - before - out.numel() * out.element_size())
 
 
 def probe_cuda(quick: bool, progress: Progress) -> tuple[GpuProfile, LinkProfile] | None:
@@ -319,11 +341,12 @@ def probe_cuda(quick: bool, progress: Progress) -> tuple[GpuProfile, LinkProfile
         return None
     torch.cuda.init()
     torch.empty(1, device="cuda")  # create the context so mem_get_info sees its reserve
+    # GPUs without bf16 tensor cores (before Ampere) run fp16 checkpoints' rate
+    dtype = torch.bfloat16 if torch.cuda.get_device_capability()[0] >= 8 else torch.float16
     return measure_gpu(torch.device("cuda"), name=torch.cuda.get_device_name(0),
                        mem_get_info=torch.cuda.mem_get_info, sync=torch.cuda.synchronize,
                        pin_memory=True, quick=quick, timer=_cuda_event_timer, release=torch.cuda.empty_cache,
-                       # GPUs without bf16 tensor cores (before Ampere) run fp16 checkpoints' rate
-                       matmul_dtype=torch.bfloat16 if torch.cuda.get_device_capability()[0] >= 8 else torch.float16,
+                       matmul_dtype=dtype, stream_workspace=lambda: _cuda_stream_workspace(dtype),
                        progress=progress)
 
 

@@ -15,7 +15,9 @@ usable VRAM a profile measures is what is free after the CUDA context and cuBLAS
 - the logits of every sequence in a step (the head's values per token, in fp32);
 - the decode step's CUDA graphs (executor/device_step.py): their private pool keeps the largest
   bucket's K/V gather, mask and activations for as long as the graphs live;
-- the device pool's scratch page, where the static decode step's padded rows write.
+- the device pool's scratch page, where the static decode step's padded rows write;
+- the cuBLAS workspace of the stream the graphs are captured on (GpuProfile.stream_workspace_bytes:
+  the profile's usable VRAM already lost the default stream's).
 
 tests/executor/test_working_set.py holds the activation term against the executor's own decoder
 block, tools/bench_gpu.py and tests/executor/test_cuda.py against what CUDA allocates.
@@ -35,11 +37,13 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def gpu_working_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: int, context: int,
-                      page_size_tokens: int, budget_pages: int, device_pages: int, device_page_bytes: int) -> int:
+                      page_size_tokens: int, budget_pages: int, device_pages: int, device_page_bytes: int,
+                      stream_workspace_bytes: int = 0) -> int:
     """Bytes the GPU stage `units` (its units, in order) works in for `batch` sequences of
     `context` tokens: `budget_pages` KV pages for all its sequences (device and host; short
     sequences share them, so as many may run), `device_pages` of them in VRAM,
-    `device_page_bytes` one page over every block of the stage."""
+    `device_page_bytes` one page over every block of the stage; `stream_workspace_bytes` what a
+    second stream's GEMMs keep (0: not measured)."""
     if not units:
         return 0
     # the fit prices steps at mean batch sizes and contexts: memory is whole pages and sequences
@@ -60,7 +64,7 @@ def gpu_working_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: in
         if device_pages:
             gathered = bucket(device_pages) * page_size_tokens         # keys one decode graph reads
             rows = min(bucket(sequences), bucket(device_pages))
-            total += gathered * (kv_token + 1) + rows * per_token + device_page_bytes
+            total += gathered * (kv_token + 1) + rows * per_token + device_page_bytes + stream_workspace_bytes
     return total
 
 

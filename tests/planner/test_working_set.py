@@ -39,6 +39,9 @@ def test_each_term_by_hand():
     assert work(gpu_stage()) == activations + logits + gather + mask + graphs + scratch
     # no device pages (everything streams): no graphs, no scratch page
     assert work(gpu_stage(), device_pages=0) == activations + logits + gather + mask
+    # the graphs' capture stream keeps its own cuBLAS workspace, where the profile measured it
+    assert work(gpu_stage(), stream_workspace_bytes=32 * MIB) - work(gpu_stage()) == 32 * MIB
+    assert work(gpu_stage(), device_pages=0, stream_workspace_bytes=32 * MIB) == work(gpu_stage(), device_pages=0)
 
 
 def test_what_it_grows_with():
