@@ -13,6 +13,7 @@ import itertools
 from typing import TYPE_CHECKING, Iterable
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from executor.rope import apply_rotary
 
@@ -106,6 +107,22 @@ def _one_chunk(q: torch.Tensor, chunk: KVChunk, scale: float, q_positions: torch
     return _ungrouped(torch.matmul(probs, v.float()), T, h_q)
 
 
+# On CUDA our SDPA calls take flash or memory-efficient attention (math as the last resort), not
+# cuDNN's: PyTorch prefers cuDNN on Hopper for half precision, where it raises rather than falls
+# back on shapes it has no plan for (a KV head's query heads as rows, gathered K/V), and every
+# decode graph bucket would build a plan of its own at load. planner/working_set.py prices the
+# memory-efficient kernel's mask.
+CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """torch.nn.functional.scaled_dot_product_attention, on CUDA within CUDA_SDPA_BACKENDS."""
+    if q.device.type != "cuda":
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs)
+    with sdpa_kernel(CUDA_SDPA_BACKENDS):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
 def prompt_attention_dtype(kv_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype PyTorch's fused attention computes a prompt chunk in, for a KV cache of kv_dtype:
     on CUDA the cache's (its flash and memory-efficient kernels are half-precision kernels); on
@@ -139,8 +156,7 @@ def fused_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st
         # math path): the query heads of a KV head become its rows instead.
         o = gqa_as_rows(qh, k, v, mask, scale)
     else:
-        o = torch.nn.functional.scaled_dot_product_attention(
-            qh[None], k[None], v[None], attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=group > 1)[0]
+        o = sdpa(qh[None], k[None], v[None], attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=group > 1)[0]
     return o.transpose(0, 1).reshape(n, num_heads * head_dim)
 
 
@@ -152,8 +168,7 @@ def gqa_as_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     h_q, n, d = q.shape
     h_kv = k.shape[0]
     group = h_q // h_kv
-    o = torch.nn.functional.scaled_dot_product_attention(
-        q.reshape(h_kv, group * n, d)[None], k[None], v[None], attn_mask=mask.repeat(group, 1), scale=scale)
+    o = sdpa(q.reshape(h_kv, group * n, d)[None], k[None], v[None], attn_mask=mask.repeat(group, 1), scale=scale)
     return o[0].reshape(h_q, n, d)
 
 
@@ -198,8 +213,9 @@ class TorchAttention:
             if self.fused_prompt and s.count > 1 and self.kv.resident(s.seq_id):
                 # Gathered only while every page is on the device: pages on the host stream below,
                 # a page at a time, instead of all coming back at once.
-                k_all, v_all = self.kv.gathered(layer, s.seq_id, end)
-                out[rows] = fused_prompt_attention(q[rows].reshape(s.count, cfg.q_dim), k_all, v_all, s.start,
+                # Not bound to names: the next sequence's gather must not find this one still alive.
+                out[rows] = fused_prompt_attention(q[rows].reshape(s.count, cfg.q_dim),
+                                                   *self.kv.gathered(layer, s.seq_id, end), s.start,
                                                    cfg.num_heads, self.scale).view(s.count, cfg.num_heads, -1)
                 continue
             # Decode (one query at the newest position) needs no mask: every cached key is visible.

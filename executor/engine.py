@@ -124,9 +124,10 @@ class Engine:
         self._kv_pages: dict[object, int] = {}  # the ledger: pages held for each started sequence
         # Called with every executed step's record (a measurement: executor.report.Recorder.record_step).
         self.on_step: Callable[[StepRecord], object] | None = None
-        if max_step_tokens is None:  # a plan's working set is priced for its batch's prompt chunks
-            max_step_tokens = (step_tokens(placement.kv_sequences, self.context_limit) if placement.kv_sequences
-                               else MAX_STEP_TOKENS)
+        if max_step_tokens is None:  # a plan prices the GPU stage's working set for its batch's prompt chunks
+            on_gpu = any(s.device == "cuda" for s in placement.stages)
+            max_step_tokens = (step_tokens(placement.kv_sequences, self.context_limit)
+                               if placement.kv_sequences and on_gpu else MAX_STEP_TOKENS)
         self.max_step_tokens = max_step_tokens
         self.prefill_chunk = prefill_chunk
         self.max_running = max_running
@@ -242,7 +243,8 @@ class Engine:
             if budget <= 0:
                 break
             if seq.num_computed == 0 and seq.request_id not in self._kv_pages:   # not started yet
-                if len(self.running) >= self.max_running or not self._reserve_kv(seq):
+                # started sequences (prefilling or running) count: all of them decode together later
+                if len(self._kv_pages) >= self.max_running or not self._reserve_kv(seq):
                     break       # in arrival order: a later request never overtakes a waiting one
             count = min(self.prefill_chunk, budget, len(seq.prompt_ids) - seq.num_computed)
             schedule.append((seq, seq.num_computed, count))

@@ -143,13 +143,32 @@ def _clear_cuda_error() -> None:
         log.warning("could not clear the CUDA runtime's last error after a failed cudaHostRegister")
 
 
+# Page-locked tensors of pools collected while a CUDA graph was being captured (say, the old
+# model's, freed by the garbage collector during a new load's capture): neither a synchronise nor
+# cudaHostUnregister may run inside a capture, so they stay registered, and alive, until the next
+# unlock outside one (ResidentDecode.capture makes one when it is done).
+_unlock_later: list[torch.Tensor] = []
+
+
 def unlock(tensors: list[torch.Tensor]) -> None:
     """Unregister page_locked tensors, then let them go (the memory must not be freed while
-    registered, nor while a copy may still use it: the device is synchronised first)."""
+    registered, nor while a copy may still use it: the device is synchronised first); with those
+    held back from a capture. Inside a capture, only holds them back."""
     try:
-        if not torch.cuda.is_current_stream_capturing():  # collected mid-capture: a sync would break it
-            torch.cuda.synchronize()
+        capturing = torch.cuda.is_current_stream_capturing()
     except Exception:  # interpreter shutdown: nothing runs any more
+        capturing = False
+    if capturing:
+        _unlock_later.extend(tensors)
+        tensors.clear()
+        return
+    tensors.extend(_unlock_later)
+    _unlock_later.clear()
+    if not tensors:
+        return
+    try:
+        torch.cuda.synchronize()
+    except Exception:  # interpreter shutdown, or no CUDA here
         pass
     for t in tensors:
         if t.numel():

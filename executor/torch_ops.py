@@ -26,11 +26,12 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def decoder_block(x: torch.Tensor, w, ops, config, attend) -> torch.Tensor:
     """One pre-norm decoder block on x [T, H] fp32 (updated in place by the residual adds and
     returned): w a stage.BlockWeights, ops the stage's backend, attend(qkv) → attention output
-    [T, H_q·D] (the op-by-op stage and the GPU stage's static decode step attend differently)."""
-    h = ops.rms_norm(x, w.input_norm, config.rms_norm_eps)
-    x = w.o(attend(w.qkv(h)), x)  # x += o(attn)
-    h = ops.rms_norm(x, w.post_norm, config.rms_norm_eps)
-    gate, up = w.gate_up(h).split(config.intermediate_size, dim=-1)
+    [T, H_q·D] (the op-by-op stage and the GPU stage's static decode step attend differently).
+    The normed input is not kept past its projection: the MLP's peak (planner/working_set.py) is
+    its fused gate-up output, silu(gate)·up and the residual stream."""
+    eps = config.rms_norm_eps
+    x = w.o(attend(w.qkv(ops.rms_norm(x, w.input_norm, eps))), x)  # x += o(attn)
+    gate, up = w.gate_up(ops.rms_norm(x, w.post_norm, eps)).split(config.intermediate_size, dim=-1)
     return w.down(ops.silu_mul(gate, up), x)  # x += down(silu(gate) · up)
 
 

@@ -252,10 +252,16 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
     device_pages, host_pages = needed, 0
     if k < n and offload and dev_page:
         room = max(0, gpu_budget_bytes - gpu_weights - work(0))
-        device_pages = min(needed, int(watermark * room // dev_page))
-        # the decode graphs' gather grows with the pool: give back pages until the pool fits
-        while device_pages and gpu_weights + device_pages * dev_page + work(device_pages) > gpu_budget_bytes:
-            device_pages -= 1
+        # the decode graphs' gather grows with the pool: the most pages under the watermark that
+        # fit beside it (what they need only grows with their number: bisect)
+        lo, hi = 0, min(needed, int(watermark * room // dev_page))
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if gpu_weights + mid * dev_page + work(mid) <= gpu_budget_bytes:
+                lo = mid
+            else:
+                hi = mid - 1
+        device_pages = lo
         host_pages = needed - device_pages
     gpu_work = work(device_pages) if k < n else 0
     gpu_bytes = gpu_weights + device_pages * dev_page + gpu_work if k < n else 0

@@ -27,6 +27,9 @@ class UnitIR:
     # (the model's own graph): what its working memory grows with (None: an IR traced before
     # this was recorded).
     work_values_per_token: int | None = field(default=None, metadata=OMIT_IF_NONE)
+    # Query heads: attention scores per query token per context token (None: traced before this
+    # was recorded)
+    attn_heads: int | None = field(default=None, metadata=OMIT_IF_NONE)
 
     def prefill_flops(self, tokens: int) -> int:
         """FLOPs to prefill `tokens` tokens of one sequence (causal attention)."""

@@ -211,6 +211,12 @@ def carry_calibration(parent: Plan, machine: MachineProfile) -> tuple[Calibratio
     return parent.calibration, rec
 
 
+# An IR traced before activations were: its re-planned GPU working set misses them (and so does
+# every split's feasibility); re-tracing needs the config, which a re-plan does without.
+STALE_IR_NOTE = ("; this plan's IR predates traced activations, so the GPU stage's working set prices its "
+                 "gathers, masks and pages only: plan again from the model's config to price them")
+
+
 def replan(plan: Plan, calibration: Calibration, recalibration: Recalibration | None) -> Plan:
     """The next version of `plan` with another calibration: the search re-run from the plan's own
     IR (no config or weights needed) on the same machine, workload, limits and KV settings. A
@@ -219,9 +225,12 @@ def replan(plan: Plan, calibration: Calibration, recalibration: Recalibration | 
     model_max = plan.longest_context.model_max_tokens if plan.longest_context is not None else None
     # A context chosen by --max-context stays, but its latency bound held for the old calibration,
     # not necessarily for this one: the objective says where the context came from, nothing more.
-    objective = SEARCH_OBJECTIVE if plan.search.objective == SEARCH_OBJECTIVE else (
+    previous = plan.search.objective.replace(STALE_IR_NOTE, "")
+    objective = SEARCH_OBJECTIVE if previous == SEARCH_OBJECTIVE else (
         f"{SEARCH_OBJECTIVE}, at the context plan v{plan.plan_version} chose ({plan.workload.context_tokens} tokens: "
-        f"{plan.search.objective.split(';')[0]}, under that plan's calibration)")
+        f"{previous.split(';')[0]}, under that plan's calibration)")
+    if any(u.work_values_per_token is None for u in plan.ir.units):
+        objective += STALE_IR_NOTE
     return _assemble(plan.model, plan.ir, plan.machine, plan.workload, plan.limits, plan.kv,
                      p.split_k if p.forced else None, True, calibration, recalibration, plan, model_max, objective)
 

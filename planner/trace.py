@@ -443,6 +443,10 @@ def _trace(data: dict, dtype: str, digest: str, dedupe: bool) -> TraceResult:
     act[-1] = sum(n.meta["bytes"] for n in out_node.all_input_nodes if n.meta.get("tainted"))
     kv_len = S + 1  # the decode step attends over the cache plus itself
     work = _peak_live_values(prefill_graph, num_units)
+    # query heads: attention's FLOPs per context token are 4·H_q·D (scores and values), D the
+    # last dimension of the unit's cached keys
+    heads = [attn[u] // kv_len // (4 * next(iter(kv_seen[u])).meta["shape"][-1]) if kv_seen[u] else 0
+             for u in range(num_units)]
 
     # ---- weights per unit -----------------------------------------------------------------
     param_bytes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
@@ -452,7 +456,7 @@ def _trace(data: dict, dtype: str, digest: str, dedupe: bool) -> TraceResult:
     for i, rep in stubs.items():
         src, dst = block_prefix[rep] + ".", block_prefix[i] + "."
         used[1 + i] = {(dst + n[len(src):] if n.startswith(src) else n): v for n, v in used[1 + rep].items()}
-        for arr in (proj, attn, kv, nodes, work):
+        for arr in (proj, attn, kv, nodes, work, heads):
             arr[1 + i] = arr[1 + rep]
     units = []
     for u in range(num_units):
@@ -471,7 +475,8 @@ def _trace(data: dict, dtype: str, digest: str, dedupe: bool) -> TraceResult:
             kv_bytes_per_token=kv[u] // S,
             proj_flops_per_token=proj[u],
             attn_flops_per_context_token=attn[u] // kv_len,
-            num_nodes=nodes[u], traced_as=traced_as, work_values_per_token=-(-work[u] // S)))
+            num_nodes=nodes[u], traced_as=traced_as, work_values_per_token=-(-work[u] // S),
+            attn_heads=heads[u]))
     owners: dict[str, list[int]] = {}
     for u in range(num_units):
         for n in used[u]:

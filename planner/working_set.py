@@ -9,9 +9,13 @@ usable VRAM a profile measures is what is free after the CUDA context and cuBLAS
   values the model's own graph holds at its peak (UnitIR.work_values_per_token), in fp32 as the
   executor holds them, times ACTIVATION_WIDENING: the executor fuses gate and up into one
   output and keeps it whole while silu(gate)·up is made, where the graph frees each sooner;
-- one sequence's prompt chunk at a time through fused attention, per layer: its K/V gathered over
-  the context, and for a chunk after the first its visibility mask (chunk × context booleans,
-  tiled over the query heads of a KV head, and the bias in the dtype SDPA makes of that);
+- one sequence's prompt chunk at a time through attention, per layer (beside the activations,
+  though their peak is the MLP's: a bound, not an estimate). Fused, while its pages are all in
+  VRAM: its K/V gathered over the context, and for a chunk after the first its visibility mask
+  (chunk × context booleans, tiled over the query heads of a KV head, and the bias in the dtype
+  SDPA makes of that, padded to an aligned copy). Streamed, where pages may sit on the host
+  (offload): a page of fp32 scores per query head three times over, that page's K/V in fp32, and
+  the running output in fp32;
 - the logits of every sequence in a step (the head's values per token, in fp32);
 - the decode step's CUDA graphs (executor/device_step.py): their private pool keeps the largest
   bucket's K/V gather, mask and activations for as long as the graphs live;
@@ -59,8 +63,15 @@ def gpu_working_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: in
     total = max(step_tokens(batch, context), sequences) * per_token + sequences * logits
     if blocks:
         kv_token = max(u.kv_bytes_per_token for u in blocks)          # K and V of one layer
-        group = max(u.attn_flops_per_context_token for u in blocks) * b // (2 * kv_token) if kv_token else 0
-        total += context * kv_token + chunk * context * (1 + group * (1 + b))  # one chunk's attention
+        attn = max(u.attn_flops_per_context_token for u in blocks)    # 4·H_q·D
+        group = attn * b // (2 * kv_token) if kv_token else 0         # H_q / H_kv, K/V being 2·H_kv·D·b
+        attention = context * kv_token + chunk * context * (1 + group * (1 + 2 * b))
+        if device_pages < budget_pages:
+            heads = max(u.attn_heads or 0 for u in blocks)
+            streamed = (3 * FP32_BYTES * heads * chunk * page_size_tokens + page_size_tokens * kv_token * FP32_BYTES // b
+                        + 3 * FP32_BYTES * chunk * attn // 4)
+            attention = max(attention, streamed)
+        total += attention
         if device_pages:
             gathered = bucket(device_pages) * page_size_tokens         # keys one decode graph reads
             rows = min(bucket(sequences), bucket(device_pages))

@@ -202,9 +202,10 @@ def _cublas_workspace_bytes() -> int:
 
 def test_the_plans_gpu_bytes_bound_what_the_gpu_stage_allocates(checkpoint):
     """planner/working_set.py against CUDA's allocator: a plan for 2 sequences of 1024 tokens
-    (prompts of 960: a second chunk attends over the first with a mask), served at its batch and
-    context, allocates at its peak no more than the plan's GPU bytes (weights, KV pages, working
-    set) plus the capture stream's cuBLAS workspace. Prints both, for the notes."""
+    (prompts of 957: a second chunk attends over the first with a mask over 957 keys, not a
+    multiple of 8, which SDPA's memory-efficient kernel pads), served at its batch and context, allocates at its peak no more than the
+    plan's GPU bytes (weights, KV pages, working set) plus the capture stream's cuBLAS workspace.
+    Prints both, for the notes."""
     from executor.engine import Engine
     from executor.loader import load_model
     from executor.model_config import ModelConfig
@@ -214,7 +215,7 @@ def test_the_plans_gpu_bytes_bound_what_the_gpu_stage_allocates(checkpoint):
 
     path = checkpoint("qwen3", "bf16", max_position_embeddings=4096)
     cfg = ModelConfig.from_dir(path)
-    plan = plan_for_split(path, 1, page_size_tokens=64, workload=workload_for(960, 64, batch_size=2))
+    plan = plan_for_split(path, 1, page_size_tokens=64, workload=workload_for(957, 67, batch_size=2))
     priced = plan.search.candidates[1].gpu_bytes
     workspace = _cublas_workspace_bytes()
     torch.cuda.empty_cache()
@@ -222,7 +223,7 @@ def test_the_plans_gpu_bytes_bound_what_the_gpu_stage_allocates(checkpoint):
     base = torch.cuda.memory_allocated()
     engine = Engine(load_model(path, placement_for(plan, cfg), cfg), eos_token_ids=())
     stop = StopCriteria(max_new_tokens=64, ignore_eos=True)
-    seqs = [engine.add_request(prompt_ids(960, cfg.vocab_size, seed=i), stop=stop) for i in range(2)]
+    seqs = [engine.add_request(prompt_ids(957, cfg.vocab_size, seed=i), stop=stop) for i in range(2)]
     while engine.has_work():
         engine.step()
     assert all(s.finish_reason == "length" for s in seqs)

@@ -151,3 +151,29 @@ def test_device_slots_only_while_every_page_is_resident():
     plain = KVCache(LAYERS, HKV, D, torch.float32, torch.device("cpu"), 4, device_pages=2, host_pages=4)
     plain.reserve("a", 1)
     assert plain.device_slots("a") is None  # no slab: no slots
+
+
+def test_pages_collected_mid_capture_are_unregistered_after_it(monkeypatch):
+    """Neither a synchronise nor cudaHostUnregister may run while a CUDA graph is being captured:
+    page-locked tensors freed then (a pool collected by the garbage collector) are held, still
+    registered and alive, and unregistered by the next unlock outside a capture."""
+    calls, capturing = [], [True]
+
+    class Runtime:
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls.append(("synchronize",)))
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
+    monkeypatch.setattr(kv_cache, "_unlock_later", [])
+    pages = [torch.ones(4), torch.ones(8)]
+    ptrs = [t.data_ptr() for t in pages]
+    held = list(pages)
+    kv_cache.unlock(held)                       # collected mid-capture
+    assert calls == [] and held == [] and [t.data_ptr() for t in kv_cache._unlock_later] == ptrs
+    capturing[0] = False
+    kv_cache.unlock([])                         # the capture is over
+    assert calls == [("synchronize",), ("unregister", ptrs[0]), ("unregister", ptrs[1])]
+    assert kv_cache._unlock_later == []

@@ -79,8 +79,8 @@ def _block_peak(cfg: ModelConfig, tokens: int) -> int:
         del qh, kernel
         return out.reshape(tokens, cfg.q_dim)
 
-    x = torch.empty(tokens, H, device=META)
     with LiveBytes() as live:
+        x = torch.empty(tokens, H, device=META)  # the residual stream: the graph's count has it too
         decoder_block(x, w, ops, cfg, attend)
     return live.peak
 

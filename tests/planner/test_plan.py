@@ -61,7 +61,7 @@ def test_write_read_write_gives_identical_bytes(laptop_plan_8b, tmp_path):
     assert lines[0].startswith("# HELM plan v1: Qwen3ForCausalLM") and "k=22 of 38" in lines[0]
     assert "MiB working set)" in lines[0]
     assert lines[1].startswith("# Predicted") and lines[2].startswith("# Why: k=21") and "working set" in lines[2]
-    assert lines[3].startswith("# Longest context at batch 1: 4096 tokens") and "with KV offload" in lines[3]
+    assert lines[3].startswith("# Longest context at batch 1: 3584 tokens") and "with KV offload" in lines[3]
     assert not lines[4].startswith("#")
 
 
@@ -157,20 +157,20 @@ def test_tighter_gpu_cap_moves_units_to_the_cpu(laptop):
 
 
 def test_kv_offload_parks_pages_on_the_host_when_vram_runs_out(laptop):
-    wl = workload_for(15872, 512)                # 32 pages of 512 tokens per sequence
+    wl = workload_for(11776, 512)                # 24 pages of 512 tokens per sequence
     path = config_path("qwen3-8b")
     with pytest.raises(PlanError, match="--split 22 is infeasible.*KV"):
         make_plan(path, laptop, workload=wl, split_k=22)
     off = make_plan(path, laptop, workload=wl, split_k=22, kv_offload=True)
-    assert off.kv.offload and off.kv.device_pages + off.kv.host_pages == off.kv.pages_per_sequence == 32
+    assert off.kv.offload and off.kv.device_pages + off.kv.host_pages == off.kv.pages_per_sequence == 24
     assert off.kv.host_pages > 0 and off.kv.device_pages >= 2
     # the device keeps the most pages that stay under the watermark of the VRAM left after weights
     # and the working set, and fit beside the working set they grow (the decode graphs' gather)
     gpu, kv, budget = off.partition.stages[1], off.kv, off.limits.gpu_budget_bytes
 
     def work(pages):
-        return gpu_working_bytes(off.ir.units[22:], dtype="bfloat16", batch=1, context=16384, page_size_tokens=512,
-                                 budget_pages=32, device_pages=pages, device_page_bytes=kv.device_page_bytes)
+        return gpu_working_bytes(off.ir.units[22:], dtype="bfloat16", batch=1, context=12288, page_size_tokens=512,
+                                 budget_pages=24, device_pages=pages, device_page_bytes=kv.device_page_bytes)
 
     def fits(pages):
         return (pages <= 0.8 * (budget - gpu.weight_bytes - work(0)) // kv.device_page_bytes

@@ -15,10 +15,11 @@ MIB = 2**20
 
 
 def gpu_stage(blocks: int = 2):
-    """Blocks with K+V of 4096 B per token per layer and 4 query heads per KV head (attention
-    FLOPs 16384 per context token = 4·H_q·D, K+V 2·H_kv·D·2 bytes), 1000 activation values per
-    token at their peak; a head with 300 per token."""
-    units = [replace(unit(i, "block", MIB, kv=4096, attn=16384), work_values_per_token=1000) for i in range(blocks)]
+    """Blocks of 32 query heads over 8 KV heads of 128 (attention FLOPs 16384 per context token =
+    4·H_q·D, K+V 4096 B = 2·H_kv·D·2 bytes per token per layer), 1000 activation values per token
+    at their peak; a head with 300 per token."""
+    units = [replace(unit(i, "block", MIB, kv=4096, attn=16384), work_values_per_token=1000, attn_heads=32)
+             for i in range(blocks)]
     return tuple(units) + (replace(unit(blocks, "head", MIB), work_values_per_token=300),)
 
 
@@ -33,12 +34,18 @@ def test_each_term_by_hand():
     activations = 512 * per_token                     # a 512-token prompt chunk: batch 1
     logits = 2 * 300 * 4                              # 2 sequences may share the 2 pages, fp32 each
     gather = 1024 * 4096                              # the sequence's K/V at the context, one layer
-    mask = 512 * 1024 * (1 + 4 * (1 + 2))             # bool [chunk, context], tiled over 4 query heads, bf16 bias
+    mask = 512 * 1024 * (1 + 4 * (1 + 2 * 2))         # bool [chunk, context] tiled over 4 query heads, bf16 bias twice
     graphs = 2 * 512 * (4096 + 1) + 2 * per_token     # bucket(2 pages) of keys and their mask; 2 rows
     scratch = 8 * MIB
     assert work(gpu_stage()) == activations + logits + gather + mask + graphs + scratch
-    # no device pages (everything streams): no graphs, no scratch page
-    assert work(gpu_stage(), device_pages=0) == activations + logits + gather + mask
+    # pages on the host (no device pages here): prompt chunks stream, a page of fp32 scores per query
+    # head three times over, the page's K/V in fp32, the running output (H_q·D = 4096) in fp32;
+    # no graphs, no scratch page
+    streamed = 3 * 4 * 32 * 512 * 512 + 512 * 4096 * 2 + 3 * 4 * 512 * 4096
+    assert streamed > gather + mask
+    assert work(gpu_stage(), device_pages=0) == activations + logits + streamed
+    # one page on the device: the streamed chunk and the graphs
+    assert work(gpu_stage(), device_pages=1) == activations + logits + streamed + 512 * 4097 + per_token + scratch
     # the graphs' capture stream keeps its own cuBLAS workspace, where the profile measured it
     assert work(gpu_stage(), stream_workspace_bytes=32 * MIB) - work(gpu_stage()) == 32 * MIB
     assert work(gpu_stage(), device_pages=0, stream_workspace_bytes=32 * MIB) == work(gpu_stage(), device_pages=0)
@@ -48,7 +55,7 @@ def test_what_it_grows_with():
     units = gpu_stage()
     base = work(units)
     # a longer context: the gather and mask of a prompt chunk grow with it
-    assert work(units, context=2048) - base == 1024 * 4096 + 512 * 1024 * 13
+    assert work(units, context=2048) - base == 1024 * 4096 + 512 * 1024 * 21
     # a batch of 4: prompt chunks of 4 sequences in one step
     assert work(units, batch=4, budget_pages=8) - work(units, budget_pages=8) == 3 * 512 * 5334
     assert step_tokens(4, 1024) == 2048 and step_tokens(8, 1024) == 2048 and step_tokens(1, 100) == 100
@@ -58,10 +65,10 @@ def test_what_it_grows_with():
     assert work(gpu_stage(10)) == base
     # fp32 weights: K/V of 8192 B per token (the same heads), the mask's bias in fp32
     fp32 = tuple(replace(u, kv_bytes_per_token=8192) if u.kind == "block" else u for u in units)
-    assert work(fp32, dtype="float32") - base == 1024 * 4096 + 512 * 1024 * 4 * 2 + 2 * 512 * 4096
+    assert work(fp32, dtype="float32") - base == 1024 * 4096 + 512 * 1024 * 4 * 2 * 2 + 2 * 512 * 4096
     # one KV head per query head: the mask is not tiled
     group1 = tuple(replace(u, attn_flops_per_context_token=4096) if u.kind == "block" else u for u in units)
-    assert base - work(group1) == 512 * 1024 * 3 * 3
+    assert base - work(group1) == 512 * 1024 * 3 * 5
 
 
 def test_edges():
@@ -83,3 +90,17 @@ def test_the_trace_finds_the_mlp_peak():
     blocks = {u.work_values_per_token for u in ir.units if u.kind == "block"}
     assert blocks == {3 * 12288 + 4096}
     assert ir.units[-1].work_values_per_token == 2 * 151936           # logits, and their fp32 copy
+
+
+def test_replanning_an_ir_traced_before_activations_says_what_it_cannot_price(laptop_plan_8b):
+    from planner.planning import SEARCH_OBJECTIVE, STALE_IR_NOTE, replan
+
+    old_ir = replace(laptop_plan_8b.ir, units=tuple(replace(u, work_values_per_token=None)
+                                                    for u in laptop_plan_8b.ir.units))
+    old = replace(laptop_plan_8b, ir=old_ir)
+    again = replan(old, old.calibration, None)
+    assert again.search.objective == SEARCH_OBJECTIVE + STALE_IR_NOTE
+    assert replan(again, again.calibration, None).search.objective == SEARCH_OBJECTIVE + STALE_IR_NOTE
+    stage, fresh = again.partition.stages[-1], replan(laptop_plan_8b, laptop_plan_8b.calibration, None)
+    assert fresh.search.objective == SEARCH_OBJECTIVE
+    assert 0 < stage.working_bytes < fresh.partition.stages[-1].working_bytes
