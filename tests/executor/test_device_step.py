@@ -6,7 +6,7 @@ import torch
 
 from executor import attention
 from executor.device_step import ResidentDecode
-from planner.step_shape import bucket
+from planner.step_shape import MAX_RUNNING_SEQUENCES, bucket
 from executor.engine import Engine
 from executor.loader import load_model
 from executor.model_config import ModelConfig
@@ -166,6 +166,9 @@ def test_graphs_are_captured_at_load_for_every_bucket_a_step_takes(checkpoint, s
     assert sorted(captured) == [(1, 1), (1, 2), (1, 4), (1, 8), (2, 1), (2, 2), (2, 4), (2, 8), (4, 1), (4, 2),
                                 (4, 4), (8, 1), (8, 2), (16, 1)]
     monkeypatch.setattr(step, "graphs", False)
+    # a budget of more pages than the default running batch: rows captured up to that batch
+    wide = replace(placement, kv_sequences=100, device_kv_pages=600)
+    assert _decode_buckets(wide, cfg) == (MAX_RUNNING_SEQUENCES, 6)
     prompts = [prompt_ids(n, 256, seed=n) for n in (2, 3, 5, 9)]   # short: the ledger admits several
     Engine(model).generate(prompts, SamplingParams(), StopCriteria(max_new_tokens=6, ignore_eos=True))
     taken = {(rows, cols - 3) for rows, cols in static_steps}

@@ -210,3 +210,31 @@ def test_an_out_of_memory_step_fails_its_request_and_the_engine_serves_on(path, 
     second = eng.generate([prompt_ids(5, 256, seed=63)], stop=stop)[0]
     alone, _ = helm_generate(path, [second.prompt_ids], split=2, max_new_tokens=6, page_size=4)
     assert second.finish_reason == "length" and second.output_ids == alone[0]
+
+
+def test_started_sequences_count_against_the_running_batch(path):
+    """A sequence counts against max_running from its first prompt chunk, not from its first
+    token: the GPU stage's working set and decode graphs are priced for that many at once."""
+    eng = engine_for(path, max_running=2, prefill_chunk=4)
+    stop = StopCriteria(max_new_tokens=3, ignore_eos=True)
+    seqs = [eng.add_request(prompt_ids(10, 256, seed=60 + i), stop=stop) for i in range(5)]  # 3 chunks each
+    most = 0
+    while eng.has_work():
+        eng.step()
+        started = [s for s in seqs if s.num_computed and s.finish_reason is None]
+        most = max(most, len(started))
+        assert len(started) <= 2 and len(eng.running) <= 2
+    assert most == 2 and all(s.finish_reason == "length" for s in seqs)
+
+
+def test_a_plans_step_is_bounded_by_its_batch_of_prompt_chunks_where_a_gpu_stage_runs(path):
+    from dataclasses import replace
+
+    from planner.step_shape import MAX_STEP_TOKENS, step_tokens
+
+    cfg = ModelConfig.from_dir(path)
+    for split, want in ((2, step_tokens(3, 64)), (cfg.num_units, MAX_STEP_TOKENS)):
+        placement = replace(Placement.from_split(cfg.num_units, split, page_size_tokens=4),
+                            kv_sequences=3, context_tokens=64)
+        assert Engine(load_model(path, placement, cfg)).max_step_tokens == want
+    assert step_tokens(3, 64) == 192
