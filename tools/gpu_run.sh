@@ -14,7 +14,8 @@ OUT=${OUT:-/tmp/helm-gpu-out}
 mkdir -p "$OUT"
 what=${1:-all}
 [ $# -gt 0 ] && shift
-python -m pip install -q --no-index --no-deps gpu_carry/wheels/*.whl > "$OUT/setup.txt" 2>&1 \
+python -V > "$OUT/setup.txt" 2>&1   # the carried wheels are cp312 (tools/gpu_prepare.sh)
+python -m pip install -q --no-index --no-deps gpu_carry/wheels/*.whl >> "$OUT/setup.txt" 2>&1 \
     || { tail -40 "$OUT/setup.txt"; exit 1; }
 # The project, without dependencies (its build compiles the kernels in place); where even that
 # cannot build offline, the kernels are built in place and the checkout goes on the path.
