@@ -9,11 +9,10 @@ float rounding), and only one page at a time needs to be on the device.
 """
 from __future__ import annotations
 
-import itertools
-from typing import TYPE_CHECKING, Iterable
+import logging
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from executor.rope import apply_rotary
 
@@ -21,6 +20,8 @@ if TYPE_CHECKING:
     from executor.batch import StepBatch
     from executor.kv_cache import KVCache, KVChunk
     from executor.model_config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 def streaming_attention(
@@ -52,8 +53,12 @@ def streaming_attention(
     group = h_q // h_kv
     qg = _grouped(q, h_kv)  # [H_kv, group*T, D]
     m = s = o = None
-    for k, v, start in itertools.chain((first, second), chunks):
-        scores = torch.matmul(qg, k.float().transpose(1, 2)) * scale  # [H_kv, group*T, n]
+    pages = _in_order([first, second], chunks)  # not holding the first two pages to the end
+    del first, second
+    # A page's fp32 scores per query head are the largest temporaries (planner/working_set.py
+    # prices one at a time): made once and updated in place, not copied per operation.
+    for k, v, start in pages:
+        scores = torch.matmul(qg, k.float().transpose(1, 2)).mul_(scale)  # [H_kv, group*T, n]
         scores = _mask_future(scores, q_positions, start, group, first_query)
         chunk_max = scores.amax(dim=-1, keepdim=True)  # [H_kv, group*T, 1]
         if m is None:
@@ -62,16 +67,24 @@ def streaming_attention(
             m_new = torch.maximum(m, chunk_max)
         # A row with every key masked so far has m_new = -inf; use 0 there so exp() gives 0, not NaN.
         safe_m = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        p = torch.exp(scores - safe_m)
+        p = scores.sub_(safe_m).exp_()
         pv = torch.matmul(p, v.float())  # [H_kv, group*T, D]
         if m is None:
             s, o = p.sum(dim=-1, keepdim=True), pv
         else:
             correction = torch.exp(m - safe_m)
-            s = s * correction + p.sum(dim=-1, keepdim=True)
-            o = o * correction + pv
+            s.mul_(correction).add_(p.sum(dim=-1, keepdim=True))
+            o.mul_(correction).add_(pv)
         m = m_new
+        del scores, p, pv
     return _ungrouped(o / s, T, h_q)
+
+
+def _in_order(head: list, rest: Iterator) -> Iterator:
+    """The items of `head`, then of `rest`, each let go once it is handed out."""
+    while head:
+        yield head.pop(0)
+    yield from rest
 
 
 def _grouped(q: torch.Tensor, h_kv: int) -> torch.Tensor:
@@ -87,14 +100,14 @@ def _ungrouped(out: torch.Tensor, T: int, h_q: int) -> torch.Tensor:
 
 def _mask_future(scores: torch.Tensor, q_positions: torch.Tensor | None, start: int, group: int,
                  first_query: int | None) -> torch.Tensor:
-    """-inf where a key (at start + column) lies after the query's position. Decided on the host
-    (no device sync): a chunk whose last key is at or before the first query needs no mask."""
+    """-inf, in place, where a key (at start + column) lies after the query's position. Decided on
+    the host (no device sync): a chunk whose last key is at or before the first query needs no mask."""
     n = scores.shape[-1]
     if q_positions is None or (first_query is not None and start + n - 1 <= first_query):
         return scores
     key_pos = torch.arange(start, start + n, device=q_positions.device)
     hidden = key_pos[None, :] > q_positions[:, None]  # [T, n]
-    return scores.masked_fill(hidden.repeat(group, 1)[None], float("-inf"))
+    return scores.masked_fill_(hidden.repeat(group, 1)[None], float("-inf"))
 
 
 def _one_chunk(q: torch.Tensor, chunk: KVChunk, scale: float, q_positions: torch.Tensor | None,
@@ -102,25 +115,24 @@ def _one_chunk(q: torch.Tensor, chunk: KVChunk, scale: float, q_positions: torch
     k, v, start = chunk
     T, h_q, _ = q.shape
     group = h_q // k.shape[0]
-    scores = torch.matmul(_grouped(q, k.shape[0]), k.float().transpose(1, 2)) * scale  # [H_kv, group*T, n]
-    probs = torch.softmax(_mask_future(scores, q_positions, start, group, first_query), dim=-1)
+    scores = torch.matmul(_grouped(q, k.shape[0]), k.float().transpose(1, 2)).mul_(scale)  # [H_kv, group*T, n]
+    scores = _mask_future(scores, q_positions, start, group, first_query)
+    # softmax in place: one page of scores per query head at a time, as streaming_attention
+    scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()
+    probs = scores.div_(scores.sum(dim=-1, keepdim=True))
     return _ungrouped(torch.matmul(probs, v.float()), T, h_q)
 
 
-# On CUDA our SDPA calls take flash or memory-efficient attention (math as the last resort), not
-# cuDNN's: PyTorch prefers cuDNN on Hopper for half precision, where it raises rather than falls
-# back on shapes it has no plan for (a KV head's query heads as rows, gathered K/V), and every
-# decode graph bucket would build a plan of its own at load. planner/working_set.py prices the
-# memory-efficient kernel's mask.
-CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
-    """torch.nn.functional.scaled_dot_product_attention, on CUDA within CUDA_SDPA_BACKENDS."""
-    if q.device.type != "cuda":
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs)
-    with sdpa_kernel(CUDA_SDPA_BACKENDS):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs)
+def without_cudnn_attention() -> None:
+    """Our SDPA calls on CUDA take flash or memory-efficient attention (math as the last resort),
+    not cuDNN's: PyTorch prefers cuDNN on Hopper for half precision, where it raises rather than
+    falls back on shapes it has no plan for (a KV head's query heads as rows, gathered K/V), and
+    every decode graph bucket would build a plan of its own at load; planner/working_set.py
+    prices the memory-efficient kernel's mask. Process-wide, set when a GPU stage loads: the flag
+    is global, so a context per call would cost host time in every layer and race other threads."""
+    if torch.backends.cuda.cudnn_sdp_enabled():
+        log.info("SDPA on CUDA: cuDNN attention off (flash, memory-efficient or math)")
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def prompt_attention_dtype(kv_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -156,7 +168,8 @@ def fused_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st
         # math path): the query heads of a KV head become its rows instead.
         o = gqa_as_rows(qh, k, v, mask, scale)
     else:
-        o = sdpa(qh[None], k[None], v[None], attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=group > 1)[0]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qh[None], k[None], v[None], attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=group > 1)[0]
     return o.transpose(0, 1).reshape(n, num_heads * head_dim)
 
 
@@ -168,7 +181,8 @@ def gqa_as_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     h_q, n, d = q.shape
     h_kv = k.shape[0]
     group = h_q // h_kv
-    o = sdpa(q.reshape(h_kv, group * n, d)[None], k[None], v[None], attn_mask=mask.repeat(group, 1), scale=scale)
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.reshape(h_kv, group * n, d)[None], k[None], v[None], attn_mask=mask.repeat(group, 1), scale=scale)
     return o[0].reshape(h_q, n, d)
 
 

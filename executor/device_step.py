@@ -26,9 +26,9 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from executor.attention import sdpa
-from executor.kv_cache import unlock
+from executor.kv_cache import holding_unlocks
 from executor.rope import inverse_frequencies, rotary_tables
 from executor.torch_ops import decoder_block
 from planner.step_shape import bucket
@@ -125,15 +125,15 @@ class ResidentDecode:
         fails instead (HELM_CUDA_GRAPHS=0 runs every step eagerly)."""
         if not self.graphs:
             return
-        for rows in _buckets(max_rows):
-            for pages in _buckets(max_pages_per_sequence):
-                if rows * pages <= self.max_pages and (rows, pages) not in self._captured:
-                    try:
-                        self._captured[(rows, pages)] = self._capture(rows, pages)
-                    except Exception as e:
-                        raise RuntimeError(f"CUDA graph capture of the GPU stage's decode step failed at {rows} "
-                                           f"rows x {pages} pages ({e}); {GRAPHS_ENV}=0 runs it eagerly") from e
-        unlock([])  # host pages of pools collected during the captures
+        with holding_unlocks():  # host pages of pools collected meanwhile are let go after
+            for rows in _buckets(max_rows):
+                for pages in _buckets(max_pages_per_sequence):
+                    if rows * pages <= self.max_pages and (rows, pages) not in self._captured:
+                        try:
+                            self._captured[(rows, pages)] = self._capture(rows, pages)
+                        except Exception as e:
+                            raise RuntimeError(f"CUDA graph capture of the GPU stage's decode step failed at {rows} "
+                                               f"rows x {pages} pages ({e}); {GRAPHS_ENV}=0 runs it eagerly") from e
 
     def _index(self, batch, slots: list[list[int]], rows: int, pages: int) -> torch.Tensor:
         """[rows, 3 + pages] int64: position, write slot, row in the page, page slots (padded rows
@@ -192,7 +192,7 @@ class ResidentDecode:
             gathered.append(g.view(h_kv, rows, -1, d).transpose(0, 1))  # [rows, H_kv, pages·P, D]
         # The query heads of a KV head are its rows (GQA without repeating K/V): [rows, H_kv, group, D].
         qg = q.to(slab.dtype).view(rows, h_kv, h_q // h_kv, d)
-        out = sdpa(qg, gathered[0], gathered[1], attn_mask=visible, scale=self.scale)
+        out = F.scaled_dot_product_attention(qg, gathered[0], gathered[1], attn_mask=visible, scale=self.scale)
         return out.reshape(rows, h_q * d).float()
 
     def _capture(self, rows: int, pages: int) -> _Graph:

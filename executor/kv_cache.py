@@ -17,9 +17,11 @@ after weights), not the cache's.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -143,27 +145,44 @@ def _clear_cuda_error() -> None:
         log.warning("could not clear the CUDA runtime's last error after a failed cudaHostRegister")
 
 
-# Page-locked tensors of pools collected while a CUDA graph was being captured (say, the old
-# model's, freed by the garbage collector during a new load's capture): neither a synchronise nor
-# cudaHostUnregister may run inside a capture, so they stay registered, and alive, until the next
-# unlock outside one (ResidentDecode.capture makes one when it is done).
+# Page-locked tensors of pools collected while CUDA graphs are being captured (say, the old
+# model's, freed by the garbage collector during a new load's captures, in any thread): neither a
+# synchronise nor cudaHostUnregister may run then, so they stay registered, and alive, until the
+# captures are over (`holding_unlocks`), or the next unlock after them.
+_unlock_lock = threading.Lock()
 _unlock_later: list[torch.Tensor] = []
+_captures = 0  # `holding_unlocks` blocks running
+
+
+@contextlib.contextmanager
+def holding_unlocks():
+    """While CUDA graphs are captured (ResidentDecode.capture): unlocks wait until it is over."""
+    global _captures
+    with _unlock_lock:
+        _captures += 1
+    try:
+        yield
+    finally:
+        with _unlock_lock:
+            _captures -= 1
+        unlock([])
 
 
 def unlock(tensors: list[torch.Tensor]) -> None:
     """Unregister page_locked tensors, then let them go (the memory must not be freed while
     registered, nor while a copy may still use it: the device is synchronised first); with those
-    held back from a capture. Inside a capture, only holds them back."""
+    held back from a capture. During one, only holds them back."""
     try:
         capturing = torch.cuda.is_current_stream_capturing()
-    except Exception:  # interpreter shutdown: nothing runs any more
+    except Exception:  # interpreter shutdown, or no CUDA here
         capturing = False
-    if capturing:
-        _unlock_later.extend(tensors)
-        tensors.clear()
-        return
-    tensors.extend(_unlock_later)
-    _unlock_later.clear()
+    with _unlock_lock:
+        if capturing or _captures:
+            _unlock_later.extend(tensors)
+            tensors.clear()
+            return
+        tensors.extend(_unlock_later)
+        _unlock_later.clear()
     if not tensors:
         return
     try:

@@ -253,15 +253,22 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
     if k < n and offload and dev_page:
         room = max(0, gpu_budget_bytes - gpu_weights - work(0))
         # the decode graphs' gather grows with the pool: the most pages under the watermark that
-        # fit beside it (what they need only grows with their number: bisect)
-        lo, hi = 0, min(needed, int(watermark * room // dev_page))
+        # fit beside it. Below `needed` what they need only grows with their number (bisect); all
+        # of them may fit where fewer do not, since a sequence then never streams its chunks.
+        def fits(pages: int) -> bool:
+            return gpu_weights + pages * dev_page + work(pages) <= gpu_budget_bytes
+
+        top = min(needed, int(watermark * room // dev_page))
+        lo, hi = 0, top - (top == needed)
+        if top == needed and fits(top):
+            lo = hi = top
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if gpu_weights + mid * dev_page + work(mid) <= gpu_budget_bytes:
+            if fits(mid):
                 lo = mid
             else:
                 hi = mid - 1
-        device_pages = lo
+        device_pages = max(lo, 0)
         host_pages = needed - device_pages
     gpu_work = work(device_pages) if k < n else 0
     gpu_bytes = gpu_weights + device_pages * dev_page + gpu_work if k < n else 0

@@ -211,10 +211,15 @@ def carry_calibration(parent: Plan, machine: MachineProfile) -> tuple[Calibratio
     return parent.calibration, rec
 
 
-# An IR traced before activations were: its re-planned GPU working set misses them (and so does
-# every split's feasibility); re-tracing needs the config, which a re-plan does without.
+# An IR traced before activations (and attention heads) were: its re-planned GPU working set
+# misses them (and so does every split's feasibility); re-tracing needs the config, which a re-plan
+# does without.
 STALE_IR_NOTE = ("; this plan's IR predates traced activations, so the GPU stage's working set prices its "
                  "gathers, masks and pages only: plan again from the model's config to price them")
+
+
+def _stale_ir(units) -> bool:
+    return any(u.work_values_per_token is None or (u.kind == "block" and u.attn_heads is None) for u in units)
 
 
 def replan(plan: Plan, calibration: Calibration, recalibration: Recalibration | None) -> Plan:
@@ -229,7 +234,7 @@ def replan(plan: Plan, calibration: Calibration, recalibration: Recalibration | 
     objective = SEARCH_OBJECTIVE if previous == SEARCH_OBJECTIVE else (
         f"{SEARCH_OBJECTIVE}, at the context plan v{plan.plan_version} chose ({plan.workload.context_tokens} tokens: "
         f"{previous.split(';')[0]}, under that plan's calibration)")
-    if any(u.work_values_per_token is None for u in plan.ir.units):
+    if _stale_ir(plan.ir.units):
         objective += STALE_IR_NOTE
     return _assemble(plan.model, plan.ir, plan.machine, plan.workload, plan.limits, plan.kv,
                      p.split_k if p.forced else None, True, calibration, recalibration, plan, model_max, objective)

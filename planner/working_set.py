@@ -14,8 +14,9 @@ usable VRAM a profile measures is what is free after the CUDA context and cuBLAS
   VRAM: its K/V gathered over the context, and for a chunk after the first its visibility mask
   (chunk × context booleans, tiled over the query heads of a KV head, and the bias in the dtype
   SDPA makes of that, padded to an aligned copy). Streamed, where pages may sit on the host
-  (offload): a page of fp32 scores per query head three times over, that page's K/V in fp32, and
-  the running output in fp32;
+  (offload): a page of fp32 scores per query head and the masks that hide its future keys, its
+  K or V in fp32, three pages' device copies (the last, this and the prefetched one), and the
+  grouped queries, running output and a page's share of it in fp32;
 - the logits of every sequence in a step (the head's values per token, in fp32);
 - the decode step's CUDA graphs (executor/device_step.py): their private pool keeps the largest
   bucket's K/V gather, mask and activations for as long as the graphs live;
@@ -65,18 +66,37 @@ def gpu_working_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: in
         kv_token = max(u.kv_bytes_per_token for u in blocks)          # K and V of one layer
         attn = max(u.attn_flops_per_context_token for u in blocks)    # 4·H_q·D
         group = attn * b // (2 * kv_token) if kv_token else 0         # H_q / H_kv, K/V being 2·H_kv·D·b
-        attention = context * kv_token + chunk * context * (1 + group * (1 + 2 * b))
-        if device_pages < budget_pages:
+        attention = fused_prompt_attention_bytes(context, chunk, kv_token, group, b)
+        if device_pages < budget_pages:  # pages may sit on the host: such a sequence's chunks stream
             heads = max(u.attn_heads or 0 for u in blocks)
-            streamed = (3 * FP32_BYTES * heads * chunk * page_size_tokens + page_size_tokens * kv_token * FP32_BYTES // b
-                        + 3 * FP32_BYTES * chunk * attn // 4)
-            attention = max(attention, streamed)
+            attention = max(attention, streamed_prompt_attention_bytes(chunk, page_size_tokens, kv_token, heads,
+                                                                       group, attn, b))
         total += attention
         if device_pages:
             gathered = bucket(device_pages) * page_size_tokens         # keys one decode graph reads
             rows = min(bucket(sequences), bucket(device_pages))
             total += gathered * (kv_token + 1) + rows * per_token + device_page_bytes + stream_workspace_bytes
     return total
+
+
+def fused_prompt_attention_bytes(context: int, chunk: int, kv_token: int, group: int, dtype_bytes: int) -> int:
+    """One layer of a prompt chunk through fused attention (executor/attention.py,
+    fused_prompt_attention): the sequence's K/V gathered over the context, the chunk's mask as
+    booleans, tiled over a KV head's `group` query heads, and that as a bias in the dtype twice
+    (SDPA's conversion, and its aligned copy)."""
+    return context * kv_token + chunk * context * (1 + group * (1 + 2 * dtype_bytes))
+
+
+def streamed_prompt_attention_bytes(chunk: int, page: int, kv_token: int, heads: int, group: int,
+                                    attn_flops: int, dtype_bytes: int) -> int:
+    """One layer of a prompt chunk through streaming attention (executor/attention.py,
+    streaming_attention), page by page: a page of fp32 scores per query head, the booleans hiding
+    its future keys (and their tiling over `group`), its K or V in fp32, three pages' device
+    copies, and the grouped queries, running output and a page's share of it (H_q·D values per
+    query, attn_flops / 4) in fp32."""
+    return (FP32_BYTES * heads * chunk * page + (1 + group) * chunk * page
+            + page * kv_token * FP32_BYTES // (2 * dtype_bytes) + 3 * page * kv_token
+            + 3 * FP32_BYTES * chunk * attn_flops // 4)
 
 
 def activation_bytes_per_token(units: tuple[UnitIR, ...]) -> int:

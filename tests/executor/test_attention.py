@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from executor import attention
 from executor.attention import streaming_attention
 
 TOL = 1e-5  # fp32 throughout: only summation order differs from SDPA
@@ -107,3 +108,16 @@ def test_gqa_as_rows_matches_sdpa_with_repeated_kv(heads):
     mask = torch.arange(start + n)[None, :] <= positions[:, None]
     got = gqa_as_rows(q.permute(1, 0, 2).contiguous(), k, v, mask, d ** -0.5).permute(1, 0, 2)
     assert (got - reference(q, k, v, positions)).abs().max() < TOL
+
+
+def test_a_gpu_stage_turns_cudnn_attention_off_for_the_process():
+    """PyTorch prefers cuDNN's attention on Hopper, which raises on shapes it has no plan for;
+    loading a GPU stage leaves flash, memory-efficient and math (executor/loader.py)."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        attention.without_cudnn_attention()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)

@@ -171,9 +171,19 @@ def test_pages_collected_mid_capture_are_unregistered_after_it(monkeypatch):
     pages = [torch.ones(4), torch.ones(8)]
     ptrs = [t.data_ptr() for t in pages]
     held = list(pages)
-    kv_cache.unlock(held)                       # collected mid-capture
+    kv_cache.unlock(held)                       # collected mid-capture, on the capturing thread
     assert calls == [] and held == [] and [t.data_ptr() for t in kv_cache._unlock_later] == ptrs
     capturing[0] = False
     kv_cache.unlock([])                         # the capture is over
     assert calls == [("synchronize",), ("unregister", ptrs[0]), ("unregister", ptrs[1])]
     assert kv_cache._unlock_later == []
+    # on another thread while graphs are captured, and through a capture that fails
+    calls.clear()
+    with pytest.raises(RuntimeError, match="capture failed"):
+        with kv_cache.holding_unlocks():
+            other = [torch.ones(2)]
+            ptr = other[0].data_ptr()
+            kv_cache.unlock(other)              # is_current_stream_capturing is False here
+            assert calls == [] and len(kv_cache._unlock_later) == 1
+            raise RuntimeError("capture failed")
+    assert calls == [("synchronize",), ("unregister", ptr)] and kv_cache._unlock_later == []

@@ -39,9 +39,10 @@ def test_each_term_by_hand():
     scratch = 8 * MIB
     assert work(gpu_stage()) == activations + logits + gather + mask + graphs + scratch
     # pages on the host (no device pages here): prompt chunks stream, a page of fp32 scores per query
-    # head three times over, the page's K/V in fp32, the running output (H_q·D = 4096) in fp32;
-    # no graphs, no scratch page
-    streamed = 3 * 4 * 32 * 512 * 512 + 512 * 4096 * 2 + 3 * 4 * 512 * 4096
+    # head, its masks (and their tiling over 4), its K or V in fp32, 3 pages' device copies, the
+    # grouped queries, running output and a page's share (H_q·D = 4096) in fp32; no graphs, no
+    # scratch page. tests/executor/test_working_set.py measures the executor against this term.
+    streamed = 4 * 32 * 512 * 512 + 5 * 512 * 512 + 512 * 4096 * 4 // 4 + 3 * 512 * 4096 + 3 * 4 * 512 * 4096
     assert streamed > gather + mask
     assert work(gpu_stage(), device_pages=0) == activations + logits + streamed
     # one page on the device: the streamed chunk and the graphs
@@ -104,3 +105,7 @@ def test_replanning_an_ir_traced_before_activations_says_what_it_cannot_price(la
     stage, fresh = again.partition.stages[-1], replan(laptop_plan_8b, laptop_plan_8b.calibration, None)
     assert fresh.search.objective == SEARCH_OBJECTIVE
     assert 0 < stage.working_bytes < fresh.partition.stages[-1].working_bytes
+    # an IR with activations but not attention heads (traced in between) is stale too
+    headless = replace(laptop_plan_8b, ir=replace(laptop_plan_8b.ir, units=tuple(
+        replace(u, attn_heads=None) for u in laptop_plan_8b.ir.units)))
+    assert replan(headless, headless.calibration, None).search.objective == SEARCH_OBJECTIVE + STALE_IR_NOTE
