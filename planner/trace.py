@@ -279,9 +279,13 @@ class _Recorder:
 
 
 def _aliases(target) -> bool:
-    """Whether an op's output is (a view of, or written into) an input rather than new memory."""
+    """Whether an op's output is (a view of, or written into) an input rather than new memory.
+    _unsafe_view, which reshapes a matmul's fresh output, says no alias in its schema but keeps
+    its input's storage."""
+    import torch
     schema = getattr(target, "_schema", None)
-    return target is operator.getitem or (schema is not None and any(r.alias_info is not None for r in schema.returns))
+    return (target is operator.getitem or target is torch.ops.aten._unsafe_view.default
+            or (schema is not None and any(r.alias_info is not None for r in schema.returns)))
 
 
 def _peak_live_values(graph, num_units: int) -> list[int]:

@@ -17,7 +17,8 @@ usable VRAM a profile measures is what is free after the CUDA context and cuBLAS
   (offload): a page of fp32 scores per query head and the masks that hide its future keys, its
   K or V in fp32, three pages' device copies (the last, this and the prefetched one), and the
   grouped queries, running output and a page's share of it in fp32;
-- the logits of every sequence in a step (the head's values per token, in fp32);
+- the logits of every sequence in a step (the head's values per token), in fp32 beside the
+  half-precision output they are cast from;
 - the decode step's CUDA graphs (executor/device_step.py): their private pool keeps the largest
   bucket's K/V gather, mask and activations for as long as the graphs live;
 - the device pool's scratch page, where the static decode step's padded rows write;
@@ -59,7 +60,8 @@ def gpu_working_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: in
     sequences = max(1, min(MAX_RUNNING_SEQUENCES, budget_pages))
     chunk = min(PREFILL_CHUNK_TOKENS, max(1, context))
     per_token = activation_bytes_per_token(units)
-    logits = FP32_BYTES * (head.work_values_per_token or 0) if head is not None else 0
+    cast = b if b < FP32_BYTES else 0  # a half-precision head's output, before its fp32 copy
+    logits = (FP32_BYTES + cast) * (head.work_values_per_token or 0) if head is not None else 0
 
     total = max(step_tokens(batch, context), sequences) * per_token + sequences * logits
     if blocks:

@@ -32,7 +32,7 @@ def work(units, **kw):
 def test_each_term_by_hand():
     per_token = 5334                                  # ⌈1000 values · 4 B · 4/3⌉
     activations = 512 * per_token                     # a 512-token prompt chunk: batch 1
-    logits = 2 * 300 * 4                              # 2 sequences may share the 2 pages, fp32 each
+    logits = 2 * 300 * (4 + 2)                        # 2 sequences may share the 2 pages, fp32 beside bf16
     gather = 1024 * 4096                              # the sequence's K/V at the context, one layer
     mask = 512 * 1024 * (1 + 4 * (1 + 2 * 2))         # bool [chunk, context] tiled over 4 query heads, bf16 bias twice
     graphs = 2 * 512 * (4096 + 1) + 2 * per_token     # bucket(2 pages) of keys and their mask; 2 rows
@@ -64,9 +64,9 @@ def test_what_it_grows_with():
     assert work(units, device_pages=3) - base == 2 * 512 * 4097
     # the number of blocks does not matter: one layer's temporaries at a time
     assert work(gpu_stage(10)) == base
-    # fp32 weights: K/V of 8192 B per token (the same heads), the mask's bias in fp32
+    # fp32 weights: K/V of 8192 B per token (the same heads), the mask's bias in fp32, no bf16 logits
     fp32 = tuple(replace(u, kv_bytes_per_token=8192) if u.kind == "block" else u for u in units)
-    assert work(fp32, dtype="float32") - base == 1024 * 4096 + 512 * 1024 * 4 * 2 * 2 + 2 * 512 * 4096
+    assert work(fp32, dtype="float32") - base == 1024 * 4096 + 512 * 1024 * 4 * 2 * 2 + 2 * 512 * 4096 - 2 * 300 * 2
     # one KV head per query head: the mask is not tiled
     group1 = tuple(replace(u, attn_flops_per_context_token=4096) if u.kind == "block" else u for u in units)
     assert base - work(group1) == 512 * 1024 * 3 * 5
@@ -75,12 +75,12 @@ def test_what_it_grows_with():
 def test_edges():
     assert work(()) == 0                                               # no GPU stage
     head_only = gpu_stage()[-1:]
-    assert work(head_only) == 2 * 300 * 4                              # logits only
+    assert work(head_only) == 2 * 300 * 6                              # logits only
     # the fit prices steps at mean batch sizes and contexts: memory rounds up to whole ones
     assert work(gpu_stage(), batch=1.5, budget_pages=2.5) == work(gpu_stage(), batch=2, budget_pages=3)
     # an IR traced before the peak was recorded prices what it can: gathers, masks, pages
     old = tuple(replace(u, work_values_per_token=None) for u in gpu_stage())
-    assert 0 < work(old) == work(gpu_stage()) - 514 * 5334 - 2 * 300 * 4
+    assert 0 < work(old) == work(gpu_stage()) - 514 * 5334 - 2 * 300 * 6
 
 
 def test_the_trace_finds_the_mlp_peak():
@@ -90,7 +90,7 @@ def test_the_trace_finds_the_mlp_peak():
     ir = trace_model(config_path("qwen3-8b"))
     blocks = {u.work_values_per_token for u in ir.units if u.kind == "block"}
     assert blocks == {3 * 12288 + 4096}
-    assert ir.units[-1].work_values_per_token == 2 * 151936           # logits, and their fp32 copy
+    assert ir.units[-1].work_values_per_token == 151936 + 4096        # the logits beside the normed hidden state
 
 
 def test_replanning_an_ir_traced_before_activations_says_what_it_cannot_price(laptop_plan_8b):
