@@ -76,7 +76,7 @@ def streaming_attention(
             s.mul_(correction).add_(p.sum(dim=-1, keepdim=True))
             o.mul_(correction).add_(pv)
         m = m_new
-        del scores, p, pv
+        del scores, p, pv, k, v  # this page's copy can go before the next one comes
     return _ungrouped(o / s, T, h_q)
 
 

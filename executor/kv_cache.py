@@ -149,7 +149,9 @@ def _clear_cuda_error() -> None:
 # model's, freed by the garbage collector during a new load's captures, in any thread): neither a
 # synchronise nor cudaHostUnregister may run then, so they stay registered, and alive, until the
 # captures are over (`holding_unlocks`), or the next unlock after them.
-_unlock_lock = threading.Lock()
+# Reentrant: the garbage collector may run a pool's finalizer, which unlocks, on this very thread
+# while it holds the lock (any allocation can start a collection).
+_unlock_lock = threading.RLock()
 _unlock_later: list[torch.Tensor] = []
 _captures = 0  # `holding_unlocks` blocks running
 
@@ -172,17 +174,20 @@ def unlock(tensors: list[torch.Tensor]) -> None:
     """Unregister page_locked tensors, then let them go (the memory must not be freed while
     registered, nor while a copy may still use it: the device is synchronised first); with those
     held back from a capture. During one, only holds them back."""
+    global _unlock_later
     try:
         capturing = torch.cuda.is_current_stream_capturing()
     except Exception:  # interpreter shutdown, or no CUDA here
         capturing = False
+    fresh: list[torch.Tensor] = []  # made before the swap: an allocation there could run a finalizer
     with _unlock_lock:
         if capturing or _captures:
             _unlock_later.extend(tensors)
             tensors.clear()
             return
-        tensors.extend(_unlock_later)
-        _unlock_later.clear()
+        # one swap, allocating nothing: a finalizer run meanwhile appends to one list or the other
+        pending, _unlock_later = _unlock_later, fresh
+    tensors.extend(pending)
     if not tensors:
         return
     try:
@@ -192,9 +197,13 @@ def unlock(tensors: list[torch.Tensor]) -> None:
     for t in tensors:
         if t.numel():
             try:
-                torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+                err = torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
             except Exception:  # interpreter shutdown: the driver is gone, and so is the memory's pinning
-                pass
+                continue
+            if int(err) != 0:  # left pending, the next kernel launch would report it as its own
+                _clear_cuda_error()
+                log.warning("cudaHostUnregister of a %d-byte KV page failed (error %d)",
+                            t.numel() * t.element_size(), int(err))
     tensors.clear()
 
 

@@ -187,3 +187,23 @@ def test_pages_collected_mid_capture_are_unregistered_after_it(monkeypatch):
             assert calls == [] and len(kv_cache._unlock_later) == 1
             raise RuntimeError("capture failed")
     assert calls == [("synchronize",), ("unregister", ptr)] and kv_cache._unlock_later == []
+
+
+def test_a_failed_unregister_clears_the_runtime_error_and_says_so(monkeypatch, caplog):
+    """cudaHostUnregister's error is not PyTorch's to clear: left pending, the next kernel launch
+    anywhere would fail with it."""
+    cleared = []
+
+    class Runtime:
+        def cudaHostUnregister(self, ptr):
+            return 1
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
+    monkeypatch.setattr(kv_cache, "_clear_cuda_error", lambda: cleared.append(1))
+    monkeypatch.setattr(kv_cache, "_unlock_later", [])
+    held = [torch.ones(4)]
+    with caplog.at_level("WARNING"):
+        kv_cache.unlock(held)
+    assert cleared == [1] and held == [] and "cudaHostUnregister of a 16-byte KV page failed" in caplog.text
