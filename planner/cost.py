@@ -38,7 +38,7 @@ from planner.machine import DeviceCalibration, MachineProfile
 from planner.ir import SharedWeight, UnitIR
 from planner.step_shape import PREFILL_CHUNK_TOKENS
 from planner.units import GIB, fmt_bytes
-from planner.working_set import gpu_working_bytes
+from planner.working_set import cpu_working_bytes, gpu_working_bytes
 
 MIN_DEVICE_PAGES_WITH_OFFLOAD = 2  # the page being written + one page streamed back
 
@@ -198,10 +198,11 @@ class SplitCost:
     comm_prefill_ms: float
     kv: KVLayout
     gpu_bytes: int              # weights + device KV + working set
-    host_bytes: int             # CPU weights + CPU KV + offloaded pages
+    host_bytes: int             # CPU weights + CPU KV + offloaded pages + working set
     gpu_budget_bytes: int
     host_budget_bytes: int
     gpu_work_bytes: int = 0     # the GPU stage's working set (planner/working_set.py)
+    cpu_work_bytes: int = 0     # the CPU stage's, in host memory
 
     def stage_ms(self, device: str) -> float:
         return sum(s.ms for s in self.stages if s.device == device)
@@ -273,7 +274,9 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
     gpu_work = work(device_pages) if k < n else 0
     gpu_bytes = gpu_weights + device_pages * dev_page + gpu_work if k < n else 0
     cpu_pages = batch * pages if cpu_kv_tok else 0
-    host_bytes = cpu_weights + cpu_pages * cpu_page + host_pages * dev_page
+    cpu_work = cpu_working_bytes(units[:k], dtype=dtype, batch=batch, context=context,
+                                 page_size_tokens=page_size_tokens, budget_pages=cpu_pages, with_gpu_stage=k < n)
+    host_bytes = cpu_weights + cpu_pages * cpu_page + host_pages * dev_page + cpu_work
 
     if k < n and not has_gpu:
         reasons.append("machine profile has no GPU")
@@ -289,7 +292,8 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
                            f"offload needs >= {MIN_DEVICE_PAGES_WITH_OFFLOAD}")
     if host_bytes > host_budget_bytes:
         reasons.append(f"host needs {fmt_bytes(host_bytes)} (weights {fmt_bytes(cpu_weights)} + KV "
-                       f"{fmt_bytes(host_bytes - cpu_weights)}) > {fmt_bytes(host_budget_bytes)} available")
+                       f"{fmt_bytes(host_bytes - cpu_weights - cpu_work)} + working set {fmt_bytes(cpu_work)}) > "
+                       f"{fmt_bytes(host_budget_bytes)} available")
 
     stages = []
     link = machine.link
@@ -331,4 +335,4 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
     return SplitCost(split_k=k, feasible=not reasons, reason="; ".join(reasons), stages=tuple(stages),
                      comm_ms=comm, comm_prefill_ms=comm_prefill, kv=kv, gpu_bytes=gpu_bytes,
                      host_bytes=host_bytes, gpu_budget_bytes=gpu_budget_bytes,
-                     host_budget_bytes=host_budget_bytes, gpu_work_bytes=gpu_work)
+                     host_budget_bytes=host_budget_bytes, gpu_work_bytes=gpu_work, cpu_work_bytes=cpu_work)

@@ -77,7 +77,8 @@ class StagePlan:
     unit_end: int                       # exclusive
     num_blocks: int
     weight_bytes: int                   # resident weights (a tied weight counted once per device)
-    # The GPU stage's working set beyond weights and KV (planner/working_set.py); None on the CPU
+    # The stage's working set beyond weights and KV (planner/working_set.py; None: a plan made
+    # before it was priced)
     working_bytes: int | None = field(default=None, metadata=OMIT_IF_NONE)
 
 
@@ -136,7 +137,7 @@ class Candidate:
     comm_ms: float
     total_ms: float | None
     gpu_bytes: int                      # weights + device KV + working set
-    host_bytes: int                     # CPU weights + CPU KV + offloaded pages
+    host_bytes: int                     # CPU weights + CPU KV + offloaded pages + working set
 
 
 @dataclass(frozen=True)

@@ -265,7 +265,7 @@ def _assemble(identity: ModelIdentity, ir: IRSummary, machine: MachineProfile, w
 
     stages = tuple(StagePlan(device=s.device, unit_start=s.unit_start, unit_end=s.unit_end,
                              num_blocks=s.num_blocks, weight_bytes=s.weight_bytes,
-                             working_bytes=chosen.gpu_work_bytes if s.device == "cuda" else None)
+                             working_bytes=chosen.gpu_work_bytes if s.device == "cuda" else chosen.cpu_work_bytes)
                    for s in chosen.stages)
     kv = chosen.kv
     plan = Plan(

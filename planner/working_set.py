@@ -1,4 +1,5 @@
-"""VRAM the GPU stage works in beyond its weights and KV pages (DESIGN §5 feasibility).
+"""VRAM the GPU stage works in beyond its weights and KV pages (DESIGN §5 feasibility); and
+the host memory a CPU stage works in (`cpu_working_bytes`), priced the same way.
 
 A split fits the GPU when weights + device KV pages + this working set fit the usable VRAM. The
 usable VRAM a profile measures is what is free after the CUDA context and cuBLAS's workspace
@@ -33,7 +34,7 @@ from __future__ import annotations
 import math
 
 from planner.ir import UnitIR
-from planner.step_shape import MAX_RUNNING_SEQUENCES, PREFILL_CHUNK_TOKENS, bucket, step_tokens
+from planner.step_shape import MAX_RUNNING_SEQUENCES, MAX_STEP_TOKENS, PREFILL_CHUNK_TOKENS, bucket, step_tokens
 
 # The executor's activation values per token over the model graph's at its peak (see the module
 # docstring): a gated MLP's 4·I + H values against 3·I + H, at most 4/3.
@@ -60,8 +61,7 @@ def gpu_working_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: in
     sequences = max(1, min(MAX_RUNNING_SEQUENCES, budget_pages))
     chunk = min(PREFILL_CHUNK_TOKENS, max(1, context))
     per_token = activation_bytes_per_token(units)
-    cast = b if b < FP32_BYTES else 0  # a half-precision head's output, before its fp32 copy
-    logits = (FP32_BYTES + cast) * (head.work_values_per_token or 0) if head is not None else 0
+    logits = _logits_bytes(head, b)
 
     total = max(step_tokens(batch, context), sequences) * per_token + sequences * logits
     if blocks:
@@ -79,6 +79,44 @@ def gpu_working_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: in
             rows = min(bucket(sequences), bucket(device_pages))
             total += gathered * (kv_token + 1) + rows * per_token + device_page_bytes + stream_workspace_bytes
     return total
+
+
+def cpu_working_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: int, context: int,
+                      page_size_tokens: int, budget_pages: int, with_gpu_stage: bool) -> int:
+    """Host memory the CPU stage `units` works in beside its weights and KV pages, for `batch`
+    sequences of `context` tokens (`budget_pages` KV pages): the activations of its largest step
+    (bounded by the plan's batch where a GPU stage runs, else by a chunk for every sequence the KV
+    budget can hold, up to the engine's MAX_STEP_TOKENS), one
+    layer of a prompt chunk's attention, fused or streamed (the torch backend streams prompt
+    chunks), and the logits. Priced in the GPU stage's layout, an upper bound for the CPU
+    kernels, which write their fp32 outputs directly."""
+    if not units:
+        return 0
+    batch, context, budget_pages = (math.ceil(x) for x in (batch, context, budget_pages))
+    b = DTYPE_BYTES.get(dtype or "bfloat16", 2)
+    blocks = [u for u in units if u.kind == "block"]
+    head = units[-1] if units[-1].kind == "head" else None
+    sequences = max(1, min(MAX_RUNNING_SEQUENCES, budget_pages))
+    chunk = min(PREFILL_CHUNK_TOKENS, max(1, context))
+    tokens = step_tokens(batch, context) if with_gpu_stage else min(MAX_STEP_TOKENS, sequences * chunk)
+    total = max(tokens, sequences) * activation_bytes_per_token(units) + sequences * _logits_bytes(head, b)
+    if blocks:
+        kv_token = max(u.kv_bytes_per_token for u in blocks)
+        attn = max(u.attn_flops_per_context_token for u in blocks)
+        group = attn * b // (2 * kv_token) if kv_token else 0
+        heads = max(u.attn_heads or 0 for u in blocks)
+        total += max(fused_prompt_attention_bytes(context, chunk, kv_token, group, b),
+                     streamed_prompt_attention_bytes(chunk, page_size_tokens, kv_token, heads, group, attn, b))
+    return total
+
+
+def _logits_bytes(head: UnitIR | None, dtype_bytes: int) -> int:
+    """One sequence's logits: the head's values in fp32, beside the half-precision output they
+    are cast from."""
+    if head is None:
+        return 0
+    cast = dtype_bytes if dtype_bytes < FP32_BYTES else 0
+    return (FP32_BYTES + cast) * (head.work_values_per_token or 0)
 
 
 def fused_prompt_attention_bytes(context: int, chunk: int, kv_token: int, group: int, dtype_bytes: int) -> int:

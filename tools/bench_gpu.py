@@ -77,7 +77,7 @@ def _gpu_memory(plan, model, after_load: int) -> dict:
     """What the plan priced for the GPU stage (planner/working_set.py) against what CUDA's
     allocator held: the working set measured is the peak beyond the stage's weights and its KV
     pages (the slab's scratch slot, the decode graphs' pool and every step's temporaries)."""
-    stage, kv = plan.partition.stages[-1], model.stages[-1].kv
+    stage, kv = next(s for s in plan.partition.stages if s.device == "cuda"), model.stages[-1].kv
     pool = kv.device_pool if kv is not None else None
     pages = pool.capacity_pages * pool.page_bytes if pool is not None and pool.capacity_pages else 0
     peak = torch.cuda.max_memory_allocated()

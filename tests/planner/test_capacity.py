@@ -10,7 +10,7 @@ from planner.machine import load_machine
 from planner.planning import make_plan, workload_for
 from planner.predict import predict
 from planner.trace import trace_model
-from planner.working_set import gpu_working_bytes
+from planner.working_set import cpu_working_bytes, gpu_working_bytes
 
 GIB = 2**30
 
@@ -39,6 +39,13 @@ cpu: {{model_name: test CPU, cores: 2, dram_read_gibps: 10, compute_gflops: 100,
 """)
 
 
+def cpu_work(pages: int, batch: int = 1, k: int = 6) -> int:
+    """The CPU stage's working set (units [0, k)) at a context of `pages` pages, as
+    planner/working_set.py prices it (tests/planner/test_working_set.py)."""
+    return cpu_working_bytes(trace_model(TINY).units[:k], dtype="bfloat16", batch=batch, context=pages * PAGE,
+                             page_size_tokens=PAGE, budget_pages=batch * pages, with_gpu_stage=k < 6)
+
+
 def test_the_tiny_config_traces_to_the_hand_computed_sizes():
     plan = make_plan(TINY, machine(GIB), workload=workload_for(16, 16), page_size_tokens=PAGE)
     units = plan.ir.units
@@ -50,7 +57,8 @@ def test_all_cpu_longest_context_is_the_host_ram_left_after_the_weights():
     weights = EMBED_BYTES + 4 * BLOCK_BYTES + HEAD_BYTES
     page_bytes = PAGE * 4 * KV_PER_TOKEN_BLOCK               # one page over the 4 blocks
     batch = 2
-    ram = weights + batch * 10 * page_bytes + 1000           # 10 pages per sequence, and not 11
+    ram = weights + batch * 10 * page_bytes + cpu_work(10, batch) + 1000   # 10 pages per sequence, and not 11
+    assert weights + batch * 11 * page_bytes + cpu_work(11, batch) > ram
     plan = make_plan(TINY, machine(ram), workload=workload_for(16, 16, batch), page_size_tokens=PAGE)
     lc = plan.longest_context
     assert plan.partition.split_k == 6 and lc.batch_size == batch and lc.model_max_tokens == 4096
@@ -71,7 +79,7 @@ def test_a_split_longest_context_with_and_without_kv_offload():
                                  budget_pages=pages, device_pages=device_pages, device_page_bytes=page)
 
     vram = gpu_weights + 7 * page + work(7, 7) + 100          # room for 7 device pages
-    ram = cpu_weights + 40 * page + 100                       # 40 pages of host memory
+    ram = cpu_weights + 40 * page + cpu_work(20, k=3) + 100   # 40 pages of host memory beside a working set
     plan = make_plan(TINY, machine(ram, vram), workload=workload_for(16, 16), page_size_tokens=PAGE, split_k=3)
     lc = plan.longest_context
     # without offload: every GPU-stage page in VRAM (7 fit) and as many CPU-stage pages on the host (40 fit)
@@ -91,7 +99,7 @@ def test_a_split_longest_context_with_and_without_kv_offload():
 
     def serves(pages):                 # offload needs 2 device pages: one written, one streamed back
         d = device_pages(pages)
-        return (d >= 2 or d == pages) and 2 * pages - d <= 40
+        return (d >= 2 or d == pages) and cpu_weights + (2 * pages - d) * page + cpu_work(pages, k=3) <= ram
 
     longest = max(p for p in range(1, 64) if serves(p))
     assert lc.with_offload_tokens == longest * PAGE == lc.without_offload_tokens
@@ -106,7 +114,7 @@ def test_the_model_position_limit_caps_the_longest_context():
 
 def test_max_context_plans_at_the_longest_context_within_a_latency_bound():
     weights = EMBED_BYTES + 4 * BLOCK_BYTES + HEAD_BYTES
-    ram = weights + 10 * PAGE * 4 * KV_PER_TOKEN_BLOCK + 1000
+    ram = weights + 10 * PAGE * 4 * KV_PER_TOKEN_BLOCK + cpu_work(10) + 1000
     box = machine(ram)
     longest = make_plan(TINY, box, workload=workload_for(16, 16), page_size_tokens=PAGE, max_context=True)
     assert longest.workload.context_tokens == 10 * PAGE == longest.prediction.context_tokens
@@ -159,7 +167,7 @@ def test_a_recalibrated_max_context_plan_does_not_claim_the_old_bound():
     from planner.planning import replan
 
     weights = EMBED_BYTES + 4 * BLOCK_BYTES + HEAD_BYTES
-    box = machine(weights + 10 * PAGE * 4 * KV_PER_TOKEN_BLOCK + 1000)
+    box = machine(weights + 10 * PAGE * 4 * KV_PER_TOKEN_BLOCK + cpu_work(10) + 1000)
     plan = make_plan(TINY, box, workload=workload_for(16, 16), page_size_tokens=PAGE, max_context=True,
                      latency_bound_ms=1e6)
     assert "within 1e+06 ms/token" in plan.search.objective

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from planner.step_shape import step_tokens
 from planner.trace import trace_model
-from planner.working_set import gpu_working_bytes
+from planner.working_set import cpu_working_bytes, gpu_working_bytes
 from tests.planner.conftest import config_path
 from tests.planner.helpers import unit
 
@@ -109,3 +109,28 @@ def test_replanning_an_ir_traced_before_activations_says_what_it_cannot_price(la
     headless = replace(laptop_plan_8b, ir=replace(laptop_plan_8b.ir, units=tuple(
         replace(u, attn_heads=None) for u in laptop_plan_8b.ir.units)))
     assert replan(headless, headless.calibration, None).search.objective == SEARCH_OBJECTIVE + STALE_IR_NOTE
+
+
+def test_a_cpu_stage_by_hand():
+    """The CPU stage's host working set: the same activations, prompt attention and logits as
+    the GPU stage's (no graphs, no scratch page), its step a chunk for each sequence the KV budget
+    holds where no GPU stage bounds it to the plan's batch, and prompt chunks fused or streamed,
+    whichever is larger (the torch backend streams, the kernels' backend fuses)."""
+    units = gpu_stage()
+
+    def cpu(**kw):
+        args = dict(dtype="bfloat16", batch=1, context=1024, page_size_tokens=512, budget_pages=2,
+                    with_gpu_stage=False)
+        return cpu_working_bytes(units, **{**args, **kw})
+
+    per_token, logits = 5334, 2 * 300 * 6
+    fused = 1024 * 4096 + 512 * 1024 * (1 + 4 * (1 + 2 * 2))
+    streamed = 4 * 32 * 512 * 512 + 5 * 512 * 512 + 512 * 4096 + 3 * 512 * 4096 + 3 * 4 * 512 * 4096
+    # without a GPU stage: 2 sequences may share the 2 pages, a 512-token chunk each
+    assert cpu() == 1024 * per_token + logits + max(fused, streamed)
+    # with one, the plan's batch bounds the step
+    assert cpu(with_gpu_stage=True) == 512 * per_token + logits + max(fused, streamed)
+    # 64 sequences at most, 2048 tokens at most
+    assert cpu(budget_pages=200) == 2048 * per_token + 64 * 300 * 6 + max(fused, streamed)
+    assert cpu_working_bytes((), dtype="bfloat16", batch=1, context=1024, page_size_tokens=512, budget_pages=2,
+                             with_gpu_stage=False) == 0
