@@ -3,11 +3,13 @@
 Contexts are whole pages (the KV cache's unit of allocation), so the figure is a multiple of the
 page size unless the model's limit caps it, also with a latency bound, which the step's time
 could meet for a few tokens more. A split serves a context when its KV pages fit (DESIGN §5 feasibility, the one rule in
-planner/cost.py): the GPU stage's pages in the VRAM left after its weights (with KV offload, the
-pages beyond the watermark parked in pinned host memory), the CPU stage's pages and the parked
-ones in the host RAM left after the CPU stage's weights, for every sequence of the batch. The
+planner/cost.py): the GPU stage's pages in the VRAM left after its weights and working set (with
+KV offload, the pages beyond the watermark parked in pinned host memory), the CPU stage's pages
+and the parked ones in the host RAM left after the CPU stage's weights and working set, for every
+sequence of the batch. The
 context is also capped by the model's position limit. Feasibility only changes at page
-boundaries and only gets harder as the context grows, so a binary search over the number of pages
+boundaries and only gets harder as the context grows (the stages' working sets, planner/working_set.py,
+grow with it too), so a binary search over the number of pages
 finds the longest one; with a latency bound the predicted ms/token, which grows with the context,
 must stay within it as well.
 """

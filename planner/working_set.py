@@ -82,14 +82,20 @@ def gpu_working_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: in
 
 
 def cpu_working_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: int, context: int,
-                      page_size_tokens: int, budget_pages: int, with_gpu_stage: bool) -> int:
+                      page_size_tokens: int, budget_pages: int, gpu_units: tuple[UnitIR, ...] = ()) -> int:
     """Host memory the CPU stage `units` works in beside its weights and KV pages, for `batch`
-    sequences of `context` tokens (`budget_pages` KV pages): the activations of its largest step
-    (bounded by the plan's batch where a GPU stage runs, else by a chunk for every sequence the KV
-    budget can hold, up to the engine's MAX_STEP_TOKENS), one
-    layer of a prompt chunk's attention, fused or streamed (the torch backend streams prompt
-    chunks), and the logits. Priced in the GPU stage's layout, an upper bound for the CPU
-    kernels, which write their fp32 outputs directly."""
+    sequences of `context` tokens (`budget_pages` KV pages), the GPU stage being `gpu_units`:
+    - the activations of its largest step: bounded by the plan's batch where a GPU stage runs,
+      else by a chunk for every sequence the KV budget can hold (and by the pages' tokens), up to
+      the engine's MAX_STEP_TOKENS. Priced in the GPU stage's layout: the CPU kernels write their
+      fp32 outputs directly and the torch paths widen weights a bounded tile at a time (measured
+      below the price on AVX2), except the AVX512-BF16 GEMV, whose threads each split the whole
+      batch of a step wider than a decode (left unpriced, an open fault of that kernel);
+    - one layer of a prompt chunk's attention, fused (its K/V gathered, widened to fp32 for an
+      fp16 cache, and its mask; the CPU's fused kernel takes GQA without tiling) or streamed (the
+      torch backend streams prompt chunks), whichever is larger;
+    - the logits of every sequence; with a GPU stage, the hidden states handed to it (fp32,
+      pinned) and, where it has the head, its logits copied back (fp32)."""
     if not units:
         return 0
     batch, context, budget_pages = (math.ceil(x) for x in (batch, context, budget_pages))
@@ -98,15 +104,22 @@ def cpu_working_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: in
     head = units[-1] if units[-1].kind == "head" else None
     sequences = max(1, min(MAX_RUNNING_SEQUENCES, budget_pages))
     chunk = min(PREFILL_CHUNK_TOKENS, max(1, context))
-    tokens = step_tokens(batch, context) if with_gpu_stage else min(MAX_STEP_TOKENS, sequences * chunk)
-    total = max(tokens, sequences) * activation_bytes_per_token(units) + sequences * _logits_bytes(head, b)
+    tokens = (step_tokens(batch, context) if gpu_units
+              else min(MAX_STEP_TOKENS, sequences * chunk, budget_pages * page_size_tokens))
+    steps = max(tokens, sequences)
+    total = steps * activation_bytes_per_token(units) + sequences * _logits_bytes(head, b)
     if blocks:
         kv_token = max(u.kv_bytes_per_token for u in blocks)
         attn = max(u.attn_flops_per_context_token for u in blocks)
         group = attn * b // (2 * kv_token) if kv_token else 0
         heads = max(u.attn_heads or 0 for u in blocks)
-        total += max(fused_prompt_attention_bytes(context, chunk, kv_token, group, b),
-                     streamed_prompt_attention_bytes(chunk, page_size_tokens, kv_token, heads, group, attn, b))
+        widened = 2 * context * kv_token if dtype == "float16" else 0  # prompt_attention_dtype: fp32
+        fused = context * kv_token + widened + chunk * context
+        total += max(fused, streamed_prompt_attention_bytes(chunk, page_size_tokens, kv_token, heads, group, attn, b))
+    if gpu_units:
+        total += steps * units[-1].act_bytes_per_token * FP32_BYTES // b
+        if gpu_units[-1].kind == "head":
+            total += sequences * FP32_BYTES * (gpu_units[-1].work_values_per_token or 0)
     return total
 
 

@@ -42,8 +42,9 @@ cpu: {{model_name: test CPU, cores: 2, dram_read_gibps: 10, compute_gflops: 100,
 def cpu_work(pages: int, batch: int = 1, k: int = 6) -> int:
     """The CPU stage's working set (units [0, k)) at a context of `pages` pages, as
     planner/working_set.py prices it (tests/planner/test_working_set.py)."""
-    return cpu_working_bytes(trace_model(TINY).units[:k], dtype="bfloat16", batch=batch, context=pages * PAGE,
-                             page_size_tokens=PAGE, budget_pages=batch * pages, with_gpu_stage=k < 6)
+    units = trace_model(TINY).units
+    return cpu_working_bytes(units[:k], dtype="bfloat16", batch=batch, context=pages * PAGE,
+                             page_size_tokens=PAGE, budget_pages=batch * pages, gpu_units=units[k:])
 
 
 def test_the_tiny_config_traces_to_the_hand_computed_sizes():

@@ -112,25 +112,38 @@ def test_replanning_an_ir_traced_before_activations_says_what_it_cannot_price(la
 
 
 def test_a_cpu_stage_by_hand():
-    """The CPU stage's host working set: the same activations, prompt attention and logits as
-    the GPU stage's (no graphs, no scratch page), its step a chunk for each sequence the KV budget
-    holds where no GPU stage bounds it to the plan's batch, and prompt chunks fused or streamed,
-    whichever is larger (the torch backend streams, the kernels' backend fuses)."""
+    """The CPU stage's host working set: the same activations and logits as the GPU stage's (no
+    graphs, no scratch page), its step a chunk for each sequence the KV budget holds where no GPU
+    stage bounds it to the plan's batch; prompt chunks fused (K/V gathered, the mask untiled: the
+    CPU kernel takes GQA as it is) or streamed, whichever is larger (the torch backend streams,
+    the kernels' backend fuses); with a GPU stage, the hand-off and the logits coming back."""
     units = gpu_stage()
 
     def cpu(**kw):
-        args = dict(dtype="bfloat16", batch=1, context=1024, page_size_tokens=512, budget_pages=2,
-                    with_gpu_stage=False)
+        args = dict(dtype="bfloat16", batch=1, context=1024, page_size_tokens=512, budget_pages=2)
         return cpu_working_bytes(units, **{**args, **kw})
 
     per_token, logits = 5334, 2 * 300 * 6
-    fused = 1024 * 4096 + 512 * 1024 * (1 + 4 * (1 + 2 * 2))
     streamed = 4 * 32 * 512 * 512 + 5 * 512 * 512 + 512 * 4096 + 3 * 512 * 4096 + 3 * 4 * 512 * 4096
+    assert streamed > 1024 * 4096 + 512 * 1024      # the fused term at this context
     # without a GPU stage: 2 sequences may share the 2 pages, a 512-token chunk each
-    assert cpu() == 1024 * per_token + logits + max(fused, streamed)
-    # with one, the plan's batch bounds the step
-    assert cpu(with_gpu_stage=True) == 512 * per_token + logits + max(fused, streamed)
-    # 64 sequences at most, 2048 tokens at most
-    assert cpu(budget_pages=200) == 2048 * per_token + 64 * 300 * 6 + max(fused, streamed)
-    assert cpu_working_bytes((), dtype="bfloat16", batch=1, context=1024, page_size_tokens=512, budget_pages=2,
-                             with_gpu_stage=False) == 0
+    assert cpu() == 1024 * per_token + logits + streamed
+    # 64 sequences at most, 2048 tokens at most, and no more than the pages hold
+    assert cpu(budget_pages=200) == 2048 * per_token + 64 * 300 * 6 + streamed
+    assert cpu(page_size_tokens=16, budget_pages=3) == 48 * per_token + 3 * 300 * 6 + cpu_streamed(16)
+    # a long context: the fused term (fp16: K/V widened to fp32 for the CPU's fused kernel)
+    fused = 65536 * 4096 + 512 * 65536
+    assert cpu(context=65536) - 1024 * per_token - logits == fused
+    assert cpu(context=65536, dtype="float16") - cpu(context=65536) == 2 * 65536 * 4096
+    # a GPU stage after it (with the head, 100 hidden values a token crossing): its batch bounds
+    # the step, the hidden states go over in fp32, its logits come back in fp32
+    cut = replace(units[-2], act_bytes_per_token=200)
+    blocks = units[:-2] + (cut,)
+    gpu = (replace(units[-1], work_values_per_token=500),)
+    assert cpu_working_bytes(blocks, dtype="bfloat16", batch=1, context=1024, page_size_tokens=512,
+                             budget_pages=2, gpu_units=gpu) == 512 * per_token + streamed + 512 * 400 + 2 * 4 * 500
+    assert cpu_working_bytes((), dtype="bfloat16", batch=1, context=1024, page_size_tokens=512, budget_pages=2) == 0
+
+
+def cpu_streamed(page):
+    return (4 * 32 * 512 * page + 5 * 512 * page + page * 4096 + 3 * page * 4096 + 3 * 4 * 512 * 4096)
