@@ -319,7 +319,7 @@ def measure_gpu(device, *, name: str, mem_get_info: Callable[[], tuple[int, int]
     return gpu, link
 
 
-def _cuda_stream_workspace(dtype) -> int:
+def cuda_stream_workspace_bytes(dtype) -> int:
     """Bytes the caching allocator holds after one small GEMM on a new stream, beyond its output:
     cuBLAS's workspace for that stream, which it keeps (the executor captures its decode graphs
     on a stream of their own)."""
@@ -346,7 +346,7 @@ def probe_cuda(quick: bool, progress: Progress) -> tuple[GpuProfile, LinkProfile
     return measure_gpu(torch.device("cuda"), name=torch.cuda.get_device_name(0),
                        mem_get_info=torch.cuda.mem_get_info, sync=torch.cuda.synchronize,
                        pin_memory=True, quick=quick, timer=_cuda_event_timer, release=torch.cuda.empty_cache,
-                       matmul_dtype=dtype, stream_workspace=lambda: _cuda_stream_workspace(dtype),
+                       matmul_dtype=dtype, stream_workspace=lambda: cuda_stream_workspace_bytes(dtype),
                        progress=progress)
 
 

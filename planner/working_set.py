@@ -32,6 +32,7 @@ block, tools/bench_gpu.py and tests/executor/test_cuda.py against what CUDA allo
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 
 from planner.ir import UnitIR
 from planner.step_shape import MAX_RUNNING_SEQUENCES, MAX_STEP_TOKENS, PREFILL_CHUNK_TOKENS, bucket, step_tokens
@@ -41,6 +42,41 @@ from planner.step_shape import MAX_RUNNING_SEQUENCES, MAX_STEP_TOKENS, PREFILL_C
 ACTIVATION_WIDENING = 4 / 3
 FP32_BYTES = 4
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class _Stage:
+    """What both prices read off a stage's units: its dtype's bytes, its blocks' attention shape
+    (K+V bytes per token of one layer, 4·H_q·D FLOPs per context token, query heads per KV head,
+    query heads), its head, and how many sequences and tokens of a prompt chunk a step may hold."""
+    b: int
+    blocks: bool
+    head: UnitIR | None
+    sequences: int
+    chunk: int
+    kv_token: int = 0
+    attn: int = 0
+    group: int = 0
+    heads: int = 0
+
+    @classmethod
+    def of(cls, units: tuple[UnitIR, ...], dtype: str | None, context: int, budget_pages: int) -> "_Stage":
+        b = DTYPE_BYTES.get(dtype or "bfloat16", 2)
+        blocks = [u for u in units if u.kind == "block"]
+        shape = cls(b=b, blocks=bool(blocks), head=units[-1] if units[-1].kind == "head" else None,
+                    sequences=max(1, min(MAX_RUNNING_SEQUENCES, budget_pages)),
+                    chunk=min(PREFILL_CHUNK_TOKENS, max(1, context)))
+        if not blocks:
+            return shape
+        kv_token = max(u.kv_bytes_per_token for u in blocks)            # K and V of one layer
+        attn = max(u.attn_flops_per_context_token for u in blocks)      # 4·H_q·D
+        return replace(shape, kv_token=kv_token, attn=attn,
+                       group=attn * b // (2 * kv_token) if kv_token else 0,  # H_q / H_kv, K/V being 2·H_kv·D·b
+                       heads=max(u.attn_heads or 0 for u in blocks))
+
+    def streamed(self, page: int) -> int:
+        return streamed_prompt_attention_bytes(self.chunk, page, self.kv_token, self.heads, self.group, self.attn,
+                                               self.b)
 
 
 def gpu_working_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: int, context: int,
@@ -55,29 +91,18 @@ def gpu_working_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: in
         return 0
     # the fit prices steps at mean batch sizes and contexts: memory is whole pages and sequences
     batch, context, budget_pages, device_pages = (math.ceil(x) for x in (batch, context, budget_pages, device_pages))
-    b = DTYPE_BYTES.get(dtype or "bfloat16", 2)
-    blocks = [u for u in units if u.kind == "block"]
-    head = units[-1] if units[-1].kind == "head" else None
-    sequences = max(1, min(MAX_RUNNING_SEQUENCES, budget_pages))
-    chunk = min(PREFILL_CHUNK_TOKENS, max(1, context))
+    st = _Stage.of(units, dtype, context, budget_pages)
     per_token = activation_bytes_per_token(units)
-    logits = _logits_bytes(head, b)
-
-    total = max(step_tokens(batch, context), sequences) * per_token + sequences * logits
-    if blocks:
-        kv_token = max(u.kv_bytes_per_token for u in blocks)          # K and V of one layer
-        attn = max(u.attn_flops_per_context_token for u in blocks)    # 4·H_q·D
-        group = attn * b // (2 * kv_token) if kv_token else 0         # H_q / H_kv, K/V being 2·H_kv·D·b
-        attention = fused_prompt_attention_bytes(context, chunk, kv_token, group, b)
+    total = max(step_tokens(batch, context), st.sequences) * per_token + st.sequences * _logits_bytes(st.head, st.b)
+    if st.blocks:
+        attention = fused_prompt_attention_bytes(context, st.chunk, st.kv_token, st.group, st.b)
         if device_pages < budget_pages:  # pages may sit on the host: such a sequence's chunks stream
-            heads = max(u.attn_heads or 0 for u in blocks)
-            attention = max(attention, streamed_prompt_attention_bytes(chunk, page_size_tokens, kv_token, heads,
-                                                                       group, attn, b))
+            attention = max(attention, st.streamed(page_size_tokens))
         total += attention
         if device_pages:
             gathered = bucket(device_pages) * page_size_tokens         # keys one decode graph reads
-            rows = min(bucket(sequences), bucket(device_pages))
-            total += gathered * (kv_token + 1) + rows * per_token + device_page_bytes + stream_workspace_bytes
+            rows = min(bucket(st.sequences), bucket(device_pages))
+            total += gathered * (st.kv_token + 1) + rows * per_token + device_page_bytes + stream_workspace_bytes
     return total
 
 
@@ -99,27 +124,19 @@ def cpu_working_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: in
     if not units:
         return 0
     batch, context, budget_pages = (math.ceil(x) for x in (batch, context, budget_pages))
-    b = DTYPE_BYTES.get(dtype or "bfloat16", 2)
-    blocks = [u for u in units if u.kind == "block"]
-    head = units[-1] if units[-1].kind == "head" else None
-    sequences = max(1, min(MAX_RUNNING_SEQUENCES, budget_pages))
-    chunk = min(PREFILL_CHUNK_TOKENS, max(1, context))
+    st = _Stage.of(units, dtype, context, budget_pages)
     tokens = (step_tokens(batch, context) if gpu_units
-              else min(MAX_STEP_TOKENS, sequences * chunk, budget_pages * page_size_tokens))
-    steps = max(tokens, sequences)
-    total = steps * activation_bytes_per_token(units) + sequences * _logits_bytes(head, b)
-    if blocks:
-        kv_token = max(u.kv_bytes_per_token for u in blocks)
-        attn = max(u.attn_flops_per_context_token for u in blocks)
-        group = attn * b // (2 * kv_token) if kv_token else 0
-        heads = max(u.attn_heads or 0 for u in blocks)
-        widened = 2 * context * kv_token if dtype == "float16" else 0  # prompt_attention_dtype: fp32
-        fused = context * kv_token + widened + chunk * context
-        total += max(fused, streamed_prompt_attention_bytes(chunk, page_size_tokens, kv_token, heads, group, attn, b))
+              else min(MAX_STEP_TOKENS, st.sequences * st.chunk, budget_pages * page_size_tokens))
+    steps = max(tokens, st.sequences)
+    total = steps * activation_bytes_per_token(units) + st.sequences * _logits_bytes(st.head, st.b)
+    if st.blocks:
+        widened = 2 * context * st.kv_token if dtype == "float16" else 0  # prompt_attention_dtype: fp32
+        fused = context * st.kv_token + widened + st.chunk * context
+        total += max(fused, st.streamed(page_size_tokens))
     if gpu_units:
-        total += steps * units[-1].act_bytes_per_token * FP32_BYTES // b
+        total += steps * units[-1].act_bytes_per_token * FP32_BYTES // st.b
         if gpu_units[-1].kind == "head":
-            total += sequences * FP32_BYTES * (gpu_units[-1].work_values_per_token or 0)
+            total += st.sequences * FP32_BYTES * (gpu_units[-1].work_values_per_token or 0)
     return total
 
 

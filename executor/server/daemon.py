@@ -64,8 +64,8 @@ class _Serving:
 
 
 class Daemon:
-    def __init__(self, model_dir: str | Path, max_batch: int = MAX_RUNNING_SEQUENCES, max_queue: int = 64, backend: str = "auto",
-                 threads: int | None = None, plan_dir: str | Path | None = None):
+    def __init__(self, model_dir: str | Path, max_batch: int = MAX_RUNNING_SEQUENCES, max_queue: int = 64,
+                 backend: str = "auto", threads: int | None = None, plan_dir: str | Path | None = None):
 
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")

@@ -185,21 +185,6 @@ def test_a_vram_cap_holds_under_16_concurrent_requests_at_the_plans_context(chec
         torch.cuda.set_per_process_memory_fraction(1.0)
 
 
-def _cublas_workspace_bytes() -> int:
-    """What cuBLAS allocates for a stream on its first GEMM there: the profile's usable VRAM was
-    read after its probe's (planner/profile.py), the executor keeps one more, on the stream its
-    decode graphs are captured on. The default stream's is made here first, as the profile's was."""
-    stream = torch.cuda.Stream()
-    a = torch.ones(64, 64, device="cuda", dtype=torch.bfloat16)
-    a @ a
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    with torch.cuda.stream(stream):
-        b = a @ a
-    torch.cuda.synchronize()
-    return torch.cuda.memory_allocated() - before - b.numel() * b.element_size()
-
-
 def test_the_plans_gpu_bytes_bound_what_the_gpu_stage_allocates(checkpoint):
     """planner/working_set.py against CUDA's allocator: a plan for 2 sequences of 1024 tokens
     (prompts of 957: a second chunk attends over the first with a mask over 957 keys, not a
@@ -212,12 +197,17 @@ def test_the_plans_gpu_bytes_bound_what_the_gpu_stage_allocates(checkpoint):
     from executor.plan_io import placement_for
     from executor.sampling import StopCriteria
     from planner.planning import plan_for_split, workload_for
+    from planner.profile import cuda_stream_workspace_bytes
 
     path = checkpoint("qwen3", "bf16", max_position_embeddings=4096)
     cfg = ModelConfig.from_dir(path)
     plan = plan_for_split(path, 1, page_size_tokens=64, workload=workload_for(957, 67, batch_size=2))
     priced = plan.search.candidates[1].gpu_bytes
-    workspace = _cublas_workspace_bytes()
+    # the capture stream's cuBLAS workspace, measured as the profile measures it (the default
+    # stream's made first, as the profile's probes had)
+    a = torch.ones(64, 64, device="cuda", dtype=torch.bfloat16)
+    a @ a
+    workspace = cuda_stream_workspace_bytes(torch.bfloat16)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
