@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator
 import torch
 
 from executor.rope import apply_rotary
+from planner.profile import flash_attention_runs
 
 if TYPE_CHECKING:
     from executor.batch import StepBatch
@@ -124,12 +125,12 @@ def _one_chunk(q: torch.Tensor, chunk: KVChunk, scale: float, q_positions: torch
 
 
 def without_cudnn_attention() -> None:
-    """Our SDPA calls on CUDA take flash or memory-efficient attention (math as the last resort),
-    not cuDNN's: PyTorch prefers cuDNN on Hopper for half precision, where it raises rather than
-    falls back on shapes it has no plan for (a KV head's query heads as rows, gathered K/V), and
-    every decode graph bucket would build a plan of its own at load; planner/working_set.py
-    prices the memory-efficient kernel's mask. Process-wide, set when a GPU stage loads: the flag
-    is global, so a context per call would cost host time in every layer and race other threads."""
+    """Our SDPA calls on CUDA take flash attention (math as the last resort), not cuDNN's:
+    PyTorch prefers cuDNN on Hopper for half precision, where it raises rather than falls back on
+    shapes it has no plan for (gathered K/V, a lower-right causal chunk), and every decode graph
+    bucket would build a plan of its own at load. Process-wide, set when a GPU stage loads: the
+    flag is global, so a context per call would cost host time in every layer and race other
+    threads."""
     if torch.backends.cuda.cudnn_sdp_enabled():
         log.info("SDPA on CUDA: cuDNN attention off (flash, memory-efficient or math)")
         torch.backends.cuda.enable_cudnn_sdp(False)
@@ -137,10 +138,9 @@ def without_cudnn_attention() -> None:
 
 def prompt_attention_dtype(kv_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype PyTorch's fused attention computes a prompt chunk in, for a KV cache of kv_dtype:
-    on CUDA the cache's (its flash and memory-efficient kernels are half-precision kernels); on
-    the CPU bf16 for a bf16 cache (as transformers computes a bf16 model's attention; its CPU
-    kernel has bf16 paths), fp32 otherwise (its fp16 path is slower than fp32 on CPUs without
-    native fp16)."""
+    on CUDA the cache's (its flash kernels are half-precision kernels); on the CPU bf16 for a
+    bf16 cache (as transformers computes a bf16 model's attention; its CPU kernel has bf16
+    paths), fp32 otherwise (its fp16 path is slower than fp32 on CPUs without native fp16)."""
     if device.type == "cuda":
         return kv_dtype
     return torch.bfloat16 if kv_dtype == torch.bfloat16 else torch.float32
@@ -150,40 +150,40 @@ def fused_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st
                            scale: float) -> torch.Tensor:
     """Causal attention of queries q [n, H_q·D] fp32 at positions start.. over k, v [H_kv, start + n, D]
     (the sequence's cached keys, this chunk's included) through PyTorch's fused attention (on the
-    CPU a blocked-GEMM flash kernel; on CUDA flash or memory-efficient attention) in
-    prompt_attention_dtype; returns [n, H_q·D] in that dtype. The prompt path of the CPU kernels' stage and
-    of the GPU stage, and the profile's probe of it (executor/probe.py)."""
+    CPU a blocked-GEMM flash kernel; on CUDA flash attention: TorchAttention takes this path there
+    only where planner.profile.flash_attention_runs says it runs) in prompt_attention_dtype; returns
+    [n, H_q·D] in that dtype. The prompt path of the CPU kernels' stage and of the GPU stage, and
+    the profile's probe of it (executor/probe.py)."""
     n, head_dim = q.shape[0], k.shape[-1]
     dtype = prompt_attention_dtype(k.dtype, k.device)
     qh = q.view(n, num_heads, head_dim).transpose(0, 1).to(dtype)  # [H_q, n, D]
     k, v = k.to(dtype), v.to(dtype)
-    if start == 0:
-        mask, causal = None, True  # square: the causal diagonal starts at key 0
-    else:
-        keys, queries = torch.arange(start + n, device=k.device), torch.arange(start, start + n, device=k.device)
-        mask, causal = keys[None, :] <= queries[:, None], False
     group = num_heads // k.shape[0]
-    if group > 1 and mask is not None and k.device.type == "cuda":
-        # CUDA's fused kernels take GQA only without a mask (else SDPA falls back to its unfused
-        # math path): the query heads of a KV head become its rows instead.
-        o = gqa_as_rows(qh, k, v, mask, scale)
+    if k.device.type == "cuda":
+        o = lower_right_causal_attention(qh, k, v, scale)
     else:
+        # the CPU's flash kernel takes the mask (booleans, chunk × context: priced in host memory)
+        # and GQA as they are
+        mask = None if start == 0 else \
+            torch.arange(start + n, device=k.device)[None, :] <= torch.arange(start, start + n, device=k.device)[:, None]
         o = torch.nn.functional.scaled_dot_product_attention(
-            qh[None], k[None], v[None], attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=group > 1)[0]
+            qh[None], k[None], v[None], attn_mask=mask, is_causal=start == 0, scale=scale, enable_gqa=group > 1)[0]
     return o.transpose(0, 1).reshape(n, num_heads * head_dim)
 
 
-def gqa_as_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """Grouped-query attention as multi-head attention over H_kv heads: q [H_q, n, D], k, v
-    [H_kv, L, D], mask [n, L] (True: visible) → [H_q, n, D]. Query head h reads KV head
-    h // group; its rows become rows g·n + t of KV head h // group, the mask tiled to match, so
-    K/V are never repeated per query head."""
-    h_q, n, d = q.shape
-    h_kv = k.shape[0]
-    group = h_q // h_kv
-    o = torch.nn.functional.scaled_dot_product_attention(
-        q.reshape(h_kv, group * n, d)[None], k[None], v[None], attn_mask=mask.repeat(group, 1), scale=scale)
-    return o[0].reshape(h_q, n, d)
+def lower_right_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [H_q, n, D] attending causally over k, v [H_kv, L, D] whose last n keys are the queries'
+    own (query t sees keys <= L - n + t), query head h reading KV head h // (H_q / H_kv) → [H_q, n, D].
+    On CUDA flash attention runs it with no mask made (its causal flag aligns to the lower right
+    and it reads GQA as it is), so a chunk late in a long prompt costs its gathered K/V and
+    nothing that grows with chunk × context (planner/working_set.py); elsewhere PyTorch
+    materialises the mask."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    h_q, n, _ = q.shape
+    return torch.nn.functional.scaled_dot_product_attention(
+        q[None], k[None], v[None], attn_mask=causal_lower_right(n, k.shape[1]), scale=scale,
+        enable_gqa=h_q != k.shape[0])[0]
 
 
 class TorchAttention:
@@ -192,11 +192,20 @@ class TorchAttention:
     sequence. fused_prompt: a prompt chunk (more than one query) of a sequence whose pages are all
     on the device gathers them and takes PyTorch's fused attention (`fused_prompt_attention`)
     instead of streaming: the GPU stage's prompt path (its decode steps take
-    executor/device_step.py where they can)."""
+    executor/device_step.py where they can); on CUDA only where flash attention runs it."""
 
     def __init__(self, config: "ModelConfig", kv: "KVCache", ops, fused_prompt: bool = False):
         self.config, self.kv, self.ops = config, kv, ops
         self.scale = config.head_dim ** -0.5
+        if fused_prompt and kv.device.type == "cuda" and not flash_attention_runs(
+                kv.device, kv.dtype, config.num_heads, config.num_kv_heads, config.head_dim):
+            # any other fused kernel on CUDA would need a chunk × context mask (or K/V repeated
+            # per query head): streaming needs neither, and is what a plan prices where its
+            # profile does not say flash attention runs (planner/working_set.py)
+            log.warning("no flash attention for a %s KV cache on %s: the GPU stage's prompt chunks stream "
+                        "over their pages (a plan whose profile says flash attention runs priced less VRAM "
+                        "for them)", str(kv.dtype).removeprefix("torch."), torch.cuda.get_device_name(kv.device))
+            fused_prompt = False
         self.fused_prompt = fused_prompt
 
     def project(self, qkv: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.Tensor):

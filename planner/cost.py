@@ -248,7 +248,8 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
     def work(device_pages: int) -> int:
         return gpu_working_bytes(units[k:], dtype=dtype, batch=batch, context=context, page_size_tokens=page_size_tokens,
                                  budget_pages=needed, device_pages=device_pages, device_page_bytes=dev_page,
-                                 stream_workspace_bytes=(machine.gpu.stream_workspace_bytes or 0) if has_gpu else 0)
+                                 stream_workspace_bytes=(machine.gpu.stream_workspace_bytes or 0) if has_gpu else 0,
+                                 flash_attention=bool(has_gpu and machine.gpu.flash_attention))
 
     device_pages, host_pages = needed, 0
     if k < n and offload and dev_page:

@@ -205,7 +205,11 @@ def datasheet_machine(*, ram_bytes: int, gpu: str | None = None, cpu: str | None
             name=g["name"] if g else gpu or "entered GPU", vram_total_bytes=vram,
             vram_usable_bytes=vram - cuda_reserve_bytes, cuda_context_reserve_bytes=cuda_reserve_bytes,
             hbm_gibps=hbm, hbm_gibps_runs=(), prefill_gflops=tensor,
-            prefill_matmul="datasheet: dense FP16/BF16 tensor peak x efficiency (not measured)")
+            prefill_matmul="datasheet: dense FP16/BF16 tensor peak x efficiency (not measured)",
+            flash_attention=g.get("flash_attention", True) if g else None)
+        if g is not None:
+            assumptions.append(f"flash attention: {'runs' if gpu_profile.flash_attention else 'does not run'} on "
+                               f"the {g['name']} (catalogue: Ampere or newer)")
         link_peak, link_basis = pcie_peak_gibps(pcie or f"{g['pcie']['gen']}x{g['pcie']['lanes']}")
         h2d = rate("link.h2d_gibps", link_peak, "link", link_basis)
         d2h = rate("link.d2h_gibps", link_peak, "link", link_basis)

@@ -112,6 +112,9 @@ class GpuProfile:
     # What a stream's first GEMM allocates and keeps (cuBLAS's workspace for it): usable VRAM is
     # read after the probes' stream has one; the executor keeps one more (None: not measured)
     stream_workspace_bytes: int | None = field(default=None, metadata=OMIT_IF_NONE)
+    # Whether PyTorch's flash attention runs half-precision GQA here: the GPU stage's prompt chunks
+    # then take it, with no mask (executor/attention.py), else they stream (None: not known, priced so)
+    flash_attention: bool | None = field(default=None, metadata=OMIT_IF_NONE)
 
 
 @dataclass(frozen=True)

@@ -280,11 +280,13 @@ def measure_gpu(device, *, name: str, mem_get_info: Callable[[], tuple[int, int]
                 timer: Callable[[Callable[[], object], int], float] | None = None,
                 release: Callable[[], None] = lambda: None, matmul_dtype=None,
                 stream_workspace: Callable[[], int] | None = None,
+                flash_attention: Callable[[], bool] | None = None,
                 progress: Progress = _quiet) -> tuple[GpuProfile, LinkProfile]:
     """Measure a torch device as the GPU stage's device, and the host link to it. timer: seconds
     per call of a kernel (default: host clock between synchronisations); release: return the
     probes' freed buffers to the device; matmul_dtype: the prefill matmul's (default bf16);
-    stream_workspace: bytes a new stream's first GEMM keeps (None: not measured). Usable VRAM is
+    stream_workspace: bytes a new stream's first GEMM keeps (None: not measured); flash_attention:
+    whether PyTorch's flash attention runs the GPU stage's prompt chunks (None: not asked). Usable VRAM is
     read after the probes, so what stays allocated once the GPU has run a matmul (cuBLAS's handle
     and workspace for one stream) counts as reserved."""
     import torch
@@ -308,11 +310,15 @@ def measure_gpu(device, *, name: str, mem_get_info: Callable[[], tuple[int, int]
     workspace = stream_workspace() if stream_workspace is not None else None
     if workspace is not None:
         progress(f"a second stream's first GEMM keeps {fmt_bytes(workspace)} (cuBLAS workspace)")
+    flash = flash_attention() if flash_attention is not None else None
+    if flash is not None:
+        progress("flash attention: " + ("runs half-precision GQA" if flash else
+                                        "does not run here (prompt chunks stream over their KV pages)"))
     gpu = GpuProfile(
         name=name, vram_total_bytes=int(total), vram_usable_bytes=int(free),
         cuda_context_reserve_bytes=int(total - free), hbm_gibps=round_sig(statistics.median(hbm), 4),
         hbm_gibps_runs=tuple(hbm), prefill_gflops=round_sig(flops, 4), prefill_matmul=shape,
-        stream_workspace_bytes=workspace)
+        stream_workspace_bytes=workspace, flash_attention=flash)
     link = LinkProfile(h2d_gibps=round_sig(h2d, 4), d2h_gibps=round_sig(d2h, 4),
                        h2d_latency_us=round_sig(lat_h2d, 4), d2h_latency_us=round_sig(lat_d2h, 4),
                        pinned=pin_memory)
@@ -333,6 +339,22 @@ def cuda_stream_workspace_bytes(dtype) -> int:
     return max(0, torch.cuda.memory_allocated() - before - out.numel() * out.element_size())
 
 
+def flash_attention_runs(device, dtype, num_heads: int = 32, num_kv_heads: int = 8, head_dim: int = 128) -> bool:
+    """Whether PyTorch's flash attention runs attention of `num_heads` query heads over
+    `num_kv_heads` KV heads of `head_dim` in `dtype` on this CUDA device (its half-precision
+    kernels, on a GPU and head size it has them for, not turned off): the one fused kernel that
+    takes GQA and an offset causal chunk without a mask. The executor's GPU stage asks it for its
+    model's shape (executor/attention.py); the profile for a Qwen3-8B / Llama-3-8B head layout.
+    False off CUDA."""
+    import torch
+    if torch.device(device).type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    q = torch.empty(1, num_heads, 2, head_dim, device=device, dtype=dtype)
+    kv = torch.empty(1, num_kv_heads, 4, head_dim, device=device, dtype=dtype)
+    params = torch.backends.cuda.SDPAParams(q, kv, kv, None, 0.0, False, num_heads != num_kv_heads)
+    return bool(torch.backends.cuda.can_use_flash_attention(params, False))
+
+
 def probe_cuda(quick: bool, progress: Progress) -> tuple[GpuProfile, LinkProfile] | None:
     """Measure CUDA device 0 when torch sees one; None otherwise."""
     import torch
@@ -347,7 +369,7 @@ def probe_cuda(quick: bool, progress: Progress) -> tuple[GpuProfile, LinkProfile
                        mem_get_info=torch.cuda.mem_get_info, sync=torch.cuda.synchronize,
                        pin_memory=True, quick=quick, timer=_cuda_event_timer, release=torch.cuda.empty_cache,
                        matmul_dtype=dtype, stream_workspace=lambda: cuda_stream_workspace_bytes(dtype),
-                       progress=progress)
+                       flash_attention=lambda: flash_attention_runs("cuda", dtype), progress=progress)
 
 
 # ---- the whole profile -----------------------------------------------------------------------

@@ -11,13 +11,15 @@ usable VRAM a profile measures is what is free after the CUDA context and cuBLAS
   executor holds them, times ACTIVATION_WIDENING: the executor fuses gate and up into one
   output and keeps it whole while silu(gate)·up is made, where the graph frees each sooner;
 - one sequence's prompt chunk at a time through attention, per layer (beside the activations,
-  though their peak is the MLP's: a bound, not an estimate). Fused, while its pages are all in
-  VRAM: its K/V gathered over the context, and for a chunk after the first its visibility mask
-  (chunk × context booleans, tiled over the query heads of a KV head, and the bias in the dtype
-  SDPA makes of that, padded to an aligned copy). Streamed, where pages may sit on the host
-  (offload): a page of fp32 scores per query head and the masks that hide its future keys, its
-  K or V in fp32, three pages' device copies (the last, this and the prefetched one), and the
-  grouped queries, running output and a page's share of it in fp32;
+  though their peak is the MLP's: a bound, not an estimate). Fused, where the profile says flash
+  attention runs (GpuProfile.flash_attention) for half-precision weights, while the sequence's
+  pages are all in VRAM, so over at most the device pages' tokens: its K/V gathered and the
+  kernel's log-sum-exp per query head; flash attention needs no mask (executor/attention.py).
+  Streamed, where pages may sit on the host (offload), and always where flash attention does
+  not run (fp32 weights, a GPU without its kernels, or not known): a page of fp32 scores per
+  query head and the masks that hide its future keys, its K or V in fp32, three pages' device
+  copies (the last, this and the prefetched one), and the grouped queries, running output and a
+  page's share of it in fp32. The larger of the two where both may run;
 - the logits of every sequence in a step (the head's values per token), in fp32 beside the
   half-precision output they are cast from;
 - the decode step's CUDA graphs (executor/device_step.py): their private pool keeps the largest
@@ -81,12 +83,13 @@ class _Stage:
 
 def gpu_working_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: int, context: int,
                       page_size_tokens: int, budget_pages: int, device_pages: int, device_page_bytes: int,
-                      stream_workspace_bytes: int = 0) -> int:
+                      stream_workspace_bytes: int = 0, flash_attention: bool = False) -> int:
     """Bytes the GPU stage `units` (its units, in order) works in for `batch` sequences of
     `context` tokens: `budget_pages` KV pages for all its sequences (device and host; short
     sequences share them, so as many may run), `device_pages` of them in VRAM,
     `device_page_bytes` one page over every block of the stage; `stream_workspace_bytes` what a
-    second stream's GEMMs keep (0: not measured)."""
+    second stream's GEMMs keep (0: not measured); `flash_attention` whether PyTorch's flash
+    attention runs on the GPU (GpuProfile.flash_attention)."""
     if not units:
         return 0
     # the fit prices steps at mean batch sizes and contexts: memory is whole pages and sequences
@@ -95,10 +98,11 @@ def gpu_working_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: in
     per_token = activation_bytes_per_token(units)
     total = max(step_tokens(batch, context), st.sequences) * per_token + st.sequences * _logits_bytes(st.head, st.b)
     if st.blocks:
-        attention = fused_prompt_attention_bytes(context, st.chunk, st.kv_token, st.group, st.b)
-        if device_pages < budget_pages:  # pages may sit on the host: such a sequence's chunks stream
-            attention = max(attention, st.streamed(page_size_tokens))
-        total += attention
+        resident = min(context, device_pages * page_size_tokens)  # a gather needs every page on the device
+        fused = flash_attention and st.b < FP32_BYTES and resident > 0
+        streamed = not fused or device_pages < budget_pages
+        total += max(fused_prompt_attention_bytes(resident, st.chunk, st.kv_token, st.heads) if fused else 0,
+                     st.streamed(page_size_tokens) if streamed else 0)
         if device_pages:
             gathered = bucket(device_pages) * page_size_tokens         # keys one decode graph reads
             rows = min(bucket(st.sequences), bucket(device_pages))
@@ -149,12 +153,12 @@ def _logits_bytes(head: UnitIR | None, dtype_bytes: int) -> int:
     return (FP32_BYTES + cast) * (head.work_values_per_token or 0)
 
 
-def fused_prompt_attention_bytes(context: int, chunk: int, kv_token: int, group: int, dtype_bytes: int) -> int:
-    """One layer of a prompt chunk through fused attention (executor/attention.py,
-    fused_prompt_attention): the sequence's K/V gathered over the context, the chunk's mask as
-    booleans, tiled over a KV head's `group` query heads, and that as a bias in the dtype twice
-    (SDPA's conversion, and its aligned copy)."""
-    return context * kv_token + chunk * context * (1 + group * (1 + 2 * dtype_bytes))
+def fused_prompt_attention_bytes(context: int, chunk: int, kv_token: int, heads: int) -> int:
+    """One layer of a prompt chunk through the GPU stage's fused attention (executor/attention.py,
+    fused_prompt_attention: flash attention, lower-right causal, no mask): the sequence's K/V
+    gathered over `context` tokens and the kernel's fp32 log-sum-exp per query head and query
+    (its queries and output in the cache's dtype are the activations')."""
+    return context * kv_token + FP32_BYTES * heads * chunk
 
 
 def streamed_prompt_attention_bytes(chunk: int, page: int, kv_token: int, heads: int, group: int,

@@ -94,19 +94,21 @@ def test_empty_sequence_is_an_error():
 
 
 @pytest.mark.parametrize("heads", [(8, 2), (6, 1), (4, 4)])
-def test_gqa_as_rows_matches_sdpa_with_repeated_kv(heads):
-    """The GPU stage's masked prompt attention (query heads folded into rows) against SDPA with
-    K/V repeated per query head, on an offset causal mask (a chunk after cached keys)."""
-    from executor.attention import gqa_as_rows
+@pytest.mark.parametrize("start", [0, 30])
+def test_lower_right_causal_attention_matches_sdpa_with_repeated_kv(heads, start):
+    """The GPU stage's prompt attention (flash attention on CUDA, with no mask: the causal bias
+    aligned to the lower right, GQA as it is) against SDPA with K/V repeated per query head and
+    the mask made, on a chunk after cached keys and on a first chunk. Here on the CPU PyTorch
+    makes the mask itself; the semantics are the ones CUDA's kernel is asked for."""
+    from executor.attention import lower_right_causal_attention
 
     hq, hkv = heads
     g = torch.Generator().manual_seed(5)
-    n, start, d = 7, 30, 16
+    n, d = 7, 16
     q = torch.randn(n, hq, d, generator=g)
     k, v = torch.randn(hkv, start + n, d, generator=g), torch.randn(hkv, start + n, d, generator=g)
     positions = torch.arange(start, start + n)
-    mask = torch.arange(start + n)[None, :] <= positions[:, None]
-    got = gqa_as_rows(q.permute(1, 0, 2).contiguous(), k, v, mask, d ** -0.5).permute(1, 0, 2)
+    got = lower_right_causal_attention(q.permute(1, 0, 2).contiguous(), k, v, d ** -0.5).permute(1, 0, 2)
     assert (got - reference(q, k, v, positions)).abs().max() < TOL
 
 

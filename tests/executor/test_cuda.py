@@ -4,6 +4,8 @@ On CPU-only machines the GPU-side stage runs the same code on the CPU (the other
 tests run it on CUDA: hand-off through a pinned buffer, VRAM pages evicted to pinned host memory
 and streamed back on the copy stream.
 """
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -197,11 +199,15 @@ def test_the_plans_gpu_bytes_bound_what_the_gpu_stage_allocates(checkpoint):
     from executor.plan_io import placement_for
     from executor.sampling import StopCriteria
     from planner.planning import plan_for_split, workload_for
-    from planner.profile import cuda_stream_workspace_bytes
+    from planner.profile import cuda_stream_workspace_bytes, flash_attention_runs, placeholder_machine
 
     path = checkpoint("qwen3", "bf16", max_position_embeddings=4096)
     cfg = ModelConfig.from_dir(path)
-    plan = plan_for_split(path, 1, page_size_tokens=64, workload=workload_for(957, 67, batch_size=2))
+    # priced as the profile would price this GPU: its prompt chunks through flash attention where it runs
+    placeholder = placeholder_machine()
+    flash = flash_attention_runs("cuda", torch.bfloat16, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    machine = replace(placeholder, gpu=replace(placeholder.gpu, flash_attention=flash))
+    plan = plan_for_split(path, 1, machine, page_size_tokens=64, workload=workload_for(957, 67, batch_size=2))
     priced = plan.search.candidates[1].gpu_bytes
     # the capture stream's cuBLAS workspace, measured as the profile measures it (the default
     # stream's made first, as the profile's probes had)
@@ -219,5 +225,46 @@ def test_the_plans_gpu_bytes_bound_what_the_gpu_stage_allocates(checkpoint):
     assert all(s.finish_reason == "length" for s in seqs)
     peak = torch.cuda.max_memory_allocated() - base
     print(f"\nGPU stage peak {peak / 2**20:.2f} MiB; plan {priced / 2**20:.2f} MiB (working set "
-          f"{plan.partition.stages[1].working_bytes / 2**20:.2f} MiB) + cuBLAS workspace {workspace / 2**20:.2f} MiB")
+          f"{plan.partition.stages[1].working_bytes / 2**20:.2f} MiB, flash attention {flash}) + cuBLAS workspace "
+          f"{workspace / 2**20:.2f} MiB")
     assert peak <= priced + workspace
+
+
+def test_prompt_attention_on_cuda_is_flash_with_no_mask():
+    """A late prompt chunk's attention on CUDA (executor/attention.py, lower_right_causal_attention)
+    runs flash attention: its queries see the cached keys and their own causally (against fp32 math
+    with K/V repeated per head and the mask made), and it allocates nothing of chunk × context
+    size (a boolean mask here would be 4 MiB): planner/working_set.py prices its gathered K/V and
+    log-sum-exp only. The GPU stage takes this path for a bf16 cache; an fp32 one streams."""
+    from executor.attention import TorchAttention, lower_right_causal_attention
+    from planner.profile import flash_attention_runs
+
+    assert flash_attention_runs("cuda", torch.bfloat16, 32, 8, 128)
+    assert not flash_attention_runs("cuda", torch.float32, 32, 8, 128)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, L, scale = 512, 8192, 128 ** -0.5
+    q = torch.randn(32, n, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(8, L, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = lower_right_causal_attention(q, k, v, scale)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base - out.numel() * out.element_size()
+    print(f"\nflash prompt attention, chunk {n} over {L} keys: {extra} bytes beside its output")
+    assert extra <= 4 * 32 * n + (1 << 20), extra   # the LSE and a little bookkeeping, never n × L
+    visible = torch.arange(L, device="cuda")[None, :] <= torch.arange(L - n, L, device="cuda")[:, None]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float()[None], k.float().repeat_interleave(4, 0)[None], v.float().repeat_interleave(4, 0)[None],
+        attn_mask=visible, scale=scale)[0]
+    assert (out.float() - want).abs().max().item() < 2e-2
+
+    class Config:
+        num_heads, num_kv_heads, head_dim = 32, 8, 128
+
+    class Cache:
+        device = torch.device("cuda")
+
+    for dtype, fused in ((torch.bfloat16, True), (torch.float16, True), (torch.float32, False)):
+        Cache.dtype = dtype
+        assert TorchAttention(Config, Cache, None, fused_prompt=True).fused_prompt is fused

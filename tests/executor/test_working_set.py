@@ -64,7 +64,7 @@ def _block_peak(cfg: ModelConfig, tokens: int) -> int:
     held by the caller as in a stage. Attention is the GPU stage's fused path up to the kernel:
     q/k norms and rotary, K/V cast to the cache's dtype, q cast for SDPA, the kernel's output in
     that dtype and its copy back into the step's fp32 output. The flash and memory-efficient
-    kernels keep no scores, and the gathered K/V and mask are priced apart (gpu_working_bytes)."""
+    kernels keep no scores, and the gathered K/V are priced apart (gpu_working_bytes)."""
     wd, H, D = cfg.dtype, cfg.hidden_size, cfg.head_dim
 
     def vec(n):

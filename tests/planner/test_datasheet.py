@@ -40,6 +40,8 @@ def test_rtx3090_epyc7h12_matches_the_hand_computed_profile():
     plan = make_plan(config_path("qwen3-8b"), m)
     assert plan.limits.gpu_budget_bytes == 23 * GIB and plan.limits.host_budget_bytes == m.cpu.ram_available_bytes
     assert plan.partition.split_k == 0          # 15.3 GiB of Qwen3-8B fits the 23 GiB
+    # an Ampere card: PyTorch's flash attention runs there, so prompt chunks are priced fused
+    assert m.gpu.flash_attention is True and any("flash attention: runs" in a for a in m.datasheet.assumptions)
 
 
 def test_rtx4060_laptop_i7_13700h_matches_the_hand_computed_profile():
@@ -75,6 +77,7 @@ def test_explicit_figures_override_the_catalogue_and_stand_alone():
     m = datasheet_machine(ram_bytes=64 * GIB, cores=8, dram="2ch-DDR5-6000", vram_bytes=24 * GIB,
                           hbm_gibps=gibps(960), gpu_gflops=100_000, pcie="32GB/s", gpu="my card")
     assert m.gpu.name == "my card" and m.datasheet.gpu == "entered" and m.datasheet.cpu == "entered"
+    assert m.gpu.flash_attention is None        # an entered card: not known, prompt chunks priced streamed
     assert m.cpu.dram_read_gibps == pytest.approx(gibps(2 * 6000e6 * 8 / 1e9) * 0.6, rel=1e-5)
     assert m.link.h2d_gibps == pytest.approx(gibps(32) * 0.8, rel=1e-5)
     assert any("CPU peak assumed" in a for a in m.datasheet.assumptions)

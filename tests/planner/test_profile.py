@@ -66,11 +66,11 @@ def test_gpu_measurements_on_a_mocked_device():
     gpu, link = measure_gpu(torch.device("cpu"), name="Mock GPU", mem_get_info=lambda: (free[0], 8 * GIB),
                             sync=lambda: syncs.append(1), pin_memory=False, quick=True,
                             copy_bytes=8 * MIB, link_bytes=4 * MIB, hidden=128, timer=timer, release=release,
-                            stream_workspace=stream_workspace)
+                            stream_workspace=stream_workspace, flash_attention=lambda: True)
     # usable VRAM as read after the probes, and before the second stream's workspace
     assert (gpu.name, gpu.vram_total_bytes, gpu.vram_usable_bytes, gpu.cuda_context_reserve_bytes) == \
         ("Mock GPU", 8 * GIB, 6 * GIB - 64 * MIB, 2 * GIB + 64 * MIB)
-    assert gpu.stream_workspace_bytes == 32 * MIB
+    assert gpu.stream_workspace_bytes == 32 * MIB and gpu.flash_attention is True
     assert gpu.hbm_gibps > 0 and len(gpu.hbm_gibps_runs) == 3
     # the prefill rate: the executor's prompt-chunk shape, timed by the device timer (1 ms a call)
     assert timed == [10, 10, 10] and gpu.prefill_gflops == pytest.approx(2 * 512 * 128 * 128 / 1e-3 / 1e9, rel=1e-3)

@@ -25,28 +25,31 @@ def gpu_stage(blocks: int = 2):
 
 def work(units, **kw):
     args = dict(dtype="bfloat16", batch=1, context=1024, page_size_tokens=512, budget_pages=2, device_pages=2,
-                device_page_bytes=8 * MIB)
+                device_page_bytes=8 * MIB, flash_attention=True)
     return gpu_working_bytes(units, **{**args, **kw})
+
+
+# a prompt chunk streamed: a page of fp32 scores per query head, its masks (and their tiling over
+# 4), its K or V in fp32, 3 pages' device copies, the grouped queries, running output and a page's
+# share (H_q·D = 4096) in fp32. tests/executor/test_working_set.py measures the executor against it.
+STREAMED = 4 * 32 * 512 * 512 + 5 * 512 * 512 + 512 * 4096 * 4 // 4 + 3 * 512 * 4096 + 3 * 4 * 512 * 4096
 
 
 def test_each_term_by_hand():
     per_token = 5334                                  # ⌈1000 values · 4 B · 4/3⌉
     activations = 512 * per_token                     # a 512-token prompt chunk: batch 1
     logits = 2 * 300 * (4 + 2)                        # 2 sequences may share the 2 pages, fp32 beside bf16
-    gather = 1024 * 4096                              # the sequence's K/V at the context, one layer
-    mask = 512 * 1024 * (1 + 4 * (1 + 2 * 2))         # bool [chunk, context] tiled over 4 query heads, bf16 bias twice
+    fused = 1024 * 4096 + 4 * 32 * 512                # the sequence's K/V at the context, one layer; flash's LSE
     graphs = 2 * 512 * (4096 + 1) + 2 * per_token     # bucket(2 pages) of keys and their mask; 2 rows
     scratch = 8 * MIB
-    assert work(gpu_stage()) == activations + logits + gather + mask + graphs + scratch
-    # pages on the host (no device pages here): prompt chunks stream, a page of fp32 scores per query
-    # head, its masks (and their tiling over 4), its K or V in fp32, 3 pages' device copies, the
-    # grouped queries, running output and a page's share (H_q·D = 4096) in fp32; no graphs, no
-    # scratch page. tests/executor/test_working_set.py measures the executor against this term.
-    streamed = 4 * 32 * 512 * 512 + 5 * 512 * 512 + 512 * 4096 * 4 // 4 + 3 * 512 * 4096 + 3 * 4 * 512 * 4096
-    assert streamed > gather + mask
-    assert work(gpu_stage(), device_pages=0) == activations + logits + streamed
-    # one page on the device: the streamed chunk and the graphs
-    assert work(gpu_stage(), device_pages=1) == activations + logits + streamed + 512 * 4097 + per_token + scratch
+    assert work(gpu_stage()) == activations + logits + fused + graphs + scratch
+    # no flash attention (not measured, or a GPU without it): every prompt chunk streams
+    assert STREAMED > fused
+    assert work(gpu_stage(), flash_attention=False) == activations + logits + STREAMED + graphs + scratch
+    # pages on the host (no device pages here): prompt chunks stream; no graphs, no scratch page
+    assert work(gpu_stage(), device_pages=0) == activations + logits + STREAMED
+    # one page on the device: the larger of a chunk fused over the page's tokens and one streamed, the graphs
+    assert work(gpu_stage(), device_pages=1) == activations + logits + STREAMED + 512 * 4097 + per_token + scratch
     # the graphs' capture stream keeps its own cuBLAS workspace, where the profile measured it
     assert work(gpu_stage(), stream_workspace_bytes=32 * MIB) - work(gpu_stage()) == 32 * MIB
     assert work(gpu_stage(), device_pages=0, stream_workspace_bytes=32 * MIB) == work(gpu_stage(), device_pages=0)
@@ -55,21 +58,32 @@ def test_each_term_by_hand():
 def test_what_it_grows_with():
     units = gpu_stage()
     base = work(units)
-    # a longer context: the gather and mask of a prompt chunk grow with it
-    assert work(units, context=2048) - base == 1024 * 4096 + 512 * 1024 * 21
+    # a longer context: the gather of a prompt chunk grows with it, and nothing else (no mask)
+    assert work(units, context=2048, budget_pages=4, device_pages=4) - work(units, budget_pages=4, device_pages=4) \
+        == 1024 * 4096
+    # ... up to the device pages' tokens: a sequence with pages on the host streams its chunks
+    assert work(units, context=8192, budget_pages=16, device_pages=4) == \
+        work(units, context=4096, budget_pages=16, device_pages=4) > work(units, context=4096, budget_pages=4,
+                                                                          device_pages=4)
     # a batch of 4: prompt chunks of 4 sequences in one step
-    assert work(units, batch=4, budget_pages=8) - work(units, budget_pages=8) == 3 * 512 * 5334
+    assert work(units, batch=4, budget_pages=8, device_pages=8) - work(units, budget_pages=8, device_pages=8) \
+        == 3 * 512 * 5334
     assert step_tokens(4, 1024) == 2048 and step_tokens(8, 1024) == 2048 and step_tokens(1, 100) == 100
-    # more device pages: a larger decode gather (a bucket: 3 pages gather as 4)
-    assert work(units, device_pages=3) - base == 2 * 512 * 4097
+    # more pages: a larger decode gather (a bucket: 3 pages gather as 4), as many graph rows, a
+    # third sequence's logits
+    assert work(units, device_pages=3, budget_pages=3) - base == 2 * 512 * 4097 + 2 * 5334 + 300 * 6
     # the number of blocks does not matter: one layer's temporaries at a time
     assert work(gpu_stage(10)) == base
-    # fp32 weights: K/V of 8192 B per token (the same heads), the mask's bias in fp32, no bf16 logits
+    # fp32 weights: no flash attention (its kernels are half precision), so chunks stream (the
+    # same heads: K/V of 8192 B per token, copied as they are); the graphs' gather doubles; no bf16 logits
     fp32 = tuple(replace(u, kv_bytes_per_token=8192) if u.kind == "block" else u for u in units)
-    assert work(fp32, dtype="float32") - base == 1024 * 4096 + 512 * 1024 * 4 * 2 * 2 + 2 * 512 * 4096 - 2 * 300 * 2
-    # one KV head per query head: the mask is not tiled
+    streamed_fp32 = STREAMED + 3 * 512 * 4096  # three pages' copies twice the size; a page's K or V in fp32 the same
+    assert work(fp32, dtype="float32") - base == \
+        streamed_fp32 - (1024 * 4096 + 4 * 32 * 512) + 2 * 512 * 4096 - 2 * 300 * 2
+    # one KV head per query head: streamed masks are not tiled; the fused price does not change
     group1 = tuple(replace(u, attn_flops_per_context_token=4096) if u.kind == "block" else u for u in units)
-    assert base - work(group1) == 512 * 1024 * 3 * 5
+    assert work(group1) == base
+    assert work(units, device_pages=0) - work(group1, device_pages=0) == 3 * 512 * 512 + 3 * 4 * 512 * 3072
 
 
 def test_edges():
@@ -78,7 +92,7 @@ def test_edges():
     assert work(head_only) == 2 * 300 * 6                              # logits only
     # the fit prices steps at mean batch sizes and contexts: memory rounds up to whole ones
     assert work(gpu_stage(), batch=1.5, budget_pages=2.5) == work(gpu_stage(), batch=2, budget_pages=3)
-    # an IR traced before the peak was recorded prices what it can: gathers, masks, pages
+    # an IR traced before the peak was recorded prices what it can: gathers, pages
     old = tuple(replace(u, work_values_per_token=None) for u in gpu_stage())
     assert 0 < work(old) == work(gpu_stage()) - 514 * 5334 - 2 * 300 * 6
 
