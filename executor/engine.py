@@ -124,12 +124,18 @@ class Engine:
         self._kv_pages: dict[object, int] = {}  # the ledger: pages held for each started sequence
         # Called with every executed step's record (a measurement: executor.report.Recorder.record_step).
         self.on_step: Callable[[StepRecord], object] | None = None
+        on_gpu = any(s.device == "cuda" for s in placement.stages)
         if max_step_tokens is None:  # a plan prices the GPU stage's working set for its batch's prompt chunks
-            on_gpu = any(s.device == "cuda" for s in placement.stages)
             max_step_tokens = (step_tokens(placement.kv_sequences, self.context_limit)
                                if placement.kv_sequences and on_gpu else MAX_STEP_TOKENS)
         self.max_step_tokens = max_step_tokens
         self.prefill_chunk = prefill_chunk
+        if on_gpu and max_running > MAX_RUNNING_SEQUENCES:
+            # the plan prices the GPU stage's logits, decode rows and graphs for this many at most
+            # (planner/working_set.py): more would run in VRAM nobody reserved
+            log.warning("a running batch of %d with a GPU stage: at most %d sequences run at once (the plan's "
+                        "working set is priced for them), the rest wait", max_running, MAX_RUNNING_SEQUENCES)
+            max_running = MAX_RUNNING_SEQUENCES
         self.max_running = max_running
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []

@@ -275,8 +275,9 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
     gpu_work = work(device_pages) if k < n else 0
     gpu_bytes = gpu_weights + device_pages * dev_page + gpu_work if k < n else 0
     cpu_pages = batch * pages if cpu_kv_tok else 0
+    # the sequences the KV budget holds bound the host's step, wherever the pages live
     cpu_work = cpu_working_bytes(units[:k], dtype=dtype, batch=batch, context=context,
-                                 page_size_tokens=page_size_tokens, budget_pages=cpu_pages, gpu_units=units[k:])
+                                 page_size_tokens=page_size_tokens, budget_pages=batch * pages, gpu_units=units[k:])
     host_bytes = cpu_weights + cpu_pages * cpu_page + host_pages * dev_page + cpu_work
 
     if k < n and not has_gpu:

@@ -124,10 +124,12 @@ def cpu_working_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: in
       fp16 cache, and its mask; the CPU's fused kernel takes GQA without tiling) or streamed (the
       torch backend streams prompt chunks), whichever is larger;
     - the logits of every sequence; with a GPU stage, the hidden states handed to it (fp32,
-      pinned) and, where it has the head, its logits copied back (fp32)."""
-    if not units:
-        return 0
+      pinned) and, where it has the head, its logits copied back (fp32): the host's only working
+      set where every unit is on the GPU (the engine samples on the host)."""
     batch, context, budget_pages = (math.ceil(x) for x in (batch, context, budget_pages))
+    if not units:
+        head = gpu_units[-1] if gpu_units and gpu_units[-1].kind == "head" else None
+        return _logits_back(head, max(1, min(MAX_RUNNING_SEQUENCES, budget_pages)))
     st = _Stage.of(units, dtype, context, budget_pages)
     tokens = (step_tokens(batch, context) if gpu_units
               else min(MAX_STEP_TOKENS, st.sequences * st.chunk, budget_pages * page_size_tokens))
@@ -139,9 +141,13 @@ def cpu_working_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: in
         total += max(fused, st.streamed(page_size_tokens))
     if gpu_units:
         total += steps * units[-1].act_bytes_per_token * FP32_BYTES // st.b
-        if gpu_units[-1].kind == "head":
-            total += st.sequences * FP32_BYTES * (gpu_units[-1].work_values_per_token or 0)
+        total += _logits_back(gpu_units[-1] if gpu_units[-1].kind == "head" else None, st.sequences)
     return total
+
+
+def _logits_back(head: UnitIR | None, sequences: int) -> int:
+    """The fp32 logits of `sequences` copied to the host from a GPU stage with the head."""
+    return sequences * FP32_BYTES * (head.work_values_per_token or 0) if head is not None else 0
 
 
 def _logits_bytes(head: UnitIR | None, dtype_bytes: int) -> int:

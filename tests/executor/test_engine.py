@@ -238,3 +238,15 @@ def test_a_plans_step_is_bounded_by_its_batch_of_prompt_chunks_where_a_gpu_stage
                             kv_sequences=3, context_tokens=64)
         assert Engine(load_model(path, placement, cfg)).max_step_tokens == want
     assert step_tokens(3, 64) == 192
+
+
+def test_a_gpu_stage_runs_no_more_sequences_than_its_working_set_is_priced_for(path):
+    """--max-batch above MAX_RUNNING_SEQUENCES: the GPU stage's logits, decode rows and graphs are
+    priced for that many (planner/working_set.py), so an engine with one runs that many; an
+    all-CPU engine runs what it is given."""
+    from planner.step_shape import MAX_RUNNING_SEQUENCES
+
+    cfg = ModelConfig.from_dir(path)
+    for split, want in ((2, MAX_RUNNING_SEQUENCES), (cfg.num_units, 4 * MAX_RUNNING_SEQUENCES)):
+        placement = Placement.from_split(cfg.num_units, split, page_size_tokens=4)
+        assert Engine(load_model(path, placement, cfg), max_running=4 * MAX_RUNNING_SEQUENCES).max_running == want

@@ -157,6 +157,11 @@ def test_a_cpu_stage_by_hand():
     assert cpu_working_bytes(blocks, dtype="bfloat16", batch=1, context=1024, page_size_tokens=512,
                              budget_pages=2, gpu_units=gpu) == 512 * per_token + streamed + 512 * 400 + 2 * 4 * 500
     assert cpu_working_bytes((), dtype="bfloat16", batch=1, context=1024, page_size_tokens=512, budget_pages=2) == 0
+    # every unit on the GPU: the host still receives the logits of each sequence (it samples)
+    assert cpu_working_bytes((), dtype="bfloat16", batch=1, context=1024, page_size_tokens=512, budget_pages=2,
+                             gpu_units=units) == 2 * 4 * 300
+    assert cpu_working_bytes((), dtype="bfloat16", batch=1, context=1024, page_size_tokens=512, budget_pages=200,
+                             gpu_units=units) == 64 * 4 * 300
 
 
 def cpu_streamed(page):
