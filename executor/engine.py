@@ -130,12 +130,14 @@ class Engine:
                                if placement.kv_sequences and on_gpu else MAX_STEP_TOKENS)
         self.max_step_tokens = max_step_tokens
         self.prefill_chunk = prefill_chunk
-        if on_gpu and max_running > MAX_RUNNING_SEQUENCES:
+        priced = placement.max_running or MAX_RUNNING_SEQUENCES
+        if on_gpu and max_running > priced:
             # the plan prices the GPU stage's logits, decode rows and graphs for this many at most
-            # (planner/working_set.py): more would run in VRAM nobody reserved
-            log.warning("a running batch of %d with a GPU stage: at most %d sequences run at once (the plan's "
-                        "working set is priced for them), the rest wait", max_running, MAX_RUNNING_SEQUENCES)
-            max_running = MAX_RUNNING_SEQUENCES
+            # (planner/working_set.py): more would run in VRAM nobody reserved. Short of a page
+            # override its KV budget admits no more anyway.
+            log.info("a GPU stage: at most %d sequences run at once (the plan's working set is priced for "
+                     "them; the running batch allows %d), the rest wait", priced, max_running)
+            max_running = priced
         self.max_running = max_running
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []

@@ -78,13 +78,12 @@ def load_model(model_dir: str | Path, placement: Placement, config: ModelConfig 
 
 
 def _decode_buckets(placement: Placement, config: ModelConfig) -> tuple[int, int]:
-    """(rows, pages per sequence) the GPU stage's decode graphs are captured up to: as many
-    sequences as the plan's KV budget has pages (short requests share it: the engine admits by
-    pages), at most the running batch an engine with a GPU stage allows (the plan prices the
-    graphs' memory for it), each up to the plan's context (without a plan: the device pool's
-    pages, the model's context)."""
+    """(rows, pages per sequence) the GPU stage's decode graphs are captured up to: the running
+    batch an engine with a GPU stage allows (the sequences the plan's KV budget holds, short
+    requests sharing its pages: the plan prices the graphs' memory for them), each up to the
+    plan's context (without a plan: the device pool's pages, the model's context)."""
     context = placement.context_tokens or config.max_position_embeddings
-    rows = min(placement.kv_budget_pages or placement.device_kv_pages or 1, MAX_RUNNING_SEQUENCES)
+    rows = placement.max_running or min(placement.device_kv_pages or 1, MAX_RUNNING_SEQUENCES)
     return rows, -(-context // placement.page_size_tokens)
 
 

@@ -49,6 +49,9 @@ class Placement:
     # None: unbounded (a run without a plan, `--split`).
     kv_sequences: int | None = None
     context_tokens: int | None = None
+    # Sequences the plan's working sets are priced for (planner.step_shape.running_sequences of its
+    # KV budget in its own pages, which a --page-size override does not change); None: no plan
+    max_running: int | None = None
     cpu_threads: int | None = None  # threads of the CPU stages' kernels (and torch); None: torch's count
     kernel_choice: KernelChoice | None = None  # the plan's profile's; None: measured at load
 
@@ -94,6 +97,8 @@ class Placement:
         if (self.kv_sequences is None) != (self.context_tokens is None) or \
                 (self.kv_sequences is not None and self.kv_sequences < 1):
             raise PlacementError("a KV budget needs both a batch of at least 1 sequence and a context")
+        if self.max_running is not None and self.max_running < 1:
+            raise PlacementError(f"a running batch needs at least 1 sequence, got {self.max_running}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise PlacementError(f"CPU threads must be >= 1, got {self.cpu_threads}")
 

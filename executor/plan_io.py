@@ -18,6 +18,7 @@ from planner.config import config_digest
 from planner.errors import PlanError
 from planner.plan import Plan, load_plan, parse_plan
 from planner.profile import meminfo
+from planner.step_shape import running_sequences
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ def placement_for(plan, config: ModelConfig, page_size_tokens: int | None = None
         device_kv_pages=device_kv_pages,
         kv_sequences=plan.workload.batch_size,
         context_tokens=plan.workload.context_tokens,
+        max_running=running_sequences(plan.workload.batch_size * -(-plan.workload.context_tokens // kv.page_size_tokens)),
         kernel_choice=kernel_choice_of(plan),
     )
     placement.validate()

@@ -18,6 +18,13 @@ def step_tokens(batch: int, context: int) -> int:
     return min(MAX_STEP_TOKENS, max(1, batch) * min(PREFILL_CHUNK_TOKENS, max(1, context)))
 
 
+def running_sequences(budget_pages: int) -> int:
+    """Sequences a plan's working sets are priced for: as many as its KV budget has pages (short
+    requests share them), at most MAX_RUNNING_SEQUENCES. An engine with a GPU stage runs no more
+    at once (executor/engine.py), whatever page size it runs."""
+    return max(1, min(MAX_RUNNING_SEQUENCES, budget_pages))
+
+
 def bucket(n: int) -> int:
     """The smallest power of two >= n (n >= 1): the rows and pages a static decode step is padded to."""
     return 1 << (n - 1).bit_length()

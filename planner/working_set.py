@@ -37,7 +37,7 @@ import math
 from dataclasses import dataclass, replace
 
 from planner.ir import UnitIR
-from planner.step_shape import MAX_RUNNING_SEQUENCES, MAX_STEP_TOKENS, PREFILL_CHUNK_TOKENS, bucket, step_tokens
+from planner.step_shape import MAX_STEP_TOKENS, PREFILL_CHUNK_TOKENS, bucket, running_sequences, step_tokens
 
 # The executor's activation values per token over the model graph's at its peak (see the module
 # docstring): a gated MLP's 4·I + H values against 3·I + H, at most 4/3.
@@ -66,7 +66,7 @@ class _Stage:
         b = DTYPE_BYTES.get(dtype or "bfloat16", 2)
         blocks = [u for u in units if u.kind == "block"]
         shape = cls(b=b, blocks=bool(blocks), head=units[-1] if units[-1].kind == "head" else None,
-                    sequences=max(1, min(MAX_RUNNING_SEQUENCES, budget_pages)),
+                    sequences=running_sequences(budget_pages),
                     chunk=min(PREFILL_CHUNK_TOKENS, max(1, context)))
         if not blocks:
             return shape
@@ -129,7 +129,7 @@ def cpu_working_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: in
     batch, context, budget_pages = (math.ceil(x) for x in (batch, context, budget_pages))
     if not units:
         head = gpu_units[-1] if gpu_units and gpu_units[-1].kind == "head" else None
-        return _logits_back(head, max(1, min(MAX_RUNNING_SEQUENCES, budget_pages)))
+        return _logits_back(head, running_sequences(budget_pages))
     st = _Stage.of(units, dtype, context, budget_pages)
     tokens = (step_tokens(batch, context) if gpu_units
               else min(MAX_STEP_TOKENS, st.sequences * st.chunk, budget_pages * page_size_tokens))

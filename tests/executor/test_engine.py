@@ -241,12 +241,32 @@ def test_a_plans_step_is_bounded_by_its_batch_of_prompt_chunks_where_a_gpu_stage
 
 
 def test_a_gpu_stage_runs_no_more_sequences_than_its_working_set_is_priced_for(path):
-    """--max-batch above MAX_RUNNING_SEQUENCES: the GPU stage's logits, decode rows and graphs are
-    priced for that many (planner/working_set.py), so an engine with one runs that many; an
+    """The GPU stage's logits, decode rows and graphs are priced for the sequences the plan's KV
+    budget holds in its own pages, at most MAX_RUNNING_SEQUENCES (planner/working_set.py): an
+    engine with a GPU stage runs no more at once, under a larger --max-batch or with a smaller
+    page than the plan's (more pages, so more short sequences the budget would admit); an
     all-CPU engine runs what it is given."""
+    from planner.planning import plan_for_split, workload_for
     from planner.step_shape import MAX_RUNNING_SEQUENCES
+
+    from executor.plan_io import placement_for
 
     cfg = ModelConfig.from_dir(path)
     for split, want in ((2, MAX_RUNNING_SEQUENCES), (cfg.num_units, 4 * MAX_RUNNING_SEQUENCES)):
         placement = Placement.from_split(cfg.num_units, split, page_size_tokens=4)
         assert Engine(load_model(path, placement, cfg), max_running=4 * MAX_RUNNING_SEQUENCES).max_running == want
+    # a plan for 1 sequence of 64 tokens in pages of 32: priced for 2 sequences, in pages of 4 too
+    plan = plan_for_split(path, 2, page_size_tokens=32, workload=workload_for(32, 32))
+    placement = placement_for(plan, cfg, page_size_tokens=4)
+    assert (placement.kv_budget_pages, placement.max_running) == (16, 2)
+    eng = Engine(load_model(path, placement, cfg))
+    assert eng.max_running == 2
+    stop = StopCriteria(max_new_tokens=2, ignore_eos=True)
+    seqs = [eng.add_request(prompt_ids(3, 256, seed=70 + i), stop=stop) for i in range(6)]
+    while eng.has_work():
+        eng.step()
+        assert len([s for s in seqs if s.num_computed and s.finish_reason is None]) <= 2
+    assert all(s.finish_reason == "length" for s in seqs)
+    cpu_plan = plan_for_split(path, cfg.num_units, page_size_tokens=32, workload=workload_for(32, 32))
+    assert Engine(load_model(path, placement_for(cpu_plan, cfg, page_size_tokens=4), cfg)).max_running == \
+        MAX_RUNNING_SEQUENCES
