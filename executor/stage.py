@@ -67,7 +67,7 @@ class Stage:
     def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """x: token ids [T] (first stage) or hidden [T, H] fp32 → hidden [T, H] or logits [R, V]."""
         if self.embedding is not None:
-            x = F.embedding(x.to(self.device), self.embedding).float()
+            x = F.embedding(self._to_device(x, "token_ids"), self.embedding).float()
         else:
             x = self._receive(x)
         if self.blocks:

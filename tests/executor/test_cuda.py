@@ -268,3 +268,29 @@ def test_prompt_attention_on_cuda_is_flash_with_no_mask():
     for dtype, fused in ((torch.bfloat16, True), (torch.float16, True), (torch.float32, False)):
         Cache.dtype = dtype
         assert TorchAttention(Config, Cache, None, fused_prompt=True).fused_prompt is fused
+
+
+def test_rms_norm_on_cuda_is_the_fused_kernel_and_matches_the_reference():
+    """torch_ops.rms_norm on CUDA is PyTorch's fused kernel (one launch, not six), and gives what the
+    reference steps give on the CPU, for rows of a block's hidden size and of a head (q/k norm on
+    a strided view of the fused QKV output)."""
+    from executor import torch_ops
+
+    g = torch.Generator().manual_seed(3)
+    for shape, width in (((5, 4096), 4096), ((5, 40, 128), 128)):
+        x, w = torch.randn(*shape, generator=g), torch.randn(width, generator=g)
+        want = torch_ops.rms_norm(x, w, 1e-6)
+        got = torch_ops.rms_norm(x.cuda(), w.cuda(), 1e-6).cpu()
+        assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    qkv = torch.randn(5, 48 * 128, generator=g).cuda()
+    q = qkv[:, :40 * 128].view(5, 40, 128)              # a view with the row stride of qkv
+    w = torch.randn(128, generator=g).cuda()
+    assert (torch_ops.rms_norm(q, w, 1e-6) - torch_ops.rms_norm(q.cpu(), w.cpu(), 1e-6).cuda()).abs().max() < 1e-4
+    wide = w.repeat(32)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch_ops.rms_norm(qkv[:, :4096], wide, 1e-6)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    print(f"\nrms_norm on CUDA: {len(kernels)} kernel(s): {sorted({e.name[:60] for e in kernels})}")
+    assert len(kernels) <= 2, [e.name for e in kernels]   # the norm (and at most a copy of a strided input)
