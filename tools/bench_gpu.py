@@ -91,6 +91,42 @@ def _gpu_memory(plan, model, after_load: int) -> dict:
             "working_set_over_plan": round(measured / priced, 3) if priced else None}
 
 
+def decode_profile(engine: Engine, ids: list[int], steps: int = 8) -> dict:
+    """Where a decode step's time goes: `steps` steps of one greedy request, after its prompt,
+    under PyTorch's profiler. On CUDA: kernels a step launches (graph replays included) and the
+    time they run, against the step's wall time: a busy fraction well below 1 means the step is
+    bound by launches and host work, not by HBM. Elsewhere (smoke) the same over CPU ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    seq = engine.add_request(ids, SamplingParams(), StopCriteria(max_new_tokens=steps + 2, ignore_eos=True))
+    while not seq.output_ids:  # the prompt, and the first token it gives
+        engine.step()
+    sync()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+        sync()
+    wall = time.perf_counter() - t0
+    while engine.has_work():
+        engine.step()
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    per_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == kind:
+            us = e.time_range.elapsed_us() if cuda else e.self_cpu_time_total
+            per_name.setdefault(e.name[:80], []).append(us)
+    busy = sum(sum(v) for v in per_name.values()) / 1e3 / steps
+    top = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:8]
+    return {"steps": steps, "wall_ms_per_step": round(1e3 * wall / steps, 3),
+            ("kernels" if cuda else "ops") + "_per_step": round(sum(len(v) for v in per_name.values()) / steps, 1),
+            "busy_ms_per_step": round(busy, 3), "busy_fraction": round(busy / (1e3 * wall / steps), 3),
+            "top": [{"name": n, "ms_per_step": round(sum(v) / 1e3 / steps, 4), "per_step": round(len(v) / steps, 1)}
+                    for n, v in top]}
+
+
 def _ms_per_token(seq) -> float:
     return round(1e3 / seq.decode_tokens_per_s, 3) if seq.decode_tokens_per_s else float("nan")
 
@@ -122,9 +158,12 @@ def run_helm(model_dir: Path, plan, config: ModelConfig, ids: list[int], new_tok
     if isinstance(step, ResidentDecode):
         out["decode_path"] = "cuda graphs" if step.graphs else "static step, eager"
         out["graph_buckets"] = step.captured
+        if eager_too:
+            out["decode_profile"] = decode_profile(engine, ids)
         if eager_too and step.graphs:
             step.graphs = False
             out["eager_decode_ms_per_token"] = _ms_per_token(_request(engine, None, ids, new_tokens))
+            out["eager_decode_profile"] = decode_profile(engine, ids)
             step.graphs = True
     else:
         out["decode_path"] = "streaming attention, op by op"

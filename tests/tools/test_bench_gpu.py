@@ -20,4 +20,8 @@ def test_the_gpu_benchmark_runs_end_to_end_in_smoke_mode(tmp_path, capsys):
     fit = helm["after_fit"]  # fitted to this request, checked on another
     assert fit["prompt_tokens"] == 8 and {r["phase"] for r in fit["stages"]} == {"prefill", "decode"}
     assert results["all_gpu"]["split_k"] == 0 and results["all_gpu"]["hbm_roofline_ms"] > 0
+    # where a decode step's time goes (on the CPU here: its ops)
+    profile = results["all_gpu"]["decode_profile"]
+    assert profile["ops_per_step"] > 10 and 0 < profile["busy_ms_per_step"] and profile["top"]
+    assert profile["wall_ms_per_step"] > 0 and all(t["ms_per_step"] >= 0 for t in profile["top"])
     assert "capped at" in capsys.readouterr().err
