@@ -125,10 +125,11 @@ def _one_chunk(q: torch.Tensor, chunk: KVChunk, scale: float, q_positions: torch
 
 
 def without_cudnn_attention() -> None:
-    """Our SDPA calls on CUDA take flash attention (math as the last resort), not cuDNN's:
-    PyTorch prefers cuDNN on Hopper for half precision, where it raises rather than falls back on
-    shapes it has no plan for (gathered K/V, a lower-right causal chunk), and every decode graph
-    bucket would build a plan of its own at load. Process-wide, set when a GPU stage loads: the
+    """Our SDPA calls on CUDA take flash attention (prompt chunks) or memory-efficient attention
+    (the decode graphs' masked step, executor/device_step.py), math as the last resort, not
+    cuDNN's: PyTorch prefers cuDNN on Hopper for half precision, where it raises rather than falls
+    back on shapes it has no plan for (gathered K/V, a lower-right causal chunk), and every decode
+    graph bucket would build a plan of its own at load. Process-wide, set when a GPU stage loads: the
     flag is global, so a context per call would cost host time in every layer and race other
     threads."""
     if torch.backends.cuda.cudnn_sdp_enabled():

@@ -23,6 +23,11 @@ log = logging.getLogger(__name__)
 class TorchBackend:
     name = "torch"
 
+    def __init__(self, fused_prompt: bool = True):
+        # False: a GPU stage's prompt chunks stream even where flash attention runs (its plan's
+        # profile said it does not, and priced them so: planner/working_set.py)
+        self.fused_prompt = fused_prompt
+
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None):
         return torch_ops.TorchLinear(weight, bias)
 
@@ -30,7 +35,7 @@ class TorchBackend:
         # A GPU stage (on CUDA, or its code on the CPU over a slab) takes the fused prompt path;
         # the CPU reference streams.
         gpu_stage = kv is not None and (kv.device.type == "cuda" or kv.device_pool.slab is not None)
-        return TorchAttention(config, kv, self, fused_prompt=gpu_stage)
+        return TorchAttention(config, kv, self, fused_prompt=gpu_stage and self.fused_prompt)
 
     def fused_blocks(self, config, blocks, kv, attention) -> ResidentDecode | None:
         """The static-shape decode step (CUDA graphs on CUDA) where the device KV pool is a slab;
@@ -196,12 +201,12 @@ def resolve_backend(backend: str = "auto") -> str:
 
 
 def make_backend(name: str, device: torch.device, num_threads: int | None = None, routes: dict | None = None,
-                 attention_max_queries: int = 1):
+                 attention_max_queries: int = 1, *, fused_prompt: bool = True):
     """The backend object for a stage on `device` (CUDA stages always use PyTorch); num_threads:
     the kernels' threads (None: torch's current count); routes, attention_max_queries: see
-    KernelBackend."""
+    KernelBackend; fused_prompt: see TorchBackend."""
     if device.type != "cpu" or name == "torch":
-        return TorchBackend()
+        return TorchBackend(fused_prompt)
     if name == "helm":
         return KernelBackend(num_threads, routes, attention_max_queries)
     raise ValueError(f"unknown kernel backend {name!r}")

@@ -79,8 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     srv.add_argument("--port", type=int, default=50051, help="port (0: any free port, logged as 'listening')")
     srv.add_argument("--max-batch", type=int, default=MAX_RUNNING_SEQUENCES,
-                     help="most sequences in the running batch (with a GPU stage at most the default: the plan "
-                          "prices its working memory for that many)")
+                     help="most sequences in the running batch (no more than a plan's working memory is priced "
+                          "for: its KV budget's sequences, at most the default)")
     srv.add_argument("--max-queue", type=int, default=64, help="most requests waiting beyond a full batch")
     srv.add_argument("--drain-timeout", type=float, default=30.0,
                      help="seconds requests in flight may take to finish after SIGTERM (then aborted)")

@@ -130,13 +130,14 @@ class Engine:
                                if placement.kv_sequences and on_gpu else MAX_STEP_TOKENS)
         self.max_step_tokens = max_step_tokens
         self.prefill_chunk = prefill_chunk
-        priced = placement.max_running or MAX_RUNNING_SEQUENCES
-        if on_gpu and max_running > priced:
-            # the plan prices the GPU stage's logits, decode rows and graphs for this many at most
-            # (planner/working_set.py): more would run in VRAM nobody reserved. Short of a page
-            # override its KV budget admits no more anyway.
-            log.info("a GPU stage: at most %d sequences run at once (the plan's working set is priced for "
-                     "them; the running batch allows %d), the rest wait", priced, max_running)
+        # A plan prices its stages' working sets (logits, decode rows, a GPU stage's graphs) for this
+        # many sequences at most (planner/working_set.py): more would run in memory nobody
+        # reserved. Short of a --page-size override its KV budget admits no more anyway. Without a
+        # plan a GPU stage's decode graphs are captured for MAX_RUNNING_SEQUENCES rows.
+        priced = placement.max_running or (MAX_RUNNING_SEQUENCES if on_gpu else None)
+        if priced is not None and max_running > priced:
+            log.info("at most %d sequences run at once (the plan's working sets are priced for them; the running "
+                     "batch allows %d), the rest wait", priced, max_running)
             max_running = priced
         self.max_running = max_running
         self.waiting: list[Sequence] = []

@@ -120,7 +120,8 @@ def _load_stage(reader: CheckpointReader, cfg: ModelConfig, spec: StageSpec, pla
         without_cudnn_attention()
     wdtype, f32 = cfg.dtype, torch.float32
     H, V, D, I = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.intermediate_size
-    ops = make_backend(backend, device, placement.cpu_threads, *choice)
+    ops = make_backend(backend, device, placement.cpu_threads, *choice,
+                       fused_prompt=placement.flash_attention is not False)
 
     def get(name, shape, dtype=wdtype):
         return reader.get(name, shape, dtype, device)

@@ -52,6 +52,9 @@ class Placement:
     # Sequences the plan's working sets are priced for (planner.step_shape.running_sequences of its
     # KV budget in its own pages, which a --page-size override does not change); None: no plan
     max_running: int | None = None
+    # What the plan's profile says of flash attention on its GPU (GpuProfile.flash_attention): False,
+    # the plan priced the GPU stage's prompt chunks streamed, so they stream; None: no plan, or not known
+    flash_attention: bool | None = None
     cpu_threads: int | None = None  # threads of the CPU stages' kernels (and torch); None: torch's count
     kernel_choice: KernelChoice | None = None  # the plan's profile's; None: measured at load
 

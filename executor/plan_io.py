@@ -73,6 +73,7 @@ def placement_for(plan, config: ModelConfig, page_size_tokens: int | None = None
         kv_sequences=plan.workload.batch_size,
         context_tokens=plan.workload.context_tokens,
         max_running=running_sequences(plan.workload.batch_size * -(-plan.workload.context_tokens // kv.page_size_tokens)),
+        flash_attention=plan.machine.gpu.flash_attention if plan.machine.gpu is not None else None,
         kernel_choice=kernel_choice_of(plan),
     )
     placement.validate()

@@ -245,11 +245,11 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
     reasons = []
 
     # -- where the GPU stage's KV pages live, and the VRAM the stage works in beside them
-    def work(device_pages: int) -> int:
+    def work(device_pages: int) -> int:  # sequences: what the whole KV budget holds, wherever its pages live
         return gpu_working_bytes(units[k:], dtype=dtype, batch=batch, context=context, page_size_tokens=page_size_tokens,
-                                 budget_pages=needed, device_pages=device_pages, device_page_bytes=dev_page,
+                                 budget_pages=batch * pages, device_pages=device_pages, device_page_bytes=dev_page,
                                  stream_workspace_bytes=(machine.gpu.stream_workspace_bytes or 0) if has_gpu else 0,
-                                 flash_attention=bool(has_gpu and machine.gpu.flash_attention))
+                                 flash_attention=machine.gpu.flash_attention if has_gpu else None)
 
     device_pages, host_pages = needed, 0
     if k < n and offload and dev_page:

@@ -16,10 +16,11 @@ usable VRAM a profile measures is what is free after the CUDA context and cuBLAS
   pages are all in VRAM, so over at most the device pages' tokens: its K/V gathered and the
   kernel's log-sum-exp per query head; flash attention needs no mask (executor/attention.py).
   Streamed, where pages may sit on the host (offload), and always where flash attention does
-  not run (fp32 weights, a GPU without its kernels, or not known): a page of fp32 scores per
+  not run (fp32 weights, a GPU or head size without its kernels): a page of fp32 scores per
   query head and the masks that hide its future keys, its K or V in fp32, three pages' device
   copies (the last, this and the prefetched one), and the grouped queries, running output and a
-  page's share of it in fp32. The larger of the two where both may run;
+  page's share of it in fp32. The larger of the two where both may run, or where the profile
+  does not say whether flash attention runs;
 - the logits of every sequence in a step (the head's values per token), in fp32 beside the
   half-precision output they are cast from;
 - the decode step's CUDA graphs (executor/device_step.py): their private pool keeps the largest
@@ -43,6 +44,7 @@ from planner.step_shape import MAX_STEP_TOKENS, PREFILL_CHUNK_TOKENS, bucket, ru
 # docstring): a gated MLP's 4·I + H values against 3·I + H, at most 4/3.
 ACTIVATION_WIDENING = 4 / 3
 FP32_BYTES = 4
+FLASH_MAX_HEAD_DIM = 256  # PyTorch's flash attention kernels take heads up to this size
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -76,6 +78,10 @@ class _Stage:
                        group=attn * b // (2 * kv_token) if kv_token else 0,  # H_q / H_kv, K/V being 2·H_kv·D·b
                        heads=max(u.attn_heads or 0 for u in blocks))
 
+    @property
+    def head_dim(self) -> int:
+        return self.attn // (4 * self.heads) if self.heads else 0
+
     def streamed(self, page: int) -> int:
         return streamed_prompt_attention_bytes(self.chunk, page, self.kv_token, self.heads, self.group, self.attn,
                                                self.b)
@@ -83,13 +89,13 @@ class _Stage:
 
 def gpu_working_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: int, context: int,
                       page_size_tokens: int, budget_pages: int, device_pages: int, device_page_bytes: int,
-                      stream_workspace_bytes: int = 0, flash_attention: bool = False) -> int:
+                      stream_workspace_bytes: int = 0, flash_attention: bool | None = None) -> int:
     """Bytes the GPU stage `units` (its units, in order) works in for `batch` sequences of
     `context` tokens: `budget_pages` KV pages for all its sequences (device and host; short
     sequences share them, so as many may run), `device_pages` of them in VRAM,
     `device_page_bytes` one page over every block of the stage; `stream_workspace_bytes` what a
     second stream's GEMMs keep (0: not measured); `flash_attention` whether PyTorch's flash
-    attention runs on the GPU (GpuProfile.flash_attention)."""
+    attention runs on the GPU (GpuProfile.flash_attention; None: not known)."""
     if not units:
         return 0
     # the fit prices steps at mean batch sizes and contexts: memory is whole pages and sequences
@@ -98,11 +104,16 @@ def gpu_working_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: in
     per_token = activation_bytes_per_token(units)
     total = max(step_tokens(batch, context), st.sequences) * per_token + st.sequences * _logits_bytes(st.head, st.b)
     if st.blocks:
+        # the executor fuses where flash attention runs (half precision, a head it has kernels for)
+        # and every page of the sequence is on the device, else it streams: priced by what the
+        # profile says of flash attention, both where it does not know
+        flash = None if flash_attention is None else (flash_attention and st.b < FP32_BYTES
+                                                      and 0 < st.head_dim <= FLASH_MAX_HEAD_DIM)
         resident = min(context, device_pages * page_size_tokens)  # a gather needs every page on the device
-        fused = flash_attention and st.b < FP32_BYTES and resident > 0
-        streamed = not fused or device_pages < budget_pages
-        total += max(fused_prompt_attention_bytes(resident, st.chunk, st.kv_token, st.heads) if fused else 0,
-                     st.streamed(page_size_tokens) if streamed else 0)
+        fuses = flash is not False and resident > 0
+        streams = flash is not True or device_pages < budget_pages
+        total += max(fused_prompt_attention_bytes(resident, st.chunk, st.kv_token, st.heads) if fuses else 0,
+                     st.streamed(page_size_tokens) if streams else 0)
         if device_pages:
             gathered = bucket(device_pages) * page_size_tokens         # keys one decode graph reads
             rows = min(bucket(st.sequences), bucket(device_pages))
@@ -163,7 +174,10 @@ def fused_prompt_attention_bytes(context: int, chunk: int, kv_token: int, heads:
     """One layer of a prompt chunk through the GPU stage's fused attention (executor/attention.py,
     fused_prompt_attention: flash attention, lower-right causal, no mask): the sequence's K/V
     gathered over `context` tokens and the kernel's fp32 log-sum-exp per query head and query
-    (its queries and output in the cache's dtype are the activations')."""
+    (its queries and output in the cache's dtype are the activations'). Not priced: the fp32
+    accumulators flash attention splits a short chunk's keys into when its heads × 64-query
+    blocks cannot fill the GPU (a few MiB, growing with the number of SMs;
+    tests/executor/test_cuda.py measures them)."""
     return context * kv_token + FP32_BYTES * heads * chunk
 
 

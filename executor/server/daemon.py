@@ -61,6 +61,7 @@ class _Serving:
     stages: tuple[StageInfo, ...]  # static part (kv filled in from the worker's snapshot)
     kernel_isa: str
     context_tokens: int  # the longest sequence the plan serves (its context, within the model's)
+    max_running: int  # the most sequences its engine runs at once (--max-batch, within what the plan priced)
 
 
 class Daemon:
@@ -147,7 +148,7 @@ class Daemon:
                 worker.retire()
                 raise ShuttingDownError("the daemon is shutting down; the plan was loaded but not swapped in")
             previous = self._serving
-            self._serving = _Serving(plan, summary, worker, stages, isa, engine.context_limit)
+            self._serving = _Serving(plan, summary, worker, stages, isa, engine.context_limit, engine.max_running)
             if previous is not None:
                 previous.worker.retire()
                 self._retired.append(previous.worker)
@@ -304,7 +305,8 @@ class Daemon:
             has_tokenizer=self.tokenizer is not None,
             plan=serving.summary if serving else None, stages=stages,
             kernel_isa=serving.kernel_isa if serving else "", waiting=waiting, running=running,
-            max_batch=self.max_batch, max_queue=self.max_queue, on_previous_plans=on_previous,
+            max_batch=serving.max_running if serving else self.max_batch, max_queue=self.max_queue,
+            on_previous_plans=on_previous,
             uptime_s=time.perf_counter() - self._started_s, version=__version__)
 
     def report(self, plan_digest: str = "") -> Report:

@@ -240,12 +240,12 @@ def test_a_plans_step_is_bounded_by_its_batch_of_prompt_chunks_where_a_gpu_stage
     assert step_tokens(3, 64) == 192
 
 
-def test_a_gpu_stage_runs_no_more_sequences_than_its_working_set_is_priced_for(path):
-    """The GPU stage's logits, decode rows and graphs are priced for the sequences the plan's KV
-    budget holds in its own pages, at most MAX_RUNNING_SEQUENCES (planner/working_set.py): an
-    engine with a GPU stage runs no more at once, under a larger --max-batch or with a smaller
-    page than the plan's (more pages, so more short sequences the budget would admit); an
-    all-CPU engine runs what it is given."""
+def test_an_engine_runs_no_more_sequences_than_its_plans_working_sets_are_priced_for(path):
+    """A plan's working sets (logits, decode rows, a GPU stage's graphs) are priced for the
+    sequences its KV budget holds in its own pages, at most MAX_RUNNING_SEQUENCES
+    (planner/working_set.py): an engine runs no more at once, under a larger --max-batch or with a
+    smaller page than the plan's (more pages, so more short sequences the budget would admit).
+    Without a plan a GPU stage runs MAX_RUNNING_SEQUENCES (its graphs' rows), the CPU what it is given."""
     from planner.planning import plan_for_split, workload_for
     from planner.step_shape import MAX_RUNNING_SEQUENCES
 
@@ -268,5 +268,4 @@ def test_a_gpu_stage_runs_no_more_sequences_than_its_working_set_is_priced_for(p
         assert len([s for s in seqs if s.num_computed and s.finish_reason is None]) <= 2
     assert all(s.finish_reason == "length" for s in seqs)
     cpu_plan = plan_for_split(path, cfg.num_units, page_size_tokens=32, workload=workload_for(32, 32))
-    assert Engine(load_model(path, placement_for(cpu_plan, cfg, page_size_tokens=4), cfg)).max_running == \
-        MAX_RUNNING_SEQUENCES
+    assert Engine(load_model(path, placement_for(cpu_plan, cfg, page_size_tokens=4), cfg)).max_running == 2

@@ -102,6 +102,17 @@ def test_vram_feasibility_counts_weights_kv_pages_and_working_set_exactly():
     assert split(4, units, shared, machine(gpu=False)).feasible
 
 
+def test_a_gpu_stage_of_the_head_alone_prices_the_logits_of_every_sequence():
+    """A GPU stage without blocks has no KV pages, yet it computes the logits of every sequence
+    the plan's KV budget holds (the engine runs that many: executor/engine.py)."""
+    from dataclasses import replace
+
+    units, shared = model_units(2, block_bytes=100 * MIB, emb_bytes=10 * MIB, head_bytes=10 * MIB)
+    units = units[:-1] + (replace(units[-1], work_values_per_token=1000),)
+    head_only = split(3, units, shared, machine(), batch=4)  # 4 sequences of 2 pages: 8 may share them
+    assert head_only.gpu_work_bytes == work(units[3:], device_pages=0, budget_pages=8) == 8 * 1000 * (4 + 2)
+
+
 def test_kv_offload_parks_pages_on_the_host_and_streams_them_back():
     units, shared = model_units(2, block_bytes=100 * MIB, emb_bytes=10 * MIB, head_bytes=10 * MIB, kv=4096)
     m = machine(hbm_gibps=100.0, link_gibps=10.0)

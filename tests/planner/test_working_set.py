@@ -43,9 +43,16 @@ def test_each_term_by_hand():
     graphs = 2 * 512 * (4096 + 1) + 2 * per_token     # bucket(2 pages) of keys and their mask; 2 rows
     scratch = 8 * MIB
     assert work(gpu_stage()) == activations + logits + fused + graphs + scratch
-    # no flash attention (not measured, or a GPU without it): every prompt chunk streams
+    # no flash attention (a GPU without it): every prompt chunk streams; not known: either may run
     assert STREAMED > fused
     assert work(gpu_stage(), flash_attention=False) == activations + logits + STREAMED + graphs + scratch
+    assert work(gpu_stage(), flash_attention=None) == work(gpu_stage(), flash_attention=False)
+    assert work(gpu_stage(), flash_attention=None, context=65536, budget_pages=128, device_pages=128) - \
+        work(gpu_stage(), flash_attention=True, context=65536, budget_pages=128, device_pages=128) == 0
+    # heads larger than flash attention's kernels take (D = 512 here): they stream
+    wide = tuple(replace(u, attn_flops_per_context_token=4 * 32 * 512) if u.kind == "block" else u
+                 for u in gpu_stage())
+    assert work(wide) == work(wide, flash_attention=False) > 0
     # pages on the host (no device pages here): prompt chunks stream; no graphs, no scratch page
     assert work(gpu_stage(), device_pages=0) == activations + logits + STREAMED
     # one page on the device: the larger of a chunk fused over the page's tokens and one streamed, the graphs

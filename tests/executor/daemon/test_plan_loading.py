@@ -183,6 +183,7 @@ def test_a_plan_with_a_tiny_context_loads_and_bounds_requests(model, plan_dir):
     try:
         daemon.load_plan(PlanSource(yaml=tiny.to_yaml()))
         assert daemon.info().context_tokens == 3
+        assert daemon.info().max_batch == 1  # not --max-batch 4: the plan's working sets are priced for one
         assert tokens_of(daemon, prompt=(11, 12), n=1)
         with pytest.raises(RequestError, match="exceeds the plan's context of 3 tokens"):
             tokens_of(daemon, prompt=(11, 12), n=4)
