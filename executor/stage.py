@@ -60,6 +60,7 @@ class Stage:
         self.attention = self.ops.attention(config, kv) if blocks else None
         self.fused = self.ops.fused_blocks(config, blocks, kv, self.attention) if blocks else None  # None: op by op
         self._pinned: dict[str, torch.Tensor] = {}  # staging buffers of CPU → CUDA copies, by what they carry
+        self._pinned_copied: dict[str, torch.cuda.Event] = {}  # each buffer's last copy to the device
 
     def __repr__(self) -> str:
         return f"Stage(units {self.unit_start}..{self.unit_end - 1} on {self.device}, backend={self.backend})"
@@ -93,16 +94,25 @@ class Stage:
     def _to_device(self, x: torch.Tensor, what: str) -> torch.Tensor:
         """x on this stage's device. From host memory to CUDA it goes through a reused pinned buffer,
         so the copy is asynchronous and the host does not wait for it (a pageable source would make
-        it wait). Reuse is safe: every step ends by reading the logits back, after every copy."""
+        it wait); the buffer is refilled only once an event says its last copy is done (the engine
+        reads each step's logits back, so that has long happened; a caller that does not must
+        not find it overwritten)."""
         if x.device == self.device:
             return x
         if self.device.type == "cuda" and x.device.type == "cpu":
+            copied = self._pinned_copied.get(what)
+            if copied is not None:
+                copied.synchronize()
             buf = self._pinned.get(what)
             if buf is None or buf.numel() < x.numel() or buf.dtype != x.dtype:
                 buf = self._pinned[what] = torch.empty(max(x.numel(), 1024), dtype=x.dtype, pin_memory=True)
             staged = buf[: x.numel()].view_as(x)
             staged.copy_(x)
-            return staged.to(self.device, non_blocking=True)
+            out = staged.to(self.device, non_blocking=True)
+            if copied is None:
+                copied = self._pinned_copied[what] = torch.cuda.Event()
+            copied.record()
+            return out
         return x.to(self.device)
 
     def _block(self, x, w: BlockWeights, layer, batch, positions, cos, sin):

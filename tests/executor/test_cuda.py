@@ -170,6 +170,8 @@ def test_a_vram_cap_holds_under_16_concurrent_requests_at_the_plans_context(chec
     torch.cuda.empty_cache()
     engine = Engine(load_model(path, placement, cfg), eos_token_ids=())
     assert (4, 8) in engine.model.stages[1].fused.captured
+    a = torch.ones(64, 64, device="cuda", dtype=torch.bfloat16)
+    a @ a  # the default stream's cuBLAS workspace, which prompt chunks need, before the cap (graphs ran on another)
     cap = torch.cuda.memory_reserved() + (64 << 20)
     torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(0).total_memory)
     try:
@@ -211,7 +213,10 @@ def test_the_plans_gpu_bytes_bound_what_the_gpu_stage_allocates(checkpoint):
     plan = plan_for_split(path, 1, machine, page_size_tokens=64, workload=workload_for(957, 67, batch_size=2))
     priced = plan.search.candidates[1].gpu_bytes
     # the capture stream's cuBLAS workspace, measured as the profile measures it (the default
-    # stream's made first, as the profile's probes had)
+    # stream's made first, as the profile's probes had). cuBLAS keeps one per stream of PyTorch's
+    # pool for good: cleared first, so earlier tests' streams neither hide it here nor in the load
+    torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()
     a = torch.ones(64, 64, device="cuda", dtype=torch.bfloat16)
     a @ a
     workspace = cuda_stream_workspace_bytes(torch.bfloat16)
