@@ -362,3 +362,24 @@ def kv_read_gibps(buffer_bytes: int, runs: int, threads: int, progress: Progress
         progress(f"KV read (attention kernel) {fmt_bytes(buf.numel() * 2)} run {r + 1}/{runs}: {results[-1]:.2f} GiB/s")
     del buf
     return round_sig(statistics.median(results), 4)
+
+
+def device_gemv_gibps(device, hidden: int, dtype: torch.dtype, timer: Callable[[Callable[[], object], int], float],
+                      reps: int, copies: int = 4) -> float:
+    """GiB/s at which the GPU stage's decode projection streams its weights: executor.torch_ops
+    .TorchLinear (one token's fp32 activations cast to the weights' half precision, the matmul,
+    back to fp32) over (3·H, H) weights in `dtype`, `copies` of them in turn so that none is still
+    in the GPU's L2 cache when it is read again. A device copy's bandwidth (the profile's HBM
+    figure) overstates what a matrix-vector product reaches. timer: seconds per call (CUDA events)."""
+    from executor.torch_ops import TorchLinear
+
+    linears = [TorchLinear(torch.randn(3 * hidden, hidden, device=device).to(dtype)) for _ in range(copies)]
+    x = torch.randn(1, hidden, device=device)
+    turn = iter(range(1 << 62))
+
+    def one():
+        return linears[next(turn) % copies](x)
+
+    one()
+    nbytes = linears[0].weight.numel() * linears[0].weight.element_size()
+    return max(nbytes / timer(one, reps) for _ in range(3)) / GIB

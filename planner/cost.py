@@ -65,7 +65,8 @@ def device_rates(machine: MachineProfile, device: str, calibration=None, dtype: 
     """A device's rates for a model whose weights are `dtype` (float32 | bfloat16 | float16): on
     a CPU whose profile measured the executor's kernels for that dtype, the rates of the kernels
     that will run (the GEMV's weight streaming, the chosen prompt-GEMM path, prompt attention);
-    otherwise the generic DRAM read and fp32 GEMM figures."""
+    otherwise the generic DRAM read and fp32 GEMM figures. On the GPU the decode projection's
+    measured rate where the profile has it, else HBM's."""
     calibration = calibration or machine.calibration
     if device == "cpu":
         c = machine.cpu
@@ -79,7 +80,8 @@ def device_rates(machine: MachineProfile, device: str, calibration=None, dtype: 
     if machine.gpu is None:
         raise ValueError("machine profile has no GPU")
     g = machine.gpu
-    return DeviceRates("cuda", g.hbm_gibps, g.prefill_gflops, g.prefill_gflops, 0, g.hbm_gibps, calibration.cuda)
+    return DeviceRates("cuda", g.hbm_gibps, g.prefill_gflops, g.prefill_gflops, 0, g.hbm_gibps, calibration.cuda,
+                       weight_gibps=g.gemv_gibps or 0.0)
 
 
 def _ms(flops: float, gflops: float, nbytes: float, gibps: float, cal: DeviceCalibration) -> float:

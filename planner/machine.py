@@ -115,6 +115,9 @@ class GpuProfile:
     # Whether PyTorch's flash attention runs half-precision GQA here: the GPU stage's prompt chunks
     # then take it, with no mask (executor/attention.py), else they stream (None: not known, priced so)
     flash_attention: bool | None = field(default=None, metadata=OMIT_IF_NONE)
+    # GiB/s at which the GPU stage's decode projection streams its weights (a one-token matmul in
+    # half precision; the copy's hbm_gibps overstates it); decode is priced with it (None: hbm_gibps)
+    gemv_gibps: float | None = field(default=None, metadata=OMIT_IF_NONE)
 
 
 @dataclass(frozen=True)

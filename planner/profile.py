@@ -280,13 +280,14 @@ def measure_gpu(device, *, name: str, mem_get_info: Callable[[], tuple[int, int]
                 timer: Callable[[Callable[[], object], int], float] | None = None,
                 release: Callable[[], None] = lambda: None, matmul_dtype=None,
                 stream_workspace: Callable[[], int] | None = None,
-                flash_attention: Callable[[], bool] | None = None,
+                flash_attention: Callable[[], bool] | None = None, gemv: bool = True,
                 progress: Progress = _quiet) -> tuple[GpuProfile, LinkProfile]:
     """Measure a torch device as the GPU stage's device, and the host link to it. timer: seconds
     per call of a kernel (default: host clock between synchronisations); release: return the
     probes' freed buffers to the device; matmul_dtype: the prefill matmul's (default bf16);
     stream_workspace: bytes a new stream's first GEMM keeps (None: not measured); flash_attention:
-    whether PyTorch's flash attention runs the GPU stage's prompt chunks (None: not asked). Usable VRAM is
+    whether PyTorch's flash attention runs the GPU stage's prompt chunks (None: not asked); gemv:
+    time the GPU stage's decode projection (executor/probe.py, device_gemv_gibps). Usable VRAM is
     read after the probes, so what stays allocated once the GPU has run a matmul (cuBLAS's handle
     and workspace for one stream) counts as reserved."""
     import torch
@@ -299,6 +300,12 @@ def measure_gpu(device, *, name: str, mem_get_info: Callable[[], tuple[int, int]
     flops = _matmul_gflops(device, hidden, matmul_dtype, timer, 10 if quick else 50)
     shape = f"({PREFILL_CHUNK_TOKENS},{hidden})x({hidden},{hidden}) {str(matmul_dtype).removeprefix('torch.')}"
     progress(f"prefill matmul {shape}: {flops:.0f} GFLOP/s")
+    weight_gibps = None
+    if gemv:
+        from executor.probe import device_gemv_gibps
+        weight_gibps = device_gemv_gibps(device, hidden, matmul_dtype, timer, 10 if quick else 50)
+        progress(f"decode projection (1,{hidden})x({hidden},{3 * hidden}) {str(matmul_dtype).removeprefix('torch.')}: "
+                 f"{weight_gibps:.1f} GiB/s of weights")
     link_bytes = link_bytes or ((64 * MIB) if quick else (256 * MIB))
     h2d, d2h, lat_h2d, lat_d2h = _link(device, link_bytes, sync, pin_memory, 3 if quick else 10)
     progress(f"link {fmt_bytes(link_bytes)} pinned={pin_memory}: h2d {h2d:.1f} GiB/s, d2h {d2h:.1f} GiB/s, "
@@ -318,7 +325,8 @@ def measure_gpu(device, *, name: str, mem_get_info: Callable[[], tuple[int, int]
         name=name, vram_total_bytes=int(total), vram_usable_bytes=int(free),
         cuda_context_reserve_bytes=int(total - free), hbm_gibps=round_sig(statistics.median(hbm), 4),
         hbm_gibps_runs=tuple(hbm), prefill_gflops=round_sig(flops, 4), prefill_matmul=shape,
-        stream_workspace_bytes=workspace, flash_attention=flash)
+        stream_workspace_bytes=workspace, flash_attention=flash,
+        gemv_gibps=round_sig(weight_gibps, 4) if weight_gibps is not None else None)
     link = LinkProfile(h2d_gibps=round_sig(h2d, 4), d2h_gibps=round_sig(d2h, 4),
                        h2d_latency_us=round_sig(lat_h2d, 4), d2h_latency_us=round_sig(lat_d2h, 4),
                        pinned=pin_memory)

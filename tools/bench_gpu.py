@@ -217,12 +217,12 @@ def run_accelerate(model_dir: Path, ids: list[int], new_tokens: int, gpu_memory:
             "decode_ms_per_token": round(1e3 * decode_s, 3), "modules_on_gpu": on_gpu}
 
 
-def hbm_roofline_ms(plan, context: int) -> float:
+def hbm_roofline_ms(plan, context: int, gibps: float | None = None) -> float:
     """Bytes one decode step reads on the GPU (weights + KV at `context`) over the profiled HBM
-    bandwidth: the floor a batch-1 step cannot beat."""
+    bandwidth (or `gibps`): the floor a batch-1 step cannot beat."""
     units = plan.ir.units[plan.partition.split_k:]
     nbytes = sum(weight_read_bytes(u, 1) + u.kv_bytes_per_token * context for u in units)
-    return 1e3 * nbytes / (plan.machine.gpu.hbm_gibps * GIB)
+    return 1e3 * nbytes / ((gibps or plan.machine.gpu.hbm_gibps) * GIB)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -281,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     roofline = hbm_roofline_ms(all_gpu, args.context) if all_gpu.machine.gpu else float("nan")
     run["hbm_roofline_ms"] = round(roofline, 3)
     run["over_roofline"] = round(run["decode_ms_per_token"] / roofline, 2) if roofline == roofline else None
+    gemv = all_gpu.machine.gpu.gemv_gibps if all_gpu.machine.gpu else None
+    if gemv:  # the same bytes at the rate the profile's one-token matmul streamed its weights
+        run["gemv_floor_ms"] = round(hbm_roofline_ms(all_gpu, args.context, gemv), 3)
     results["all_gpu"] = run
 
     save()

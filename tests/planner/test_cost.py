@@ -113,6 +113,20 @@ def test_a_gpu_stage_of_the_head_alone_prices_the_logits_of_every_sequence():
     assert head_only.gpu_work_bytes == work(units[3:], device_pages=0, budget_pages=8) == 8 * 1000 * (4 + 2)
 
 
+def test_gpu_decode_streams_weights_at_the_profiled_projection_rate():
+    """Where the profile timed the GPU stage's decode projection (GpuProfile.gemv_gibps), its
+    weights are priced at that rate, its KV reads still at HBM's; without it, at HBM's."""
+    from dataclasses import replace
+
+    units, shared = model_units(2, block_bytes=100 * MIB, emb_bytes=10 * MIB, head_bytes=10 * MIB)
+    m = machine(hbm_gibps=100.0)
+    copy_rate = split(0, units, shared, m)
+    same = split(0, units, shared, replace(m, gpu=replace(m.gpu, gemv_gibps=100.0)))
+    assert same.stage_ms("cuda") == copy_rate.stage_ms("cuda")
+    half = split(0, units, shared, replace(m, gpu=replace(m.gpu, gemv_gibps=50.0)))
+    assert 1.9 < half.stage_ms("cuda") / copy_rate.stage_ms("cuda") < 2.0    # weights at half the rate, KV (8 MiB) as before
+
+
 def test_kv_offload_parks_pages_on_the_host_and_streams_them_back():
     units, shared = model_units(2, block_bytes=100 * MIB, emb_bytes=10 * MIB, head_bytes=10 * MIB, kv=4096)
     m = machine(hbm_gibps=100.0, link_gibps=10.0)

@@ -73,7 +73,9 @@ def test_gpu_measurements_on_a_mocked_device():
     assert gpu.stream_workspace_bytes == 32 * MIB and gpu.flash_attention is True
     assert gpu.hbm_gibps > 0 and len(gpu.hbm_gibps_runs) == 3
     # the prefill rate: the executor's prompt-chunk shape, timed by the device timer (1 ms a call)
-    assert timed == [10, 10, 10] and gpu.prefill_gflops == pytest.approx(2 * 512 * 128 * 128 / 1e-3 / 1e9, rel=1e-3)
+    assert timed[:3] == [10, 10, 10] and gpu.prefill_gflops == pytest.approx(2 * 512 * 128 * 128 / 1e-3 / 1e9, rel=1e-3)
+    # the decode projection as the GPU stage runs it: a (3·H, H) bf16 weight read per 1 ms call
+    assert timed[3:] == [10, 10, 10] and gpu.gemv_gibps == pytest.approx(3 * 128 * 128 * 2 / 1e-3 / GIB, rel=1e-3)
     assert gpu.prefill_matmul == "(512,128)x(128,128) bfloat16"
     assert link.h2d_gibps > 0 and link.d2h_gibps > 0 and link.h2d_latency_us > 0 and not link.pinned
     assert len(syncs) > 100                     # every timed region is synchronised
@@ -86,7 +88,8 @@ def test_a_profile_with_a_gpu_plans_a_split(dev_machine):
                            link_bytes=MIB, hidden=64)
     from dataclasses import replace
     gpu, link = fake_probe(True, None)
-    m = replace(dev_machine, gpu=replace(gpu, hbm_gibps=100.0, prefill_gflops=1e4), link=link)  # faster than the CPU
+    m = replace(dev_machine, gpu=replace(gpu, hbm_gibps=100.0, gemv_gibps=90.0, prefill_gflops=1e4),
+                link=link)  # faster than the CPU
     p = make_plan(config_path("qwen3-1.7b"), m)
     assert 0 < p.partition.split_k < p.partition.num_units     # 3.2 GiB of weights, 1 GiB of VRAM
     assert p.limits.gpu_budget_bytes == GIB
