@@ -288,6 +288,7 @@ class KVCache:
         seq = self._seqs[seq_id]
         n = k.shape[0]
         done = 0
+        waited = self._copy_stream is None
         while done < n:
             pos = start + done
             page = seq.pages[pos // self.page_size]
@@ -298,8 +299,9 @@ class KVCache:
                 dst[0, :, slot:slot + take].copy_(k[done:done + take].transpose(0, 1), non_blocking=True)
                 dst[1, :, slot:slot + take].copy_(v[done:done + take].transpose(0, 1), non_blocking=True)
             else:
-                if self._copy_stream is not None:  # the page may still be on its way out (evicted)
+                if not waited:  # the page may still be on its way out (evicted)
                     torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
+                    waited = True
                 self._write_host_page(dst, slot, k[done:done + take], v[done:done + take])
             done += take
         self.mark_written(seq_id, start, n)

@@ -366,20 +366,20 @@ def kv_read_gibps(buffer_bytes: int, runs: int, threads: int, progress: Progress
 
 def device_gemv_gibps(device, hidden: int, dtype: torch.dtype, timer: Callable[[Callable[[], object], int], float],
                       reps: int, copies: int = 4) -> float:
-    """GiB/s at which the GPU stage's decode projection streams its weights: executor.torch_ops
-    .TorchLinear (one token's fp32 activations cast to the weights' half precision, the matmul,
-    back to fp32) over (3·H, H) weights in `dtype`, `copies` of them in turn so that none is still
-    in the GPU's L2 cache when it is read again. A device copy's bandwidth (the profile's HBM
-    figure) overstates what a matrix-vector product reaches. timer: seconds per call (CUDA events)."""
-    from executor.torch_ops import TorchLinear
-
-    linears = [TorchLinear(torch.randn(3 * hidden, hidden, device=device).to(dtype)) for _ in range(copies)]
-    x = torch.randn(1, hidden, device=device)
+    """GiB/s at which the GPU stage's projections stream their weights in a decode step: the
+    one-token matmul executor.torch_ops.TorchLinear issues on CUDA (its activation already cast
+    to the weights' half precision; the casts are launches of their own, which δ prices), over
+    (3·H, H) weights in `dtype`, `copies` of them in turn so that none is still in the GPU's L2
+    cache when it is read again. A device copy's bandwidth (the profile's HBM figure) overstates
+    what a matrix-vector product reaches. One launch per call, so the GPU's queue stays ahead of
+    the host on a fast GPU. timer: seconds per call (CUDA events)."""
+    linears = [torch.randn(3 * hidden, hidden, device=device, dtype=dtype) for _ in range(copies)]
+    x = torch.randn(1, hidden, device=device, dtype=dtype)
     turn = iter(range(1 << 62))
 
     def one():
-        return linears[next(turn) % copies](x)
+        return torch.nn.functional.linear(x, linears[next(turn) % copies])
 
     one()
-    nbytes = linears[0].weight.numel() * linears[0].weight.element_size()
+    nbytes = linears[0].numel() * linears[0].element_size()
     return max(nbytes / timer(one, reps) for _ in range(3)) / GIB

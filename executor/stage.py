@@ -111,7 +111,7 @@ class Stage:
             out = staged.to(self.device, non_blocking=True)
             if copied is None:
                 copied = self._pinned_copied[what] = torch.cuda.Event()
-            copied.record()
+            copied.record(torch.cuda.current_stream(self.device))
             return out
         return x.to(self.device)
 

@@ -65,8 +65,8 @@ def device_rates(machine: MachineProfile, device: str, calibration=None, dtype: 
     """A device's rates for a model whose weights are `dtype` (float32 | bfloat16 | float16): on
     a CPU whose profile measured the executor's kernels for that dtype, the rates of the kernels
     that will run (the GEMV's weight streaming, the chosen prompt-GEMM path, prompt attention);
-    otherwise the generic DRAM read and fp32 GEMM figures. On the GPU the decode projection's
-    measured rate where the profile has it, else HBM's."""
+    otherwise the generic DRAM read and fp32 GEMM figures. On the GPU weight reads at the rate
+    the profile's one-token matmul reached where it has one, else HBM's."""
     calibration = calibration or machine.calibration
     if device == "cpu":
         c = machine.cpu

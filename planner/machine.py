@@ -115,8 +115,9 @@ class GpuProfile:
     # Whether PyTorch's flash attention runs half-precision GQA here: the GPU stage's prompt chunks
     # then take it, with no mask (executor/attention.py), else they stream (None: not known, priced so)
     flash_attention: bool | None = field(default=None, metadata=OMIT_IF_NONE)
-    # GiB/s at which the GPU stage's decode projection streams its weights (a one-token matmul in
-    # half precision; the copy's hbm_gibps overstates it); decode is priced with it (None: hbm_gibps)
+    # GiB/s at which the GPU stage's projections stream their weights (a one-token matmul in half
+    # precision; the copy's hbm_gibps overstates it): weight reads are priced with it, KV reads with
+    # hbm_gibps (None: both with hbm_gibps)
     gemv_gibps: float | None = field(default=None, metadata=OMIT_IF_NONE)
 
 

@@ -305,7 +305,7 @@ def measure_gpu(device, *, name: str, mem_get_info: Callable[[], tuple[int, int]
         from executor.probe import device_gemv_gibps
         weight_gibps = device_gemv_gibps(device, hidden, matmul_dtype, timer, 10 if quick else 50)
         progress(f"decode projection (1,{hidden})x({hidden},{3 * hidden}) {str(matmul_dtype).removeprefix('torch.')}: "
-                 f"{weight_gibps:.1f} GiB/s of weights")
+                 f"{weight_gibps:.1f} GiB/s of weights (a device copy: {statistics.median(hbm):.1f})")
     link_bytes = link_bytes or ((64 * MIB) if quick else (256 * MIB))
     h2d, d2h, lat_h2d, lat_d2h = _link(device, link_bytes, sync, pin_memory, 3 if quick else 10)
     progress(f"link {fmt_bytes(link_bytes)} pinned={pin_memory}: h2d {h2d:.1f} GiB/s, d2h {d2h:.1f} GiB/s, "

@@ -26,7 +26,8 @@ def _machine_line(plan: Plan) -> str:
             f"L3 {fmt_bytes(m.cpu.l3_bytes)}, RAM {fmt_bytes(m.cpu.ram_available_bytes)} available")
     if m.gpu and m.link:
         line += (f"; GPU {m.gpu.name} {fmt_bytes(m.gpu.vram_usable_bytes)} usable of "
-                 f"{fmt_bytes(m.gpu.vram_total_bytes)}, HBM {m.gpu.hbm_gibps:g} GiB/s; "
+                 f"{fmt_bytes(m.gpu.vram_total_bytes)}, HBM {m.gpu.hbm_gibps:g} GiB/s"
+                 + (f" (decode projections {m.gpu.gemv_gibps:g})" if m.gpu.gemv_gibps else "") + "; "
                  f"link h2d {m.link.h2d_gibps:g} GiB/s, {m.link.h2d_latency_us:g} us")
     else:
         line += "; no GPU"

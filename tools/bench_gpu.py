@@ -217,12 +217,14 @@ def run_accelerate(model_dir: Path, ids: list[int], new_tokens: int, gpu_memory:
             "decode_ms_per_token": round(1e3 * decode_s, 3), "modules_on_gpu": on_gpu}
 
 
-def hbm_roofline_ms(plan, context: int, gibps: float | None = None) -> float:
+def hbm_roofline_ms(plan, context: int, weight_gibps: float | None = None) -> float:
     """Bytes one decode step reads on the GPU (weights + KV at `context`) over the profiled HBM
-    bandwidth (or `gibps`): the floor a batch-1 step cannot beat."""
+    bandwidth: the floor a batch-1 step cannot beat. With `weight_gibps`, the weights at that
+    rate instead (the profile's one-token matmul: what the cost model prices them at)."""
     units = plan.ir.units[plan.partition.split_k:]
-    nbytes = sum(weight_read_bytes(u, 1) + u.kv_bytes_per_token * context for u in units)
-    return 1e3 * nbytes / ((gibps or plan.machine.gpu.hbm_gibps) * GIB)
+    hbm = plan.machine.gpu.hbm_gibps * GIB
+    weights = sum(weight_read_bytes(u, 1) for u in units) / ((weight_gibps * GIB) if weight_gibps else hbm)
+    return 1e3 * (weights + sum(u.kv_bytes_per_token * context for u in units) / hbm)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -282,8 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     run["hbm_roofline_ms"] = round(roofline, 3)
     run["over_roofline"] = round(run["decode_ms_per_token"] / roofline, 2) if roofline == roofline else None
     gemv = all_gpu.machine.gpu.gemv_gibps if all_gpu.machine.gpu else None
-    if gemv:  # the same bytes at the rate the profile's one-token matmul streamed its weights
-        run["gemv_floor_ms"] = round(hbm_roofline_ms(all_gpu, args.context, gemv), 3)
+    if gemv:  # the weights at the rate the profile's one-token matmul streamed them, KV at HBM's
+        run["projection_rate_ms"] = round(hbm_roofline_ms(all_gpu, args.context, gemv), 3)
     results["all_gpu"] = run
 
     save()

@@ -7,7 +7,13 @@ import json
 from tools import bench_gpu
 
 
-def test_the_gpu_benchmark_runs_end_to_end_in_smoke_mode(tmp_path, capsys):
+def test_the_gpu_benchmark_runs_end_to_end_in_smoke_mode(tmp_path, capsys, monkeypatch):
+    from dataclasses import replace
+
+    placeholder = bench_gpu.placeholder_machine
+    # a profile that timed the GPU's one-token matmul (as a measured one has): its rate is reported too
+    monkeypatch.setattr(bench_gpu, "placeholder_machine",
+                        lambda: (lambda m: replace(m, gpu=replace(m.gpu, gemv_gibps=400.0)))(placeholder()))
     out = tmp_path / "bench.json"
     assert bench_gpu.main(["--smoke", "--work", str(tmp_path / "work"), "--new-tokens", "24", "--prompt-tokens", "8",
                            "--context", "64", "--out", str(out)]) == 0
@@ -20,6 +26,8 @@ def test_the_gpu_benchmark_runs_end_to_end_in_smoke_mode(tmp_path, capsys):
     fit = helm["after_fit"]  # fitted to this request, checked on another
     assert fit["prompt_tokens"] == 8 and {r["phase"] for r in fit["stages"]} == {"prefill", "decode"}
     assert results["all_gpu"]["split_k"] == 0 and results["all_gpu"]["hbm_roofline_ms"] > 0
+    # the weights at half the placeholder's HBM rate (800 GiB/s), the KV as before
+    assert results["all_gpu"]["projection_rate_ms"] > results["all_gpu"]["hbm_roofline_ms"]
     # where a decode step's time goes (on the CPU here: its ops)
     profile = results["all_gpu"]["decode_profile"]
     assert profile["ops_per_step"] > 10 and 0 < profile["busy_ms_per_step"] and profile["top"]
