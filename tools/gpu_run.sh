@@ -7,7 +7,9 @@
 #
 #   bash tools/gpu_run.sh tests                    # the CUDA tests
 #   bash tools/gpu_run.sh bench [bench_gpu args]   # tools/bench_gpu.py (Qwen3-8B dims, 8 GiB cap)
-#   bash tools/gpu_run.sh all                      # both (default)
+#   bash tools/gpu_run.sh kernels                  # the CPU kernels' tests on this machine's CPU: its
+#                                                  # AVX-512 / AVX512-BF16 paths, which our VMs may lack
+#   bash tools/gpu_run.sh all                      # tests and bench (default)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/helm-gpu-out}
@@ -25,9 +27,14 @@ if ! python -m pip install -q --no-deps --no-build-isolation -e . >> "$OUT/setup
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-python -c "import torch, executor.kernels as k; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'kernels', k.KERNEL_ISA)" | tee -a "$OUT/gpu.txt"
+python -c "import torch, executor.kernels as k; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'kernels', k.KERNEL_ISA, 'of', k.available_isas())" | tee -a "$OUT/gpu.txt"
+{ grep -m1 "model name" /proc/cpuinfo; grep -o -w 'avx512[a-z_0-9]*\|amx[a-z_0-9]*' /proc/cpuinfo | sort -u | tr '\n' ' '; echo; } | tee -a "$OUT/gpu.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
     python -m pytest -q -s -p no:cacheprovider tests/executor/test_cuda.py 2>&1 | tee "$OUT/cuda_tests.txt" | tail -30
+fi
+if [ "$what" = kernels ]; then
+    python -m pytest -q -p no:cacheprovider tests/executor/kernels tests/executor/test_every_isa.py \
+        tests/executor/test_fused_blocks.py tests/executor/test_probe.py 2>&1 | tee "$OUT/cpu_kernel_tests.txt" | tail -15
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
     python tools/bench_gpu.py --out "$OUT/bench_gpu.json" "$@" 2>&1 | tee "$OUT/bench_gpu.txt" | tail -40
