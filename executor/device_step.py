@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from executor.kv_cache import holding_unlocks
 from executor.rope import inverse_frequencies, rotary_tables
+from executor.staging import PinnedStaging
 from executor.torch_ops import decoder_block
 from planner.step_shape import bucket
 
@@ -71,8 +72,8 @@ class ResidentDecode:
         self._captured: dict[tuple[int, int], _Graph] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.graphs else None
         self._side = torch.cuda.Stream(self.device) if self.graphs else None  # warm-up and capture
-        self._staging: torch.Tensor | None = None  # pinned host buffer of the index tensor
-        self._staged_copy: torch.cuda.Event | None = None  # its last copy to the device
+        # the index tensor's copies to the device (asynchronous); on the CPU it is used as it is
+        self._staging = PinnedStaging(self.device) if self.device.type == "cuda" else None
         self._slots = None  # (batch, page slots per sequence) of the step `accepts` took
 
     @property
@@ -101,19 +102,16 @@ class ResidentDecode:
         slots = self._slots[1]
         rows = len(batch.slices)
         shape = (bucket(rows), bucket(max(len(sl) for sl in slots)))
-        index = self._staged(self._index(batch, slots, *shape))
+        index = self._index(batch, slots, *shape)
         g = self._captured.get(shape) if self.graphs else None  # a bucket not captured at load: eager
         if g is None:
             padded = torch.zeros(shape[0], x.shape[1], dtype=x.dtype, device=x.device)
             padded[:rows] = x
-            on_device = index.to(self.device, non_blocking=True)
-            if self.device.type == "cuda":
-                self._record_staging_copy()
+            on_device = self._staging.to_device(index) if self._staging is not None else index
             return self.step(padded, on_device)[:rows]
         g.x[:rows].copy_(x)
         g.x[rows:].zero_()  # padded rows as the eager step has them
-        g.index.copy_(index, non_blocking=True)
-        self._record_staging_copy()
+        self._staging.to_device(index, out=g.index)
         g.graph.replay()
         return g.out[:rows].clone()  # the next replay overwrites g.out
 
@@ -144,24 +142,6 @@ class ResidentDecode:
         for r, (s, sl) in enumerate(zip(batch.slices, slots)):
             table[r][:3 + len(sl)] = [s.start, sl[s.start // page], s.start % page, *sl]
         return torch.tensor(table, dtype=torch.int64)
-
-    def _staged(self, index: torch.Tensor) -> torch.Tensor:
-        """The index in a reused pinned buffer on CUDA, so its copy to the device is asynchronous
-        (refilled only once an event says its last copy is done); as it is elsewhere."""
-        if self.device.type != "cuda":
-            return index
-        if self._staged_copy is not None:
-            self._staged_copy.synchronize()  # the buffer's last copy to the device is done
-        if self._staging is None or self._staging.numel() < index.numel():
-            self._staging = torch.empty(max(index.numel(), 1024), dtype=torch.int64, pin_memory=True)
-        staged = self._staging[: index.numel()].view_as(index)
-        staged.copy_(index)
-        return staged
-
-    def _record_staging_copy(self) -> None:
-        if self._staged_copy is None:
-            self._staged_copy = torch.cuda.Event()
-        self._staged_copy.record()
 
     def step(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """The blocks on padded rows: x [rows, H] fp32 (updated in place and returned), index as

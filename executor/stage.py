@@ -18,6 +18,7 @@ from executor.kv_cache import KVCache
 from executor.model_config import ModelConfig
 from executor.backends import TorchBackend
 from executor.rope import inverse_frequencies, rotary_tables
+from executor.staging import PinnedStaging
 from executor.torch_ops import decoder_block
 
 # [T, K] fp32 → [T, N] fp32; called as (x, residual) it adds into residual [T, N] in place.
@@ -59,8 +60,7 @@ class Stage:
         self.inv_freq = inverse_frequencies(config.rope, config.head_dim).to(self.device)
         self.attention = self.ops.attention(config, kv) if blocks else None
         self.fused = self.ops.fused_blocks(config, blocks, kv, self.attention) if blocks else None  # None: op by op
-        self._pinned: dict[str, torch.Tensor] = {}  # staging buffers of CPU → CUDA copies, by what they carry
-        self._pinned_copied: dict[str, torch.cuda.Event] = {}  # each buffer's last copy to the device
+        self._staging: dict[str, PinnedStaging] = {}  # CPU → CUDA copies, by what they carry
 
     def __repr__(self) -> str:
         return f"Stage(units {self.unit_start}..{self.unit_end - 1} on {self.device}, backend={self.backend})"
@@ -92,27 +92,15 @@ class Stage:
         return self._to_device(x, "hidden")
 
     def _to_device(self, x: torch.Tensor, what: str) -> torch.Tensor:
-        """x on this stage's device. From host memory to CUDA it goes through a reused pinned buffer,
-        so the copy is asynchronous and the host does not wait for it (a pageable source would make
-        it wait); the buffer is refilled only once an event says its last copy is done (the engine
-        reads each step's logits back, so that has long happened; a caller that does not must
-        not find it overwritten)."""
+        """x on this stage's device; from host memory to CUDA asynchronously, through a reused
+        pinned buffer for each kind of input (executor/staging.py)."""
         if x.device == self.device:
             return x
         if self.device.type == "cuda" and x.device.type == "cpu":
-            copied = self._pinned_copied.get(what)
-            if copied is not None:
-                copied.synchronize()
-            buf = self._pinned.get(what)
-            if buf is None or buf.numel() < x.numel() or buf.dtype != x.dtype:
-                buf = self._pinned[what] = torch.empty(max(x.numel(), 1024), dtype=x.dtype, pin_memory=True)
-            staged = buf[: x.numel()].view_as(x)
-            staged.copy_(x)
-            out = staged.to(self.device, non_blocking=True)
-            if copied is None:
-                copied = self._pinned_copied[what] = torch.cuda.Event()
-            copied.record(torch.cuda.current_stream(self.device))
-            return out
+            staging = self._staging.get(what)
+            if staging is None:
+                staging = self._staging[what] = PinnedStaging(self.device)
+            return staging.to_device(x)
         return x.to(self.device)
 
     def _block(self, x, w: BlockWeights, layer, batch, positions, cos, sin):

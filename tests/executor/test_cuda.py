@@ -312,3 +312,23 @@ def test_rms_norm_on_cuda_is_the_fused_kernel_and_matches_the_reference():
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     print(f"\nrms_norm on CUDA: {len(kernels)} kernel(s): {sorted({e.name[:60] for e in kernels})}")
     assert len(kernels) <= 2, [e.name for e in kernels]   # the norm (and at most a copy of a strided input)
+
+
+def test_pinned_staging_never_overwrites_a_copy_in_flight():
+    """executor/staging.py: host tensors copied back to back through one reused page-locked buffer,
+    the GPU kept busy so the copies queue behind its work, all arrive as they were (the buffer is
+    refilled only once its last copy is done), into new tensors and into a given one."""
+    from executor.staging import PinnedStaging
+
+    staging = PinnedStaging(torch.device("cuda"))
+    big = torch.randn(4096, 4096, device="cuda")
+    sent, got = [], []
+    for i in range(20):
+        big @ big  # a few ms of GPU work ahead of each copy
+        x = torch.full((3000,), float(i))
+        sent.append(x)
+        got.append(staging.to_device(x))
+    into = torch.empty(3000, device="cuda")
+    staging.to_device(torch.full((3000,), -1.0), out=into)
+    torch.cuda.synchronize()
+    assert all(torch.equal(g.cpu(), s) for g, s in zip(got, sent)) and bool((into == -1).all())
