@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator
 
 import torch
 
-from executor.rope import apply_rotary
+from executor.rope import apply_rotary, rotation_tables
 from planner.profile import flash_attention_runs
 
 if TYPE_CHECKING:
@@ -209,27 +209,35 @@ class TorchAttention:
             fused_prompt = False
         self.fused_prompt = fused_prompt
 
-    def project(self, qkv: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.Tensor):
-        """qkv: [T, (H_q + 2·H_kv)·D] fp32 → q [T, H_q, D], k, v [T, H_kv, D]: q/k RMSNorm (where
-        the model has it) and the rotary embedding applied."""
+    @staticmethod
+    def tables(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables a step's layers share, as `project` takes them."""
+        return rotation_tables(inv_freq, positions)
+
+    def project(self, qkv: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.Tensor,
+                out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """qkv: [T, (H_q + 2·H_kv)·D] fp32 → qk [T, H_q + H_kv, D] (the query heads, then the
+        key heads: RMSNorm where the model has it, then the rotary embedding; in `out` where
+        given, of any float dtype) and v [T, H_kv, D] (a view of qkv). Queries and keys go through
+        each op together: on the GPU a decode step is bound by how many ops it launches."""
         cfg = self.config
         T = qkv.shape[0]
-        q, k, v = qkv.split((cfg.q_dim, cfg.kv_dim, cfg.kv_dim), dim=-1)
-        q = q.reshape(T, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-        v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+        qk = qkv[:, :cfg.q_dim + cfg.kv_dim].view(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+        v = qkv[:, cfg.q_dim + cfg.kv_dim:].view(T, cfg.num_kv_heads, cfg.head_dim)
         if q_norm is not None:
-            q = self.ops.rms_norm(q, q_norm, cfg.rms_norm_eps)
-            k = self.ops.rms_norm(k, k_norm, cfg.rms_norm_eps)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+            qk = self.ops.rms_norm(qk, None, cfg.rms_norm_eps)
+            qk[:, :cfg.num_heads].mul_(q_norm)
+            qk[:, cfg.num_heads:].mul_(k_norm)
+        return apply_rotary(qk, cos, sin, out), v
 
     def __call__(self, qkv: torch.Tensor, q_norm, k_norm, layer: int, batch: "StepBatch",
                  positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """qkv: [T, (H_q + 2·H_kv)·D] fp32 → attention output [T, H_q·D] fp32."""
+        """qkv: [T, (H_q + 2·H_kv)·D] fp32 → attention output [T, H_q·D] fp32; cos, sin from `tables`."""
         cfg = self.config
         T = qkv.shape[0]
-        q, k, v = self.project(qkv, q_norm, k_norm, cos, sin)
-        out = torch.empty_like(q)  # [T, H_q, D]
+        qk, v = self.project(qkv, q_norm, k_norm, cos, sin)
+        q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
+        out = torch.empty(T, cfg.num_heads, cfg.head_dim, device=qk.device)
         for s in batch.slices:
             rows = slice(s.offset, s.offset + s.count)
             self.kv.write(layer, s.seq_id, s.start, k[rows], v[rows])

@@ -45,16 +45,18 @@ class TorchBackend:
         return ResidentDecode(config, blocks, kv, attention, self)
 
     @staticmethod
-    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         return torch_ops.rms_norm(x, weight, eps)
 
     @staticmethod
-    def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return torch_ops.silu_mul(gate, up)
+    def silu_mul(gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch_ops.silu_mul(gate, up, dtype)
 
 
 class KernelLinear:
     """y = x @ W.T + b through executor.kernels (fp32 activations, fp32 accumulation)."""
+
+    input_dtype = torch.float32
 
     def __init__(self, kernel_set, weight: torch.Tensor, bias: torch.Tensor | None, num_threads: int):
         from executor.kernels import prepare_linear
@@ -87,6 +89,11 @@ class KernelAttention:
         self.max_queries = max_queries
         self.layout = kernels.PagedKV(kv.num_layers, kv.num_kv_heads, kv.page_size, kv.head_dim, kv.dtype)
         self.scale = config.head_dim ** -0.5
+
+    @staticmethod
+    def tables(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables a step's layers share, as the kernels take them."""
+        return rotary_tables(inv_freq, positions)
 
     def uses_kernel(self, count: int) -> bool:
         """Whether a sequence's `count` queries of a step go to the attention kernel."""
@@ -182,7 +189,9 @@ class KernelBackend:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.kernels.rms_norm(x.contiguous(), weight, eps, num_threads=self.num_threads)
 
-    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if dtype != torch.float32:
+            raise ValueError(f"the CPU kernels' silu_mul writes fp32, not {dtype}")
         return self.kernels.silu_mul(gate, up, num_threads=self.num_threads)
 
 

@@ -22,6 +22,7 @@ same code on the same padded shapes.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from executor.kv_cache import holding_unlocks
-from executor.rope import inverse_frequencies, rotary_tables
+from executor.rope import inverse_frequencies
 from executor.staging import PinnedStaging
 from executor.torch_ops import decoder_block
 from planner.step_shape import bucket
@@ -145,35 +146,43 @@ class ResidentDecode:
 
     def step(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """The blocks on padded rows: x [rows, H] fp32 (updated in place and returned), index as
-        `_index` makes it. Only device work of fixed shapes: what a CUDA graph captures."""
+        `_index` makes it. Only device work of fixed shapes: what a CUDA graph captures. What every
+        layer reads alike is made once here, so a layer launches only its own ops."""
         positions = index[:, _POSITION]
-        cos, sin = rotary_tables(self.inv_freq, positions)
-        keys = index.shape[1] - _TABLE
-        key_pos = torch.arange(keys * self.kv.page_size, device=x.device)
-        visible = (key_pos[None, :] <= positions[:, None])[:, None, None, :]  # [rows, 1, 1, keys·P]
+        cos, sin = self.attention.tables(self.inv_freq, positions)
+        keys = (index.shape[1] - _TABLE) * self.kv.page_size
+        key_pos = torch.arange(keys, device=x.device)
+        # SDPA's additive mask [rows, 1, 1, keys·P]: a key is visible where its position is at or
+        # before the row's (a boolean mask SDPA would convert in every layer)
+        hidden = (key_pos[None, :] > positions[:, None])[:, None, None, :]
+        mask = torch.zeros(hidden.shape, dtype=self.pool.slab.dtype, device=x.device).masked_fill_(hidden, -math.inf)
+        table = index[:, _TABLE:].reshape(-1)
+        where = (index[:, _WRITE_SLOT].contiguous(), index[:, _WRITE_ROW].contiguous())
         for layer, w in enumerate(self.blocks):
-            x = decoder_block(x, w, self.ops, self.config, lambda qkv: self._attend(
-                layer, *self.attention.project(qkv, w.q_norm, w.k_norm, cos, sin), index, visible))
+            x = decoder_block(x, w, self.ops, self.config,
+                              lambda qkv: self._attend(layer, qkv, w, cos, sin, table, where, mask))
         return x
 
-    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
-                visible: torch.Tensor) -> torch.Tensor:
-        """q [rows, H_q, D], k, v [rows, H_kv, D] fp32 → attention output [rows, H_q·D] fp32."""
-        rows, h_q, d = q.shape
-        h_kv = k.shape[1]
+    def _attend(self, layer: int, qkv: torch.Tensor, w, cos: torch.Tensor, sin: torch.Tensor, table: torch.Tensor,
+                where: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+        """qkv [rows, (H_q + 2·H_kv)·D] fp32 → attention output [rows, H_q·D] in the cache's dtype
+        (the o projection's input dtype): this step's K/V written into the slab, every row's
+        pages gathered, SDPA over them."""
+        cfg = self.config
+        rows, h_q, h_kv, d = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         slab = self.pool.slab[:, layer]  # [slots, 2, H_kv, P, D]
-        table = index[:, _TABLE:].reshape(-1)
-        where = (index[:, _WRITE_SLOT], index[:, _WRITE_ROW])
-        gathered = []
-        for i, new in enumerate((k, v)):
-            part = slab[:, i]  # [slots, H_kv, P, D]
-            part.transpose(1, 2).index_put_(where, new.to(slab.dtype))  # [slots, P, H_kv, D] view
-            g = part.transpose(0, 1).index_select(1, table)  # [H_kv, rows·pages, P, D]
-            gathered.append(g.view(h_kv, rows, -1, d).transpose(0, 1))  # [rows, H_kv, pages·P, D]
+        # q, k and v side by side in the cache's dtype: the rotation's last op writes q and k
+        heads = torch.empty(rows, h_q + 2 * h_kv, d, dtype=slab.dtype, device=qkv.device)
+        _, v = self.attention.project(qkv, w.q_norm, w.k_norm, cos, sin, out=heads[:, :h_q + h_kv])
+        heads[:, h_q + h_kv:].copy_(v)
+        # K and V of each row into (its page's slot, its row in the page) of a [slots, P, 2, H_kv, D] view
+        slab.permute(0, 3, 1, 2, 4).index_put_(where, heads[:, h_q:].unflatten(1, (2, h_kv)))
+        gathered = slab.permute(1, 2, 0, 3, 4).index_select(2, table)  # [2, H_kv, rows·pages, P, D]
+        k, v = gathered.view(2, h_kv, rows, -1, d).transpose(1, 2)  # each [rows, H_kv, pages·P, D]
         # The query heads of a KV head are its rows (GQA without repeating K/V): [rows, H_kv, group, D].
-        qg = q.to(slab.dtype).view(rows, h_kv, h_q // h_kv, d)
-        out = F.scaled_dot_product_attention(qg, gathered[0], gathered[1], attn_mask=visible, scale=self.scale)
-        return out.reshape(rows, h_q * d).float()
+        q = heads[:, :h_q].view(rows, h_kv, h_q // h_kv, d)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        return out.reshape(rows, h_q * d)
 
     def _capture(self, rows: int, pages: int) -> _Graph:
         """The step at (rows, pages) as a CUDA graph, on static buffers whose rows all point at the

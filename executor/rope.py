@@ -36,14 +36,32 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 
 
 def rotary_tables(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [T, head_dim/2] fp32 for integer positions [T]."""
+    """cos, sin: [T, head_dim/2] fp32 for integer positions [T] (the CPU kernels' tables)."""
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     return angles.cos(), angles.sin()
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate half-split pairs. x: [T, heads, head_dim]; cos/sin: [T, head_dim/2]."""
+def rotation_tables(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [T, head_dim] fp32 for integer positions [T], as `apply_rotary` takes them: cos
+    for both halves of a head, sin with the sign of its half's term (-sin, then sin). Made once a
+    step for every layer, so a layer's rotation costs three element-wise ops."""
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    angles = torch.cat((angles, angles), dim=-1)
+    sin = angles.sin()
+    sin[:, :inv_freq.shape[0]].neg_()
+    return angles.cos(), sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate half-split pairs: (x1, x2) -> (x1·cos - x2·sin, x2·cos + x1·sin), as transformers
+    does. x: [T, heads, head_dim]; cos/sin: [T, head_dim] from `rotation_tables`. out: where to
+    write the result (any float dtype: the cast is the last ops'); None: a new fp32 tensor.
+    Three ops, and the swapped halves are read in place rather than copied."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    rotated = x * cos
+    out = rotated if out is None else out
+    torch.addcmul(rotated[..., :half], x[..., half:], sin[..., :half], out=out[..., :half])
+    torch.addcmul(rotated[..., half:], x[..., :half], sin[..., half:], out=out[..., half:])
+    return out

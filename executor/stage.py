@@ -17,7 +17,7 @@ from executor.batch import StepBatch
 from executor.kv_cache import KVCache
 from executor.model_config import ModelConfig
 from executor.backends import TorchBackend
-from executor.rope import inverse_frequencies, rotary_tables
+from executor.rope import inverse_frequencies
 from executor.staging import PinnedStaging
 from executor.torch_ops import decoder_block
 
@@ -78,7 +78,7 @@ class Stage:
                 x = self.fused(x, batch)
             else:
                 positions = self._to_device(batch.positions, "positions")
-                cos, sin = rotary_tables(self.inv_freq, positions)
+                cos, sin = self.attention.tables(self.inv_freq, positions)
                 for i, block in enumerate(self.blocks):
                     x = self._block(x, block, i, batch, positions, cos, sin)
             for s in batch.slices:

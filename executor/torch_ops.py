@@ -13,18 +13,22 @@ import torch.nn.functional as F
 _UPCAST_CHUNK_ELEMS = 1 << 20
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [..., H] fp32, weight: [H] fp32 → [..., H] fp32. On CUDA PyTorch's fused kernel: one
-    launch where the steps below take six, four norms a block, in a decode step bound by launches
-    (executor/device_step.py). Elsewhere as transformers computes it."""
-    if x.is_cuda and weight.dtype == x.dtype:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x: [..., H] fp32, weight: [H] fp32 (None: not scaled; the caller scales) → [..., H] fp32.
+    Off the CPU PyTorch's fused kernel: one launch where the steps below take six, in a decode
+    step bound by launches (executor/device_step.py). On the CPU as transformers computes it."""
+    if x.device.type != "cpu" and (weight is None or weight.dtype == x.dtype):
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     variance = x.pow(2).mean(-1, keepdim=True)
-    return weight * (x * torch.rsqrt(variance + eps))
+    normed = x * torch.rsqrt(variance + eps)
+    return normed if weight is None else weight * normed
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """silu(gate)·up computed in fp32, written in `dtype` (the next projection's input: the cast
+    is the product's own, not an op of its own)."""
+    out = torch.empty(gate.shape, dtype=dtype, device=gate.device)
+    return torch.mul(F.silu(gate), up, out=out)
 
 
 def decoder_block(x: torch.Tensor, w, ops, config, attend) -> torch.Tensor:
@@ -36,30 +40,38 @@ def decoder_block(x: torch.Tensor, w, ops, config, attend) -> torch.Tensor:
     eps = config.rms_norm_eps
     x = w.o(attend(w.qkv(ops.rms_norm(x, w.input_norm, eps))), x)  # x += o(attn)
     gate, up = w.gate_up(ops.rms_norm(x, w.post_norm, eps)).split(config.intermediate_size, dim=-1)
-    return w.down(ops.silu_mul(gate, up), x)  # x += down(silu(gate) · up)
+    return w.down(ops.silu_mul(gate, up, w.down.input_dtype), x)  # x += down(silu(gate) · up)
 
 
 class TorchLinear:
-    """y = x @ W.T + b with fp32 activations. W: [N, K] in the checkpoint dtype."""
+    """y = x @ W.T + b with fp32 activations. W: [N, K] in the checkpoint dtype. Off the CPU a
+    half-precision W takes its input in W's dtype (`input_dtype`: one cast, none where the
+    producer wrote it so) and its tensor cores accumulate in fp32."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight = weight
         self.bias = bias
         self.out_features, self.in_features = weight.shape
+        self.input_dtype = weight.dtype if weight.device.type != "cpu" else torch.float32
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [T, K] fp32 → [T, N] fp32; with `residual` [T, N]: residual += that, returned."""
+        """x: [T, K] (fp32, or `input_dtype`) → [T, N] fp32; with `residual` [T, N] fp32:
+        residual += that, returned."""
+        w = self.weight
+        if w.device.type != "cpu" and w.dtype != torch.float32 and residual is not None and self.bias is None:
+            # the half-precision product widens inside the add: one op fewer, the same sums
+            return residual.add_(F.linear(x.to(w.dtype), w))
         y = self._project(x)
         return y if residual is None else residual.add_(y)
 
     def _project(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if w.dtype == torch.float32:
-            return F.linear(x, w, self.bias)
+            return F.linear(x.float(), w, self.bias)
         if w.device.type != "cpu":
-            # On CUDA the tensor cores accumulate half-precision products in fp32.
-            y = F.linear(x.to(w.dtype), w).float()
-            return y + self.bias if self.bias is not None else y
+            y = F.linear(x.to(w.dtype), w)
+            return y + self.bias if self.bias is not None else y.float()  # the bias add widens
+        x = x.float()
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         rows = max(1, _UPCAST_CHUNK_ELEMS // self.in_features)
         for r0 in range(0, self.out_features, rows):

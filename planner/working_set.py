@@ -117,7 +117,8 @@ def gpu_working_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: in
         if device_pages:
             gathered = bucket(device_pages) * page_size_tokens         # keys one decode graph reads
             rows = min(bucket(st.sequences), bucket(device_pages))
-            total += gathered * (st.kv_token + 1) + rows * per_token + device_page_bytes + stream_workspace_bytes
+            # each key gathered, and its entry in the step's additive mask (the cache's dtype)
+            total += gathered * (st.kv_token + st.b) + rows * per_token + device_page_bytes + stream_workspace_bytes
     return total
 
 

@@ -1,9 +1,17 @@
 """Shared helpers for executor tests: run HELM and the transformers reference on one checkpoint."""
 from __future__ import annotations
 
+import pytest
 import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from executor.backends import TorchBackend
 from executor.batch import StepBatch
+from executor.device_step import ResidentDecode
+from executor.kv_cache import KVCache
+from executor.stage import BlockWeights
+from executor.torch_ops import TorchLinear
 from executor.engine import Engine
 from executor.loader import load_model
 from executor.model_config import ModelConfig
@@ -67,3 +75,56 @@ def helm_teacher_forced_logits(path, ids, prefill: int, split=None, backend="aut
     for pos in range(prefill, len(ids)):
         run(pos, 1, False)
     return torch.cat(rows)
+
+
+class _Launches(TorchDispatchMode):
+    """The ops run on the meta device that would each launch a kernel on CUDA: every aten op but
+    views and allocations. PyTorch's fused RMSNorm and SDPA (one kernel each on CUDA, decomposed
+    on the meta device) are counted by `fused`."""
+
+    NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "_unsafe_view"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def fused(self, out: torch.Tensor) -> torch.Tensor:
+        self.count += 1
+        return out
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        view = any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+        if not view and func.overloadpacket.__name__ not in self.NO_KERNEL:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def decode_step_launches(cfg: ModelConfig, layers: int, rows: int = 1, pages: int = 8) -> int:
+    """Kernels the GPU stage's static decode step (executor/device_step.py) launches over `layers`
+    blocks of `cfg`'s shapes at (rows, pages), counted on the meta device: the CUDA branches of
+    the code, no memory."""
+    meta, H, D = torch.device("meta"), cfg.hidden_size, cfg.head_dim
+
+    def vec(n):
+        return torch.empty(n, device=meta)
+
+    def linear(n, k, bias=False):
+        return TorchLinear(torch.empty(n, k, dtype=cfg.dtype, device=meta), vec(n) if bias else None)
+
+    qkv = cfg.q_dim + 2 * cfg.kv_dim
+    blocks = [BlockWeights(vec(H), linear(qkv, H, cfg.attention_bias), vec(D) if cfg.qk_norm else None,
+                           vec(D) if cfg.qk_norm else None, linear(H, cfg.q_dim), vec(H),
+                           linear(2 * cfg.intermediate_size, H), linear(H, cfg.intermediate_size))
+              for _ in range(layers)]
+    kv = KVCache(num_layers=layers, num_kv_heads=cfg.num_kv_heads, head_dim=D, dtype=cfg.dtype, device=meta,
+                 page_size=16, device_pages=64, host_pages=0, slab=True)
+    ops = TorchBackend()
+    step = ResidentDecode(cfg, blocks, kv, ops.attention(cfg, kv), ops, graphs=False)
+    x = torch.empty(rows, H, device=meta)
+    index = torch.zeros(rows, 3 + pages, dtype=torch.int64, device=meta)
+    with pytest.MonkeyPatch.context() as patch, _Launches() as launches:
+        patch.setattr(F, "rms_norm", lambda x, *a, **kw: launches.fused(torch.empty_like(x)))
+        patch.setattr(F, "scaled_dot_product_attention",
+                      lambda q, k, v, **kw: launches.fused(q.new_empty(*q.shape[:-1], v.shape[-1])))
+        step.step(x, index)
+    return launches.count

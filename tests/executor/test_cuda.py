@@ -314,6 +314,37 @@ def test_rms_norm_on_cuda_is_the_fused_kernel_and_matches_the_reference():
     assert len(kernels) <= 2, [e.name for e in kernels]   # the norm (and at most a copy of a strided input)
 
 
+def test_the_decode_steps_kernels_on_cuda_are_those_counted_on_the_meta_device(checkpoint):
+    """tests/executor/test_device_step.py holds the GPU stage's decode step to few launches by
+    counting its ops on the meta device; here the kernels the same step launches on CUDA
+    (eagerly: a graph replays the same ones), so the count stands for what the GPU runs. cuBLAS
+    may split a GEMM's reduction into a second kernel and SDPA may pad its mask: a margin."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tests.executor.helpers import decode_step_launches
+
+    path = checkpoint("qwen3", "bf16")
+    _, model = helm_generate(path, [prompt_ids(5, 256, seed=1)], split=1, max_new_tokens=2, page_size=16,
+                             device_kv_pages=16)
+    stage, cfg = model.stages[1], model.config
+    step = stage.fused
+    rows, pages = 2, 4
+    x = torch.randn(rows, cfg.hidden_size, device="cuda")
+    index = torch.full((rows, 3 + pages), step.pool.scratch_slot, dtype=torch.int64, device="cuda")
+    index[:, 0] = index[:, 2] = 0  # position 0, row 0 of the scratch slot
+    step.step(x.clone(), index)  # warm-up: cuBLAS handles, SDPA's kernel choice
+    x = x.clone()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step.step(x, index)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    counted = decode_step_launches(cfg, len(stage.blocks), rows, pages)
+    print(f"\ndecode step, {len(stage.blocks)} blocks: {len(kernels)} CUDA kernels, {counted} counted on meta; "
+          f"{sorted(set(n[:50] for n in kernels))}")
+    assert counted <= len(kernels) <= 1.25 * counted + 4
+
+
 def test_pinned_staging_never_overwrites_a_copy_in_flight():
     """executor/staging.py: host tensors copied back to back through one reused page-locked buffer,
     the GPU kept busy so the copies queue behind its work, all arrive as they were (the buffer is

@@ -1,6 +1,9 @@
 """The GPU stage's static-shape decode step (executor/device_step.py), run eagerly on the CPU: the
 code and padded shapes a CUDA graph captures, against transformers and the streaming path
 (executor/attention.py) on the same checkpoints. tests/executor/test_cuda.py replays it as graphs."""
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -12,7 +15,7 @@ from executor.loader import load_model
 from executor.model_config import ModelConfig
 from executor.placement import Placement
 from executor.sampling import SamplingParams, StopCriteria
-from tests.executor.helpers import (helm_generate, helm_teacher_forced_logits, hf_greedy, hf_model,
+from tests.executor.helpers import (decode_step_launches, helm_generate, helm_teacher_forced_logits, hf_greedy, hf_model,
                                     prompt_ids)
 from tests.executor.test_correctness import FAMILIES, LOGIT_TOL
 
@@ -173,3 +176,25 @@ def test_graphs_are_captured_at_load_for_every_bucket_a_step_takes(checkpoint, s
     Engine(model).generate(prompts, SamplingParams(), StopCriteria(max_new_tokens=6, ignore_eos=True))
     taken = {(rows, cols - 3) for rows, cols in static_steps}
     assert taken and taken <= set(captured) and any(rows > 2 for rows, _ in taken)
+
+
+CONFIGS = Path(__file__).resolve().parents[2] / "tools" / "model_configs"
+
+
+@pytest.mark.parametrize("model,most", [("qwen3-8b", 24), ("llama-3.1-8b", 21), ("qwen2.5-7b", 21)])
+def test_a_decode_block_on_the_gpu_launches_few_kernels(model, most):
+    """On a fast GPU a decode step is bound by its kernels, not by HBM: even replayed as a CUDA
+    graph, each costs microseconds. A block launches its 4 GEMMs, SDPA, 2 RMSNorms (3 with q/k
+    norms), and these element-wise and copy ops: a cast into each of the two GEMMs that take fp32
+    input, the widening of their outputs (inside the bias add where there is one), the q/k
+    weights' scaling (Qwen3), the rotation (three ops for q and k together), v into the cache's
+    dtype, one write and one gather of K/V, silu and its product. The o and down GEMMs' outputs
+    widen inside their residual adds; the attention output and silu's product are written in the
+    GEMMs' input dtype. Before, a Qwen3 block launched 43 (63 before PyTorch's fused RMSNorm).
+    Everything a step's layers share (rotary tables, mask, page table) is made once a step."""
+    cfg = ModelConfig.from_dict(json.loads((CONFIGS / f"{model}.json").read_text()))
+    per_block = decode_step_launches(cfg, 2) - decode_step_launches(cfg, 1)
+    assert per_block <= most, per_block
+    assert decode_step_launches(cfg, 1) - per_block <= 16
+    # rows and pages change what each op reads, not how many ops run
+    assert decode_step_launches(cfg, 2, rows=8, pages=4) - decode_step_launches(cfg, 1, rows=8, pages=4) == per_block

@@ -79,11 +79,12 @@ def _block_peak(cfg: ModelConfig, tokens: int) -> int:
                      down=weight(H, cfg.intermediate_size))
     ops = TorchBackend()
     attention = TorchAttention(cfg, None, ops)
-    cos = sin = torch.empty(tokens, D // 2, device=META)
+    cos = sin = torch.empty(tokens, D, device=META)
 
     def attend(qkv):
-        q, k, v = attention.project(qkv, w.q_norm, w.k_norm, cos, sin)
-        out = torch.empty_like(q)
+        qk, v = attention.project(qkv, w.q_norm, w.k_norm, cos, sin)
+        q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
+        out = torch.empty(tokens, cfg.num_heads, D, device=META)
         k.to(wd), v.to(wd)  # written into the cache's pages
         qh = q.transpose(0, 1).to(wd)
         kernel = torch.empty_like(qh)  # what SDPA returns for qh

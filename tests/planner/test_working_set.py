@@ -40,7 +40,7 @@ def test_each_term_by_hand():
     activations = 512 * per_token                     # a 512-token prompt chunk: batch 1
     logits = 2 * 300 * (4 + 2)                        # 2 sequences may share the 2 pages, fp32 beside bf16
     fused = 1024 * 4096 + 4 * 32 * 512                # the sequence's K/V at the context, one layer; flash's LSE
-    graphs = 2 * 512 * (4096 + 1) + 2 * per_token     # bucket(2 pages) of keys and their mask; 2 rows
+    graphs = 2 * 512 * (4096 + 2) + 2 * per_token     # bucket(2 pages) of keys and their bf16 mask; 2 rows
     scratch = 8 * MIB
     assert work(gpu_stage()) == activations + logits + fused + graphs + scratch
     # no flash attention (a GPU without it): every prompt chunk streams; not known: either may run
@@ -56,7 +56,7 @@ def test_each_term_by_hand():
     # pages on the host (no device pages here): prompt chunks stream; no graphs, no scratch page
     assert work(gpu_stage(), device_pages=0) == activations + logits + STREAMED
     # one page on the device: the larger of a chunk fused over the page's tokens and one streamed, the graphs
-    assert work(gpu_stage(), device_pages=1) == activations + logits + STREAMED + 512 * 4097 + per_token + scratch
+    assert work(gpu_stage(), device_pages=1) == activations + logits + STREAMED + 512 * 4098 + per_token + scratch
     # the graphs' capture stream keeps its own cuBLAS workspace, where the profile measured it
     assert work(gpu_stage(), stream_workspace_bytes=32 * MIB) - work(gpu_stage()) == 32 * MIB
     assert work(gpu_stage(), device_pages=0, stream_workspace_bytes=32 * MIB) == work(gpu_stage(), device_pages=0)
@@ -78,15 +78,15 @@ def test_what_it_grows_with():
     assert step_tokens(4, 1024) == 2048 and step_tokens(8, 1024) == 2048 and step_tokens(1, 100) == 100
     # more pages: a larger decode gather (a bucket: 3 pages gather as 4), as many graph rows, a
     # third sequence's logits
-    assert work(units, device_pages=3, budget_pages=3) - base == 2 * 512 * 4097 + 2 * 5334 + 300 * 6
+    assert work(units, device_pages=3, budget_pages=3) - base == 2 * 512 * 4098 + 2 * 5334 + 300 * 6
     # the number of blocks does not matter: one layer's temporaries at a time
     assert work(gpu_stage(10)) == base
     # fp32 weights: no flash attention (its kernels are half precision), so chunks stream (the
-    # same heads: K/V of 8192 B per token, copied as they are); the graphs' gather doubles; no bf16 logits
+    # same heads: K/V of 8192 B per token, copied as they are); the graphs' gather and mask double; no bf16 logits
     fp32 = tuple(replace(u, kv_bytes_per_token=8192) if u.kind == "block" else u for u in units)
     streamed_fp32 = STREAMED + 3 * 512 * 4096  # three pages' copies twice the size; a page's K or V in fp32 the same
     assert work(fp32, dtype="float32") - base == \
-        streamed_fp32 - (1024 * 4096 + 4 * 32 * 512) + 2 * 512 * 4096 - 2 * 300 * 2
+        streamed_fp32 - (1024 * 4096 + 4 * 32 * 512) + 2 * 512 * (4096 + 2) - 2 * 300 * 2
     # one KV head per query head: streamed masks are not tiled; the fused price does not change
     group1 = tuple(replace(u, attn_flops_per_context_token=4096) if u.kind == "block" else u for u in units)
     assert work(group1) == base
