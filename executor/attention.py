@@ -221,14 +221,16 @@ class TorchAttention:
         given, of any float dtype) and v [T, H_kv, D] (a view of qkv). Queries and keys go through
         each op together: on the GPU a decode step is bound by how many ops it launches."""
         cfg = self.config
-        T = qkv.shape[0]
-        qk = qkv[:, :cfg.q_dim + cfg.kv_dim].view(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
-        v = qkv[:, cfg.q_dim + cfg.kv_dim:].view(T, cfg.num_kv_heads, cfg.head_dim)
+        T, h_q, h_kv = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads
+        heads = qkv.view(T, h_q + 2 * h_kv, cfg.head_dim)
+        v = heads[:, h_q + h_kv:]
         if q_norm is not None:
-            qk = self.ops.rms_norm(qk, None, cfg.rms_norm_eps)
-            qk[:, :cfg.num_heads].mul_(q_norm)
-            qk[:, cfg.num_heads:].mul_(k_norm)
-        return apply_rotary(qk, cos, sin, out), v
+            # every head normed, v's too (unused): its input is then qkv as it is, where the
+            # q/k heads alone are a strided view the fused kernel would first copy
+            heads = self.ops.rms_norm(heads, None, cfg.rms_norm_eps)
+            heads[:, :h_q].mul_(q_norm)
+            heads[:, h_q:h_q + h_kv].mul_(k_norm)
+        return apply_rotary(heads[:, :h_q + h_kv], cos, sin, out), v
 
     def __call__(self, qkv: torch.Tensor, q_norm, k_norm, layer: int, batch: "StepBatch",
                  positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

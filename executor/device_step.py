@@ -156,6 +156,7 @@ class ResidentDecode:
         # before the row's (a boolean mask SDPA would convert in every layer)
         hidden = (key_pos[None, :] > positions[:, None])[:, None, None, :]
         mask = torch.zeros(hidden.shape, dtype=self.pool.slab.dtype, device=x.device).masked_fill_(hidden, -math.inf)
+        del key_pos, hidden  # not kept in the graph's pool beside the mask (planner/working_set.py)
         table = index[:, _TABLE:].reshape(-1)
         where = (index[:, _WRITE_SLOT].contiguous(), index[:, _WRITE_ROW].contiguous())
         for layer, w in enumerate(self.blocks):
@@ -166,8 +167,9 @@ class ResidentDecode:
     def _attend(self, layer: int, qkv: torch.Tensor, w, cos: torch.Tensor, sin: torch.Tensor, table: torch.Tensor,
                 where: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
         """qkv [rows, (H_q + 2·H_kv)·D] fp32 → attention output [rows, H_q·D] in the cache's dtype
-        (the o projection's input dtype): this step's K/V written into the slab, every row's
-        pages gathered, SDPA over them."""
+        (which the o projection takes as it is on CUDA, TorchLinear.input_dtype): this step's K/V
+        written into the slab, every row's pages gathered, SDPA over them. The output's reshape is
+        a copy on CUDA (the memory-efficient kernel writes [rows, group, H_kv, D])."""
         cfg = self.config
         rows, h_q, h_kv, d = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         slab = self.pool.slab[:, layer]  # [slots, 2, H_kv, P, D]

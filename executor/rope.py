@@ -56,7 +56,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate half-split pairs: (x1, x2) -> (x1·cos - x2·sin, x2·cos + x1·sin), as transformers
     does. x: [T, heads, head_dim]; cos/sin: [T, head_dim] from `rotation_tables`. out: where to
-    write the result (any float dtype: the cast is the last ops'); None: a new fp32 tensor.
+    write the result (any float dtype: the cast is the last ops'; it must not overlap x, which
+    the second half's op reads after the first half's wrote); None: a new fp32 tensor.
     Three ops, and the swapped halves are read in place rather than copied."""
     half = x.shape[-1] // 2
     cos, sin = cos[:, None, :], sin[:, None, :]

@@ -15,8 +15,9 @@ _UPCAST_CHUNK_ELEMS = 1 << 20
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """x: [..., H] fp32, weight: [H] fp32 (None: not scaled; the caller scales) → [..., H] fp32.
-    Off the CPU PyTorch's fused kernel: one launch where the steps below take six, in a decode
-    step bound by launches (executor/device_step.py). On the CPU as transformers computes it."""
+    Off the CPU PyTorch's fused kernel: one launch where the steps below take six (and a copy
+    before it for a strided x), in a decode step bound by launches (executor/device_step.py). On
+    the CPU as transformers computes it."""
     if x.device.type != "cpu" and (weight is None or weight.dtype == x.dtype):
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     variance = x.pow(2).mean(-1, keepdim=True)
@@ -50,13 +51,13 @@ class TorchLinear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight = weight
-        self.bias = bias
+        self.bias = None if bias is None else bias.float()  # fp32: adding it widens the product
         self.out_features, self.in_features = weight.shape
         self.input_dtype = weight.dtype if weight.device.type != "cpu" else torch.float32
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [T, K] (fp32, or `input_dtype`) → [T, N] fp32; with `residual` [T, N] fp32:
-        residual += that, returned."""
+        """x: [T, K] fp32 or half precision (taken as it is where that is `input_dtype`, else
+        converted) → [T, N] fp32; with `residual` [T, N] fp32: residual += that, returned."""
         w = self.weight
         if w.device.type != "cpu" and w.dtype != torch.float32 and residual is not None and self.bias is None:
             # the half-precision product widens inside the add: one op fewer, the same sums

@@ -122,9 +122,11 @@ def decode_step_launches(cfg: ModelConfig, layers: int, rows: int = 1, pages: in
     step = ResidentDecode(cfg, blocks, kv, ops.attention(cfg, kv), ops, graphs=False)
     x = torch.empty(rows, H, device=meta)
     index = torch.zeros(rows, 3 + pages, dtype=torch.int64, device=meta)
+    # The stand-ins lay their inputs and outputs out as CUDA's kernels do: the fused norm copies a
+    # strided input first; memory-efficient attention writes [B, M, H, D] and returns it transposed.
     with pytest.MonkeyPatch.context() as patch, _Launches() as launches:
-        patch.setattr(F, "rms_norm", lambda x, *a, **kw: launches.fused(torch.empty_like(x)))
-        patch.setattr(F, "scaled_dot_product_attention",
-                      lambda q, k, v, **kw: launches.fused(q.new_empty(*q.shape[:-1], v.shape[-1])))
+        patch.setattr(F, "rms_norm", lambda x, *a, **kw: launches.fused(torch.empty_like(x.contiguous())))
+        patch.setattr(F, "scaled_dot_product_attention", lambda q, k, v, **kw: launches.fused(
+            q.new_empty(q.shape[0], q.shape[2], q.shape[1], v.shape[-1]).transpose(1, 2)))
         step.step(x, index)
     return launches.count

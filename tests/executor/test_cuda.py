@@ -317,8 +317,8 @@ def test_rms_norm_on_cuda_is_the_fused_kernel_and_matches_the_reference():
 def test_the_decode_steps_kernels_on_cuda_are_those_counted_on_the_meta_device(checkpoint):
     """tests/executor/test_device_step.py holds the GPU stage's decode step to few launches by
     counting its ops on the meta device; here the kernels the same step launches on CUDA
-    (eagerly: a graph replays the same ones), so the count stands for what the GPU runs. cuBLAS
-    may split a GEMM's reduction into a second kernel and SDPA may pad its mask: a margin."""
+    (eagerly: a graph replays the same ones), against that count: none fewer, and more only by
+    what a GEMM may launch beside its own kernel (cuBLAS splitting a reduction), one per GEMM."""
     from torch.profiler import ProfilerActivity, profile
 
     from tests.executor.helpers import decode_step_launches
@@ -342,7 +342,7 @@ def test_the_decode_steps_kernels_on_cuda_are_those_counted_on_the_meta_device(c
     counted = decode_step_launches(cfg, len(stage.blocks), rows, pages)
     print(f"\ndecode step, {len(stage.blocks)} blocks: {len(kernels)} CUDA kernels, {counted} counted on meta; "
           f"{sorted(set(n[:50] for n in kernels))}")
-    assert counted <= len(kernels) <= 1.25 * counted + 4
+    assert counted <= len(kernels) <= counted + 4 * len(stage.blocks), sorted(kernels)
 
 
 def test_pinned_staging_never_overwrites_a_copy_in_flight():
