@@ -12,7 +12,12 @@ every kernel of the step at once, but it needs every shape and address fixed. So
 - writes each row's new K/V into (its page's slot, its position in the page) with one index_put
   per layer; padded rows write to the slab's scratch slot, which is never a page;
 - attends with SDPA over the gathered pages, a key visible where its position is at or before
-  the query's (later slots of the last page and padded pages are hidden by the same test).
+  the query's (later slots of the last page and padded pages are hidden by the same test);
+- launches few kernels a block, since even a replayed kernel costs microseconds: what the layers
+  share (rotary tables, mask, page table) is made once a step and casts ride inside the ops
+  around them (tests/executor/test_device_step.py counts them); with HELM_COMPILE=1 each
+  block's halves around attention are compiled by torch.compile, whose Inductor fuses their
+  element-wise ops.
 
 It is taken for steps in which every sequence decodes one token and has all its pages in the
 device pool (evicted pages need the streaming path, executor/attention.py), and whose gathered
@@ -32,11 +37,14 @@ import torch.nn.functional as F
 from executor.kv_cache import holding_unlocks
 from executor.rope import inverse_frequencies
 from executor.staging import PinnedStaging
-from executor.torch_ops import decoder_block
+from executor.torch_ops import attention_input, block_output
 from planner.step_shape import bucket
 
 # HELM_CUDA_GRAPHS=0 runs the static step eagerly on CUDA (to compare, or to rule graphs out).
 GRAPHS_ENV = "HELM_CUDA_GRAPHS"
+# HELM_COMPILE=1 compiles each block's halves around attention with torch.compile (off by
+# default until tools/bench_gpu.py has measured it against the eager ops on a GPU).
+COMPILE_ENV = "HELM_COMPILE"
 
 _POSITION, _WRITE_SLOT, _WRITE_ROW, _TABLE = 0, 1, 2, 3  # columns of the index tensor
 
@@ -58,7 +66,8 @@ class ResidentDecode:
     """The decode step of a GPU stage's blocks over resident KV pages (see the module docstring).
     A stage's `fused` path: `accepts(batch)` says whether a step can take it, `(x, batch)` runs it."""
 
-    def __init__(self, config, blocks, kv, attention, ops, graphs: bool | None = None):
+    def __init__(self, config, blocks, kv, attention, ops, graphs: bool | None = None,
+                 compiled: bool | None = None):
         if kv.device_pool.slab is None:
             raise ValueError("the static decode step needs the device KV pool as a slab")
         self.config, self.blocks, self.kv, self.attention, self.ops = config, blocks, kv, attention, ops
@@ -70,6 +79,15 @@ class ResidentDecode:
         if graphs is None:
             graphs = os.environ.get(GRAPHS_ENV, "1") != "0"
         self.graphs = graphs and self.device.type == "cuda"
+        if compiled is None:
+            compiled = os.environ.get(COMPILE_ENV, "0") == "1"
+        self.compiled = compiled
+        # A block's two halves around attention, each one region for torch.compile where asked:
+        # Inductor fuses a half's element-wise ops (norms, casts, rotation, silu) into a few
+        # kernels beside its GEMMs. One compile serves every layer (their weights are inputs of
+        # the same shapes) and, after the second, every row count (rows become dynamic).
+        self._heads = torch.compile(self._heads_of, fullgraph=True) if compiled else self._heads_of
+        self._rest = torch.compile(self._rest_of, fullgraph=True) if compiled else self._rest_of
         self._captured: dict[tuple[int, int], _Graph] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.graphs else None
         self._side = torch.cuda.Stream(self.device) if self.graphs else None  # warm-up and capture
@@ -132,7 +150,9 @@ class ResidentDecode:
                             self._captured[(rows, pages)] = self._capture(rows, pages)
                         except Exception as e:
                             raise RuntimeError(f"CUDA graph capture of the GPU stage's decode step failed at {rows} "
-                                               f"rows x {pages} pages ({e}); {GRAPHS_ENV}=0 runs it eagerly") from e
+                                               f"rows x {pages} pages ({e}); {GRAPHS_ENV}=0 runs it eagerly"
+                                               + (f", {COMPILE_ENV}=0 without torch.compile" if self.compiled else "")
+                                               ) from e
 
     def _index(self, batch, slots: list[list[int]], rows: int, pages: int) -> torch.Tensor:
         """[rows, 3 + pages] int64: position, write slot, row in the page, page slots (padded rows
@@ -160,23 +180,33 @@ class ResidentDecode:
         table = index[:, _TABLE:].reshape(-1)
         where = (index[:, _WRITE_SLOT].contiguous(), index[:, _WRITE_ROW].contiguous())
         for layer, w in enumerate(self.blocks):
-            x = decoder_block(x, w, self.ops, self.config,
-                              lambda qkv: self._attend(layer, qkv, w, cos, sin, table, where, mask))
+            heads = self._heads(x, w, cos, sin)
+            x = self._rest(x, self._attend(layer, heads, table, where, mask), w)
         return x
 
-    def _attend(self, layer: int, qkv: torch.Tensor, w, cos: torch.Tensor, sin: torch.Tensor, table: torch.Tensor,
-                where: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
-        """qkv [rows, (H_q + 2·H_kv)·D] fp32 → attention output [rows, H_q·D] in the cache's dtype
-        (which the o projection takes as it is on CUDA, TorchLinear.input_dtype): this step's K/V
-        written into the slab, every row's pages gathered, SDPA over them. The output's reshape is
-        a copy on CUDA (the memory-efficient kernel writes [rows, group, H_kv, D])."""
+    def _heads_of(self, x: torch.Tensor, w, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """A block's input x [rows, H] fp32 → its q, k and v heads side by side in the cache's dtype
+        [rows, H_q + 2·H_kv, D]: q/k normed and rotated, the rotation's last op writing them."""
         cfg = self.config
-        rows, h_q, h_kv, d = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        slab = self.pool.slab[:, layer]  # [slots, 2, H_kv, P, D]
-        # q, k and v side by side in the cache's dtype: the rotation's last op writes q and k
-        heads = torch.empty(rows, h_q + 2 * h_kv, d, dtype=slab.dtype, device=qkv.device)
+        h_q, h_kv = cfg.num_heads, cfg.num_kv_heads
+        qkv = attention_input(x, w, self.ops, cfg)
+        heads = torch.empty(x.shape[0], h_q + 2 * h_kv, cfg.head_dim, dtype=self.pool.slab.dtype, device=x.device)
         _, v = self.attention.project(qkv, w.q_norm, w.k_norm, cos, sin, out=heads[:, :h_q + h_kv])
         heads[:, h_q + h_kv:].copy_(v)
+        return heads
+
+    def _rest_of(self, x: torch.Tensor, attn: torch.Tensor, w) -> torch.Tensor:
+        """The block after attention (torch_ops.block_output): x updated and returned."""
+        return block_output(x, attn, w, self.ops, self.config)
+
+    def _attend(self, layer: int, heads: torch.Tensor, table: torch.Tensor, where: tuple[torch.Tensor, torch.Tensor],
+                mask: torch.Tensor) -> torch.Tensor:
+        """heads [rows, H_q + 2·H_kv, D] (`_heads_of`) → attention output [rows, H_q·D] in the
+        cache's dtype (which the o projection takes as it is on CUDA, TorchLinear.input_dtype):
+        this step's K/V written into the slab, every row's pages gathered, SDPA over them. The
+        output's reshape is a copy on CUDA (the memory-efficient kernel writes [rows, group, H_kv, D])."""
+        rows, h_q, h_kv, d = heads.shape[0], self.config.num_heads, self.config.num_kv_heads, self.config.head_dim
+        slab = self.pool.slab[:, layer]  # [slots, 2, H_kv, P, D]
         # K and V of each row into (its page's slot, its row in the page) of a [slots, P, 2, H_kv, D] view
         slab.permute(0, 3, 1, 2, 4).index_put_(where, heads[:, h_q:].unflatten(1, (2, h_kv)))
         gathered = slab.permute(1, 2, 0, 3, 4).index_select(2, table)  # [2, H_kv, rows·pages, P, D]

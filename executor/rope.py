@@ -62,7 +62,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     half = x.shape[-1] // 2
     cos, sin = cos[:, None, :], sin[:, None, :]
     rotated = x * cos
-    out = rotated if out is None else out
+    if out is None or torch.compiler.is_compiling():
+        # in place (torch.compile takes no strided out=; Inductor fuses the copy below instead)
+        rotated[..., :half].addcmul_(x[..., half:], sin[..., :half])
+        rotated[..., half:].addcmul_(x[..., :half], sin[..., half:])
+        return rotated if out is None else out.copy_(rotated)
     torch.addcmul(rotated[..., :half], x[..., half:], sin[..., :half], out=out[..., :half])
     torch.addcmul(rotated[..., half:], x[..., :half], sin[..., half:], out=out[..., half:])
     return out

@@ -38,10 +38,21 @@ def decoder_block(x: torch.Tensor, w, ops, config, attend) -> torch.Tensor:
     [T, H_q·D] (the op-by-op stage and the GPU stage's static decode step attend differently).
     The normed input is not kept past its projection: the MLP's peak (planner/working_set.py) is
     its fused gate-up output, silu(gate)·up and the residual stream."""
-    eps = config.rms_norm_eps
-    x = w.o(attend(w.qkv(ops.rms_norm(x, w.input_norm, eps))), x)  # x += o(attn)
-    gate, up = w.gate_up(ops.rms_norm(x, w.post_norm, eps)).split(config.intermediate_size, dim=-1)
-    return w.down(ops.silu_mul(gate, up, w.down.input_dtype), x)  # x += down(silu(gate) · up)
+    return block_output(x, attend(attention_input(x, w, ops, config)), w, ops, config)
+
+
+def attention_input(x: torch.Tensor, w, ops, config) -> torch.Tensor:
+    """A block's first half up to attention: qkv [T, (H_q + 2·H_kv)·D] fp32 of x [T, H]."""
+    return w.qkv(ops.rms_norm(x, w.input_norm, config.rms_norm_eps))
+
+
+def block_output(x: torch.Tensor, attn: torch.Tensor, w, ops, config) -> torch.Tensor:
+    """A block's rest after attention: x += o(attn), then x += down(silu(gate) · up) of its
+    post-attention norm; x [T, H] fp32 updated in place and returned."""
+    x = w.o(attn, x)
+    del attn  # not held through the MLP, whose peak the plan prices (planner/working_set.py)
+    gate, up = w.gate_up(ops.rms_norm(x, w.post_norm, config.rms_norm_eps)).split(config.intermediate_size, dim=-1)
+    return w.down(ops.silu_mul(gate, up, w.down.input_dtype), x)
 
 
 class TorchLinear:

@@ -10,11 +10,15 @@ checkpoint with a real model's dimensions (default Qwen3-8B, bf16):
 2. All on the GPU (split 0): decode ms/token at the context against the HBM roofline, the bytes a
    step reads (weights + KV, from the plan's IR) over the HBM bandwidth the profile measured; with
    the decode steps as CUDA graphs (the default) and eagerly.
+3. With --compiled, run 2 again with each block's halves around attention compiled by
+   torch.compile (HELM_COMPILE=1, executor/device_step.py), as CUDA graphs: its load (compiles
+   and captures), decode ms/token and kernels per step beside run 2's.
 
 The machine is profiled first (`helm-plan profile --quick`), so the plans price this machine.
 
     python tools/bench_gpu.py                                    # Qwen3-8B dims, 8 GiB cap
     python tools/bench_gpu.py --size qwen3-1.7b --gpu-memory 2GiB --new-tokens 16
+    python tools/bench_gpu.py --skip-capped --compiled           # run 2, and run 3 beside it
     python tools/bench_gpu.py --smoke                            # tiny model, any machine: the code paths
 
 Without CUDA (or with --smoke) it runs the tiny model on the CPU with a placeholder profile and
@@ -23,7 +27,9 @@ leaves Accelerate out: a check that the script works, not a benchmark.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import time
 from dataclasses import replace
@@ -35,7 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as `python tools/bench_gpu.py`
     sys.path.insert(0, str(REPO))
 
-from executor.device_step import ResidentDecode  # noqa: E402
+from executor.device_step import COMPILE_ENV, ResidentDecode  # noqa: E402
 from executor.engine import Engine  # noqa: E402
 from executor.loader import load_model  # noqa: E402
 from executor.model_config import ModelConfig  # noqa: E402
@@ -127,17 +133,32 @@ def decode_profile(engine: Engine, ids: list[int], steps: int = 8) -> dict:
                     for n, v in top]}
 
 
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    """The environment variable `name` set to `value` for the block, as it was after."""
+    was = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if was is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = was
+
+
 def _ms_per_token(seq) -> float:
     return round(1e3 / seq.decode_tokens_per_s, 3) if seq.decode_tokens_per_s else float("nan")
 
 
 def run_helm(model_dir: Path, plan, config: ModelConfig, ids: list[int], new_tokens: int,
-             eager_too: bool = False, refit: bool = False, smoke: bool = False) -> dict:
+             eager_too: bool = False, refit: bool = False, smoke: bool = False, profile: bool = False) -> dict:
     """One greedy request on the plan's split: TTFT, decode tok/s, per-stage measured vs predicted.
     eager_too: the same request again with the GPU stage's decode steps run eagerly, not as CUDA
     graphs. refit: fit δ and the η factors to this request's report (planner.calibrate), then
     measure a second request of another length against the fitted plan: the fit's error out of
-    sample. smoke (no CUDA): the GPU stage's code on the CPU, its decode on the static step."""
+    sample. smoke (no CUDA): the GPU stage's code on the CPU, its decode on the static step.
+    profile (implied by eager_too): where the static decode step's time goes (decode_profile)."""
     placement = placement_for(plan, config)
     t0 = time.perf_counter()
     if torch.cuda.is_available():
@@ -158,7 +179,8 @@ def run_helm(model_dir: Path, plan, config: ModelConfig, ids: list[int], new_tok
     if isinstance(step, ResidentDecode):
         out["decode_path"] = "cuda graphs" if step.graphs else "static step, eager"
         out["graph_buckets"] = step.captured
-        if eager_too:
+        out["compiled"] = step.compiled
+        if eager_too or profile:
             out["decode_profile"] = decode_profile(engine, ids)
         if eager_too and step.graphs:
             step.graphs = False
@@ -238,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--smoke", action="store_true", help="tiny model, placeholder profile, no Accelerate")
     p.add_argument("--skip-accelerate", action="store_true")
+    p.add_argument("--skip-capped", action="store_true", help="leave run 1 (the capped GPU) out")
+    p.add_argument("--compiled", action="store_true", help="run 3: run 2 with torch.compile (HELM_COMPILE=1)")
     args = p.parse_args(argv)
     smoke = args.smoke or not torch.cuda.is_available()
     size = "tiny" if smoke else args.size
@@ -267,35 +291,53 @@ def main(argv: list[str] | None = None) -> int:
                      "new_tokens": args.new_tokens, "smoke": smoke}
 
     # 1. capped: HELM's plan against Accelerate
-    capped = make_plan(model_dir, machine, workload=workload, gpu_memory_bytes=min(cap, machine.gpu.vram_total_bytes))
-    results["capped"] = {"helm": run_helm(model_dir, capped, config, ids, args.new_tokens, refit=True, smoke=smoke)}
-    save()
-    if not smoke and not args.skip_accelerate:
-        results["capped"]["accelerate"] = run_accelerate(model_dir, ids, args.new_tokens, cap)
-        acc, helm = results["capped"]["accelerate"], results["capped"]["helm"]
-        results["capped"]["decode_speedup"] = round(helm["decode_tok_s"] / acc["decode_tok_s"], 2)
+    if not args.skip_capped:
+        capped = make_plan(model_dir, machine, workload=workload,
+                           gpu_memory_bytes=min(cap, machine.gpu.vram_total_bytes))
+        results["capped"] = {"helm": run_helm(model_dir, capped, config, ids, args.new_tokens, refit=True,
+                                              smoke=smoke)}
+        save()
+        if not smoke and not args.skip_accelerate:
+            results["capped"]["accelerate"] = run_accelerate(model_dir, ids, args.new_tokens, cap)
+            acc, helm = results["capped"]["accelerate"], results["capped"]["helm"]
+            results["capped"]["decode_speedup"] = round(helm["decode_tok_s"] / acc["decode_tok_s"], 2)
 
-    # 2. all on the GPU, at the context
+    # 2. all on the GPU, at the context (3. again, compiled)
     long_ids = prompt(max(1, args.context - args.new_tokens), config.vocab_size, seed=1)
     all_gpu = make_plan(model_dir, machine, workload=workload_for(len(long_ids), args.new_tokens), split_k=0,
                         allow_infeasible=True)
-    run = run_helm(model_dir, all_gpu, config, long_ids, args.new_tokens, eager_too=True, smoke=smoke)
     roofline = hbm_roofline_ms(all_gpu, args.context) if all_gpu.machine.gpu else float("nan")
-    run["hbm_roofline_ms"] = round(roofline, 3)
-    run["over_roofline"] = round(run["decode_ms_per_token"] / roofline, 2) if roofline == roofline else None
     gemv = all_gpu.machine.gpu.gemv_gibps if all_gpu.machine.gpu else None
-    if gemv:  # the weights at the rate the profile's one-token matmul streamed them, KV at HBM's
-        run["projection_rate_ms"] = round(hbm_roofline_ms(all_gpu, args.context, gemv), 3)
-    results["all_gpu"] = run
+    runs = [("all_gpu", False)] + ([("all_gpu_compiled", True)] if args.compiled else [])
+    for name, compiled in runs:
+        with _env(COMPILE_ENV, "1" if compiled else "0"):
+            run = run_helm(model_dir, all_gpu, config, long_ids, args.new_tokens, eager_too=not compiled,
+                           profile=True, smoke=smoke)
+        run["hbm_roofline_ms"] = round(roofline, 3)
+        run["over_roofline"] = round(run["decode_ms_per_token"] / roofline, 2) if roofline == roofline else None
+        if gemv:  # the weights at the rate the profile's one-token matmul streamed them, KV at HBM's
+            run["projection_rate_ms"] = round(hbm_roofline_ms(all_gpu, args.context, gemv), 3)
+        results[name] = run
+        save()
+    if args.compiled:
+        results["all_gpu_compiled"]["vs_eager_ops"] = round(
+            results["all_gpu_compiled"]["decode_ms_per_token"] / results["all_gpu"]["decode_ms_per_token"], 3)
 
     save()
     print(json.dumps(results, indent=1))
-    c = results["capped"]
-    print(f"\ncapped at {fmt_bytes(cap)}: HELM k={c['helm']['split_k']} {c['helm']['decode_tok_s']} tok/s (predicted "
-          f"{c['helm']['predicted_ms_per_token']} ms/token, measured {c['helm']['decode_ms_per_token']})"
-          + (f"; Accelerate {c['accelerate']['decode_tok_s']} tok/s: {c['decode_speedup']}x" if "accelerate" in c
-             else "") + f"\nall-GPU at context {args.context}: {run['decode_ms_per_token']} ms/token, HBM roofline "
-          f"{run['hbm_roofline_ms']} ms ({run['over_roofline']}x)", file=sys.stderr)
+    lines = []
+    if "capped" in results:
+        c = results["capped"]
+        lines.append(f"capped at {fmt_bytes(cap)}: HELM k={c['helm']['split_k']} {c['helm']['decode_tok_s']} tok/s "
+                     f"(predicted {c['helm']['predicted_ms_per_token']} ms/token, measured "
+                     f"{c['helm']['decode_ms_per_token']})" + (f"; Accelerate {c['accelerate']['decode_tok_s']} tok/s: "
+                                                               f"{c['decode_speedup']}x" if "accelerate" in c else ""))
+    for name, _ in runs:
+        run = results[name]
+        lines.append(f"{'all-GPU' if name == 'all_gpu' else 'all-GPU, compiled'} at context {args.context}: "
+                     f"{run['decode_ms_per_token']} ms/token, HBM roofline {run['hbm_roofline_ms']} ms "
+                     f"({run['over_roofline']}x), {run['decode_profile'].get('kernels_per_step', '-')} kernels a step")
+    print("\n" + "\n".join(lines), file=sys.stderr)
     return 0
 
 

@@ -119,7 +119,7 @@ def decode_step_launches(cfg: ModelConfig, layers: int, rows: int = 1, pages: in
     kv = KVCache(num_layers=layers, num_kv_heads=cfg.num_kv_heads, head_dim=D, dtype=cfg.dtype, device=meta,
                  page_size=16, device_pages=64, host_pages=0, slab=True)
     ops = TorchBackend()
-    step = ResidentDecode(cfg, blocks, kv, ops.attention(cfg, kv), ops, graphs=False)
+    step = ResidentDecode(cfg, blocks, kv, ops.attention(cfg, kv), ops, graphs=False, compiled=False)
     x = torch.empty(rows, H, device=meta)
     index = torch.zeros(rows, 3 + pages, dtype=torch.int64, device=meta)
     # The stand-ins lay their inputs and outputs out as CUDA's kernels do: the fused norm copies a

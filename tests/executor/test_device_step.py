@@ -199,3 +199,31 @@ def test_a_decode_block_on_the_gpu_launches_few_kernels(model, most):
     assert decode_step_launches(cfg, 1) - per_block <= 16
     # rows and pages change what each op reads, not how many ops run
     assert decode_step_launches(cfg, 2, rows=8, pages=4) - decode_step_launches(cfg, 1, rows=8, pages=4) == per_block
+
+
+def test_compiled_blocks_give_transformers_tokens_and_compile_once_for_every_layer(checkpoint, static_steps,
+                                                                                   monkeypatch):
+    """HELM_COMPILE=1: each block's halves around attention compiled by torch.compile (Inductor:
+    C++ here, Triton on CUDA). The tokens of transformers over padded batched steps, and one
+    compile per half serves every layer, with one more once a second row count makes rows
+    dynamic: not a compile per layer or per bucket."""
+    from torch._dynamo.utils import counters
+
+    path = checkpoint("qwen3", "fp32")
+    cfg = ModelConfig.from_dir(path)
+    monkeypatch.setenv("HELM_COMPILE", "1")
+    torch._dynamo.reset()
+    counters.clear()
+    model = load_model(path, Placement.from_split(cfg.num_units, 1, page_size_tokens=4, device_kv_pages=40), cfg,
+                       backend="torch", kv_slab=True)
+    assert model.stages[1].fused.compiled and cfg.num_layers > 1
+    stop = StopCriteria(max_new_tokens=10, ignore_eos=True)
+    compiles = []
+    for n in (3, 1, 2, 5):  # rows bucketed to 4, 1, 2, 8
+        prompts = [prompt_ids(7 + 3 * i, 256, seed=i) for i in range(n)]
+        seqs = Engine(model).generate(prompts, SamplingParams(), stop)
+        assert [s.output_ids for s in seqs] == [hf_greedy(path, p, 10) for p in prompts]
+        compiles.append(counters["stats"]["unique_graphs"])
+    print("graphs compiled after each batch:", compiles)
+    assert {rows for rows, _ in static_steps} == {1, 2, 4, 8}
+    assert compiles[0] == 2 and compiles[-1] <= 6, compiles  # 2 halves; rows 1 is its own (PyTorch specialises 1)

@@ -16,7 +16,7 @@ def test_the_gpu_benchmark_runs_end_to_end_in_smoke_mode(tmp_path, capsys, monke
                         lambda: (lambda m: replace(m, gpu=replace(m.gpu, gemv_gibps=400.0)))(placeholder()))
     out = tmp_path / "bench.json"
     assert bench_gpu.main(["--smoke", "--work", str(tmp_path / "work"), "--new-tokens", "24", "--prompt-tokens", "8",
-                           "--context", "64", "--out", str(out)]) == 0
+                           "--context", "64", "--compiled", "--out", str(out)]) == 0
     results = json.loads(out.read_text())
     assert results["smoke"] and results["model"] == "tiny"
     helm = results["capped"]["helm"]
@@ -32,4 +32,9 @@ def test_the_gpu_benchmark_runs_end_to_end_in_smoke_mode(tmp_path, capsys, monke
     profile = results["all_gpu"]["decode_profile"]
     assert profile["ops_per_step"] > 10 and 0 < profile["busy_ms_per_step"] and profile["top"]
     assert profile["wall_ms_per_step"] > 0 and all(t["ms_per_step"] >= 0 for t in profile["top"])
-    assert "capped at" in capsys.readouterr().err
+    # run 2 again with the blocks' halves compiled (on the CPU: Inductor's C++), the same tokens' speed reported
+    compiled = results["all_gpu_compiled"]
+    assert compiled["compiled"] and not results["all_gpu"]["compiled"]
+    assert compiled["decode_ms_per_token"] > 0 and compiled["vs_eager_ops"] > 0 and compiled["decode_profile"]["top"]
+    err = capsys.readouterr().err
+    assert "capped at" in err and "all-GPU, compiled" in err
