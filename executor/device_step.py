@@ -22,11 +22,12 @@ every kernel of the step at once, but it needs every shape and address fixed. So
 It is taken for steps in which every sequence decodes one token and has all its pages in the
 device pool (evicted pages need the streaming path, executor/attention.py), and whose gathered
 pages stay within the pool's capacity (rounded up to a bucket): the gather buffer is then at
-most twice one layer's share of the planned KV pool. On the CPU (tests) it runs eagerly, the
-same code on the same padded shapes.
+most twice one layer's share of the planned KV pool. On the CPU (tests) the same code runs on
+the same padded shapes, without graphs (and compiled to C++ by Inductor with HELM_COMPILE=1).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -85,9 +86,13 @@ class ResidentDecode:
         # A block's two halves around attention, each one region for torch.compile where asked:
         # Inductor fuses a half's element-wise ops (norms, casts, rotation, silu) into a few
         # kernels beside its GEMMs. One compile serves every layer (their weights are inputs of
-        # the same shapes) and, after the second, every row count (rows become dynamic).
+        # the same shapes), and rows turn dynamic at the second row count other than 1 (which
+        # PyTorch specialises): captured in the order 1, 2, 4, ..., two compiles a half.
+        self._cache_dtype = self.pool.slab.dtype  # read here: read in a compiled half, it would
+        # make the slab an input of the graph, guarded on its shape, so every plan a daemon loads
+        # would compile again
         self._heads = torch.compile(self._heads_of, fullgraph=True) if compiled else self._heads_of
-        self._rest = torch.compile(self._rest_of, fullgraph=True) if compiled else self._rest_of
+        self._rest = torch.compile(block_output, fullgraph=True) if compiled else block_output
         self._captured: dict[tuple[int, int], _Graph] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.graphs else None
         self._side = torch.cuda.Stream(self.device) if self.graphs else None  # warm-up and capture
@@ -181,7 +186,8 @@ class ResidentDecode:
         where = (index[:, _WRITE_SLOT].contiguous(), index[:, _WRITE_ROW].contiguous())
         for layer, w in enumerate(self.blocks):
             heads = self._heads(x, w, cos, sin)
-            x = self._rest(x, self._attend(layer, heads, table, where, mask), w)
+            # the attention output passed straight on: block_output frees it before the MLP
+            x = self._rest(x, self._attend(layer, heads, table, where, mask), w, self.ops, self.config)
         return x
 
     def _heads_of(self, x: torch.Tensor, w, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -190,14 +196,10 @@ class ResidentDecode:
         cfg = self.config
         h_q, h_kv = cfg.num_heads, cfg.num_kv_heads
         qkv = attention_input(x, w, self.ops, cfg)
-        heads = torch.empty(x.shape[0], h_q + 2 * h_kv, cfg.head_dim, dtype=self.pool.slab.dtype, device=x.device)
+        heads = torch.empty(x.shape[0], h_q + 2 * h_kv, cfg.head_dim, dtype=self._cache_dtype, device=x.device)
         _, v = self.attention.project(qkv, w.q_norm, w.k_norm, cos, sin, out=heads[:, :h_q + h_kv])
         heads[:, h_q + h_kv:].copy_(v)
         return heads
-
-    def _rest_of(self, x: torch.Tensor, attn: torch.Tensor, w) -> torch.Tensor:
-        """The block after attention (torch_ops.block_output): x updated and returned."""
-        return block_output(x, attn, w, self.ops, self.config)
 
     def _attend(self, layer: int, heads: torch.Tensor, table: torch.Tensor, where: tuple[torch.Tensor, torch.Tensor],
                 mask: torch.Tensor) -> torch.Tensor:
@@ -232,6 +234,9 @@ class ResidentDecode:
                 self.step(x.clone(), index)
         current.wait_stream(self._side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool, stream=self._side, capture_error_mode="thread_local"):
+        # the warm-up compiled what the capture runs: a compile inside it (Triton's autotuning
+        # synchronises) would break the capture, so one fails at once, saying so
+        stance = torch.compiler.set_stance("fail_on_recompile") if self.compiled else contextlib.nullcontext()
+        with stance, torch.cuda.graph(graph, pool=self._mempool, stream=self._side, capture_error_mode="thread_local"):
             out = self.step(x, index)
         return _Graph(graph, x, index, out)

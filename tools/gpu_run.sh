@@ -7,6 +7,7 @@
 #
 #   bash tools/gpu_run.sh tests                    # the CUDA tests
 #   bash tools/gpu_run.sh bench [bench_gpu args]   # tools/bench_gpu.py (Qwen3-8B dims, 8 GiB cap)
+#   bash tools/gpu_run.sh bench --skip-capped --compiled   # all-GPU decode, eager ops vs torch.compile
 #   bash tools/gpu_run.sh kernels                  # the CPU kernels' tests on this machine's CPU: its
 #                                                  # AVX-512 / AVX512-BF16 paths, which our VMs may lack
 #   bash tools/gpu_run.sh all                      # tests and bench (default)

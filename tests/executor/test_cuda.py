@@ -34,12 +34,14 @@ def test_eviction_and_streaming_on_cuda(checkpoint):
     assert got == want
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_bf16_logits_on_cuda_no_further_from_fp32_than_transformers_bf16(checkpoint, arch):
+@pytest.mark.parametrize("arch,compiled", [("llama", "0"), ("qwen3", "0"), ("qwen3", "1")])
+def test_bf16_logits_on_cuda_no_further_from_fp32_than_transformers_bf16(checkpoint, arch, compiled, monkeypatch):
     """The CUDA stage multiplies in bf16 with fp32 accumulation, like transformers' bf16 model on
     CUDA: its logits are no further from transformers' fp32 run than that model's, and its
     argmax agrees wherever the reference's top-2 margin is wider than that error. Both decode
-    paths: streaming (unbounded pool) and the static step over the slab (graphs)."""
+    paths: streaming (unbounded pool) and the static step over the slab (graphs), its blocks
+    compiled by torch.compile where HELM_COMPILE=1 (the bf16 branches production compiles)."""
+    monkeypatch.setenv("HELM_COMPILE", compiled)
     path = checkpoint(arch, "bf16")
     ids = prompt_ids(52, 256, seed=5)
     with torch.no_grad():
@@ -89,6 +91,41 @@ def test_cuda_graph_decode_matches_eager_and_transformers(checkpoint, monkeypatc
     monkeypatch.setenv("HELM_CUDA_GRAPHS", "0")
     eager, model = helm_generate(path, prompts, split=1, max_new_tokens=24, page_size=8, device_kv_pages=32)
     assert not model.stages[1].fused.graphs and eager == want
+
+
+def test_compiled_cuda_graph_decode_matches_transformers(checkpoint, monkeypatch):
+    """HELM_COMPILE=1 on CUDA: the blocks' halves compiled by torch.compile (Triton kernels from
+    Inductor) and captured in the decode step's CUDA graphs at load, every bucket; greedy tokens
+    equal transformers'. The kernels a step launches are printed beside the eager ops' count."""
+    from torch._dynamo.utils import counters
+
+    from executor.device_step import ResidentDecode
+    from tests.executor.helpers import decode_step_launches
+
+    path = checkpoint("qwen3", "fp32")
+    prompts = [prompt_ids(20, 256, seed=1), prompt_ids(9, 256, seed=2), prompt_ids(3, 256, seed=3)]
+    want = [hf_greedy(path, p, 24) for p in prompts]
+    monkeypatch.setenv("HELM_COMPILE", "1")
+    torch._dynamo.reset()
+    counters.clear()
+    got, model = helm_generate(path, prompts, split=1, max_new_tokens=24, page_size=8, device_kv_pages=32)
+    step = model.stages[1].fused
+    assert isinstance(step, ResidentDecode) and step.graphs and step.compiled and (4, 8) in step.captured
+    assert got == want
+    rows, pages = 4, 8
+    g = step._captured[(rows, pages)]
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        g.graph.replay()
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    eager = decode_step_launches(model.config, len(model.stages[1].blocks), rows, pages)
+    print(f"\ncompiled decode step, {len(model.stages[1].blocks)} blocks: {len(kernels)} kernels replayed "
+          f"(the eager ops: {eager}); {counters['stats']['unique_graphs']} graphs compiled")
+    # two halves, each compiled for rows 1 (PyTorch specialises it) and once for every other row
+    # count (captured in the order 1, 2, 4, ...: rows turn dynamic at 2)
+    assert counters["stats"]["unique_graphs"] <= 4
+    assert len(kernels) < eager  # the point: fused element-wise ops
 
 
 def test_prefetch_reads_what_the_compute_stream_wrote_in_a_loop(checkpoint):
