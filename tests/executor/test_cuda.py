@@ -15,14 +15,19 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2", "mistral"])
-def test_split_on_cuda_matches_cpu_tokens_fp32(checkpoint, arch):
+def test_split_on_cuda_matches_transformers_tokens_fp32(checkpoint, arch):
+    """Greedy tokens on CUDA at k = 0 (all on the GPU), mid and L+1 (only the head on the GPU)
+    equal transformers' (fp32), for two sequences decoding together."""
+    from executor.model_config import ModelConfig
+
     path = checkpoint(arch, "fp32")
+    units = ModelConfig.from_dir(path).num_units
     prompts = [prompt_ids(20, 256, seed=1), prompt_ids(9, 256, seed=2)]
-    cpu_only, _ = helm_generate(path, prompts, max_new_tokens=24)
-    for split in (0, 3):
+    want = [hf_greedy(path, p, 24) for p in prompts]
+    for split in (0, units // 2, units - 1):
         got, model = helm_generate(path, prompts, split=split, max_new_tokens=24)
-        assert model.stages[-1].device.type == "cuda"
-        assert got == cpu_only
+        assert model.stages[-1].device.type == "cuda" and model.stages[-1].unit_start == split
+        assert got == want, split
 
 
 def test_eviction_and_streaming_on_cuda(checkpoint):
