@@ -216,18 +216,20 @@ class TorchAttention:
 
     def project(self, qkv: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.Tensor,
                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """qkv: [T, (H_q + 2·H_kv)·D] fp32 → qk [T, H_q + H_kv, D] (the query heads, then the
-        key heads: RMSNorm where the model has it, then the rotary embedding; in `out` where
-        given, of any float dtype) and v [T, H_kv, D] (a view of qkv). Queries and keys go through
-        each op together: on the GPU a decode step is bound by how many ops it launches."""
+        """qkv: [T, (H_q + 2·H_kv)·D], fp32 or (a GPU stage's) in the weights' half precision →
+        qk [T, H_q + H_kv, D] fp32 (the query heads, then the key heads: RMSNorm where the model
+        has it, then the rotary embedding; in `out` where given, of any float dtype) and v
+        [T, H_kv, D] (a view of qkv). Queries and keys go through each op together: on the GPU a
+        decode step is bound by how many ops it launches."""
         cfg = self.config
         T, h_q, h_kv = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads
         heads = qkv.view(T, h_q + 2 * h_kv, cfg.head_dim)
         v = heads[:, h_q + h_kv:]
         if q_norm is not None:
             # every head normed, v's too (unused): its input is then qkv as it is, where the
-            # q/k heads alone are a strided view the fused kernel would first copy
-            heads = self.ops.rms_norm(heads, None, cfg.rms_norm_eps)
+            # q/k heads alone are a strided view the fused kernel would first copy; in fp32 (a
+            # GPU stage's qkv comes in the weights' dtype: the rotation alone widens it itself)
+            heads = self.ops.rms_norm(heads.float(), None, cfg.rms_norm_eps)
             heads[:, :h_q].mul_(q_norm)
             heads[:, h_q:h_q + h_kv].mul_(k_norm)
         return apply_rotary(heads[:, :h_q + h_kv], cos, sin, out), v

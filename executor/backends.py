@@ -28,8 +28,8 @@ class TorchBackend:
         # profile said it does not, and priced them so: planner/working_set.py)
         self.fused_prompt = fused_prompt
 
-    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        return torch_ops.TorchLinear(weight, bias)
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None, widen: bool = True):
+        return torch_ops.TorchLinear(weight, bias, widen)
 
     def attention(self, config, kv):
         # A GPU stage (on CUDA, or its code on the CPU over a slab) takes the fused prompt path;
@@ -177,7 +177,8 @@ class KernelBackend:
         self.num_threads = num_threads or torch.get_num_threads()
         self.attention_max_queries = attention_max_queries
 
-    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None, widen: bool = True):
+        """widen: ignored, the kernels write fp32."""
         return KernelLinear(self.kernel_set, weight, bias, self.num_threads)
 
     def attention(self, config, kv):

@@ -58,17 +58,21 @@ def block_output(x: torch.Tensor, attn: torch.Tensor, w, ops, config) -> torch.T
 class TorchLinear:
     """y = x @ W.T + b with fp32 activations. W: [N, K] in the checkpoint dtype. Off the CPU a
     half-precision W takes its input in W's dtype (`input_dtype`: one cast, none where the
-    producer wrote it so) and its tensor cores accumulate in fp32."""
+    producer wrote it so) and its tensor cores accumulate in fp32; widen=False leaves a product
+    without bias in W's dtype there, for a consumer that widens it inside its own ops (the qkv
+    projection: TorchAttention.project)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, widen: bool = True):
         self.weight = weight
         self.bias = None if bias is None else bias.float()  # fp32: adding it widens the product
+        self.widen = widen
         self.out_features, self.in_features = weight.shape
         self.input_dtype = weight.dtype if weight.device.type != "cpu" else torch.float32
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, K] fp32 or half precision (taken as it is where that is `input_dtype`, else
-        converted) → [T, N] fp32; with `residual` [T, N] fp32: residual += that, returned."""
+        converted) → [T, N] fp32 (or W's dtype: `widen`); with `residual` [T, N] fp32:
+        residual += that, returned."""
         w = self.weight
         if w.device.type != "cpu" and w.dtype != torch.float32 and residual is not None and self.bias is None:
             # the half-precision product widens inside the add: one op fewer, the same sums
@@ -82,7 +86,9 @@ class TorchLinear:
             return F.linear(x.float(), w, self.bias)
         if w.device.type != "cpu":
             y = F.linear(x.to(w.dtype), w)
-            return y + self.bias if self.bias is not None else y.float()  # the bias add widens
+            if self.bias is not None:
+                return y + self.bias  # the bias add widens
+            return y.float() if self.widen else y
         x = x.float()
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         rows = max(1, _UPCAST_CHUNK_ELEMS // self.in_features)

@@ -108,11 +108,11 @@ def decode_step_launches(cfg: ModelConfig, layers: int, rows: int = 1, pages: in
     def vec(n):
         return torch.empty(n, device=meta)
 
-    def linear(n, k, bias=False):
-        return TorchLinear(torch.empty(n, k, dtype=cfg.dtype, device=meta), vec(n) if bias else None)
+    def linear(n, k, bias=False, widen=True):
+        return TorchLinear(torch.empty(n, k, dtype=cfg.dtype, device=meta), vec(n) if bias else None, widen)
 
-    qkv = cfg.q_dim + 2 * cfg.kv_dim
-    blocks = [BlockWeights(vec(H), linear(qkv, H, cfg.attention_bias), vec(D) if cfg.qk_norm else None,
+    qkv = cfg.q_dim + 2 * cfg.kv_dim  # its projection as the loader makes it
+    blocks = [BlockWeights(vec(H), linear(qkv, H, cfg.attention_bias, widen=False), vec(D) if cfg.qk_norm else None,
                            vec(D) if cfg.qk_norm else None, linear(H, cfg.q_dim), vec(H),
                            linear(2 * cfg.intermediate_size, H), linear(H, cfg.intermediate_size))
               for _ in range(layers)]

@@ -123,3 +123,35 @@ def test_a_gpu_stage_turns_cudnn_attention_off_for_the_process():
         assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_a_half_precision_qkv_projects_as_its_fp32_widening(qk_norm):
+    """A GPU stage's qkv projection leaves its product in bf16 (TorchLinear widen=False); the
+    q/k norm, or else the rotation, widens it within its own ops: the same q/k and v as the fp32
+    reference path gets from the widened product, written into a bf16 buffer or returned."""
+    import json
+    from dataclasses import replace
+    from pathlib import Path
+
+    from executor.backends import TorchBackend
+    from executor.model_config import ModelConfig
+    from executor.rope import inverse_frequencies, rotation_tables
+
+    raw = json.loads((Path(__file__).resolve().parents[2] / "tools/model_configs/qwen3-0.6b.json").read_text())
+    cfg = ModelConfig.from_dict(raw)
+    if not qk_norm:
+        cfg = replace(cfg, qk_norm=False)
+    g = torch.Generator().manual_seed(4)
+    heads = cfg.num_heads + 2 * cfg.num_kv_heads
+    qkv = torch.randn(3, heads * cfg.head_dim, generator=g).to(torch.bfloat16)
+    norms = (torch.rand(cfg.head_dim, generator=g) + 0.5, torch.rand(cfg.head_dim, generator=g) + 0.5) \
+        if qk_norm else (None, None)
+    cos, sin = rotation_tables(inverse_frequencies(cfg.rope, cfg.head_dim), torch.tensor([0, 17, 4000]))
+    project = attention.TorchAttention(cfg, None, TorchBackend()).project
+    want_qk, want_v = project(qkv.float(), *norms, cos, sin)
+    got_qk, got_v = project(qkv, *norms, cos, sin)
+    assert got_qk.dtype == torch.float32 and torch.equal(got_qk, want_qk) and torch.equal(got_v.float(), want_v)
+    out = torch.empty(3, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16)
+    project(qkv, *norms, cos, sin, out=out)
+    assert torch.equal(out, want_qk.to(torch.bfloat16))

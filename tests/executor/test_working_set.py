@@ -70,10 +70,10 @@ def _block_peak(cfg: ModelConfig, tokens: int) -> int:
     def vec(n):
         return torch.empty(n, device=META)
 
-    def weight(rows, cols):
-        return TorchLinear(torch.empty(rows, cols, dtype=wd, device=META))
+    def weight(rows, cols, widen=True):
+        return TorchLinear(torch.empty(rows, cols, dtype=wd, device=META), widen=widen)
 
-    w = BlockWeights(input_norm=vec(H), qkv=weight(cfg.q_dim + 2 * cfg.kv_dim, H),
+    w = BlockWeights(input_norm=vec(H), qkv=weight(cfg.q_dim + 2 * cfg.kv_dim, H, widen=False),  # as loaded
                      q_norm=vec(D) if cfg.qk_norm else None, k_norm=vec(D) if cfg.qk_norm else None,
                      o=weight(H, cfg.q_dim), post_norm=vec(H), gate_up=weight(2 * cfg.intermediate_size, H),
                      down=weight(H, cfg.intermediate_size))
