@@ -225,18 +225,22 @@ class TorchAttention:
         T, h_q, h_kv = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads
         heads = qkv.view(T, h_q + 2 * h_kv, cfg.head_dim)
         v = heads[:, h_q + h_kv:]
+        qk = heads[:, :h_q + h_kv]
         if q_norm is not None:
-            # every head normed, v's too (unused): its input is then qkv as it is, where the
-            # q/k heads alone are a strided view the fused kernel would first copy; in fp32 (a
-            # GPU stage's qkv comes in the weights' dtype: the rotation alone widens it itself)
-            heads = self.ops.rms_norm(heads.float(), None, cfg.rms_norm_eps)
-            heads[:, :h_q].mul_(q_norm)
-            heads[:, h_q:h_q + h_kv].mul_(k_norm)
-        return apply_rotary(heads[:, :h_q + h_kv], cos, sin, out), v
+            # normed in fp32, from a contiguous input (the fused kernel would first copy a strided
+            # one): a half-precision qkv's q/k widened into a copy of their own; an fp32 qkv
+            # normed whole, v's heads too (unused), rather than copied
+            normed = self.ops.rms_norm(heads if heads.dtype == torch.float32 else qk.float(), None,
+                                       cfg.rms_norm_eps)
+            normed[:, :h_q].mul_(q_norm)
+            normed[:, h_q:h_q + h_kv].mul_(k_norm)
+            qk = normed[:, :h_q + h_kv]
+        return apply_rotary(qk, cos, sin, out), v
 
     def __call__(self, qkv: torch.Tensor, q_norm, k_norm, layer: int, batch: "StepBatch",
                  positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """qkv: [T, (H_q + 2·H_kv)·D] fp32 → attention output [T, H_q·D] fp32; cos, sin from `tables`."""
+        """qkv: [T, (H_q + 2·H_kv)·D] (as `project` takes it) → attention output [T, H_q·D] fp32;
+        cos, sin from `tables`."""
         cfg = self.config
         T = qkv.shape[0]
         qk, v = self.project(qkv, q_norm, k_norm, cos, sin)

@@ -155,7 +155,7 @@ def _load_stage(reader: CheckpointReader, cfg: ModelConfig, spec: StageSpec, pla
         gate_up = fused([(p + "mlp.gate_proj.weight", (I, H)), (p + "mlp.up_proj.weight", (I, H))])
         blocks.append(BlockWeights(
             input_norm=get(p + "input_layernorm.weight", (H,), f32),
-            qkv=ops.linear(qkv, qkv_bias, widen=False),  # attention widens q/k within its own ops
+            qkv=ops.linear(qkv, qkv_bias, widen=False),  # attention widens q/k itself (TorchAttention.project)
             q_norm=get(p + "self_attn.q_norm.weight", (D,), f32) if cfg.qk_norm else None,
             k_norm=get(p + "self_attn.k_norm.weight", (D,), f32) if cfg.qk_norm else None,
             o=ops.linear(get(p + "self_attn.o_proj.weight", (H, cfg.q_dim)), None),

@@ -21,7 +21,8 @@ from executor.rope import inverse_frequencies
 from executor.staging import PinnedStaging
 from executor.torch_ops import decoder_block
 
-# [T, K] fp32 → [T, N] fp32; called as (x, residual) it adds into residual [T, N] in place.
+# [T, K] fp32 → [T, N] fp32 (a GPU stage's qkv: in its weights' dtype, torch_ops.TorchLinear);
+# called as (x, residual) it adds into residual [T, N] in place.
 Linear = Callable[..., torch.Tensor]
 
 

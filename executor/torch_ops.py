@@ -1,7 +1,8 @@
 """Reference tensor ops of a decoder block, in plain PyTorch.
 
-Activations and accumulation stay in fp32; weights may be bf16/fp16/fp32. These are the
-reference twins of the Cython kernels and the path used on CUDA.
+Activations and accumulation stay in fp32 (on CUDA a product may stay in its half precision
+until the op that consumes it widens it: TorchLinear); weights may be bf16/fp16/fp32. These are
+the reference twins of the Cython kernels and the path used on CUDA.
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def decoder_block(x: torch.Tensor, w, ops, config, attend) -> torch.Tensor:
 
 
 def attention_input(x: torch.Tensor, w, ops, config) -> torch.Tensor:
-    """A block's first half up to attention: qkv [T, (H_q + 2·H_kv)·D] fp32 of x [T, H]."""
+    """A block's first half up to attention: qkv [T, (H_q + 2·H_kv)·D] of x [T, H], fp32 or, from
+    a GPU stage's half-precision weights, in their dtype (TorchAttention.project widens it)."""
     return w.qkv(ops.rms_norm(x, w.input_norm, config.rms_norm_eps))
 
 
@@ -71,8 +73,8 @@ class TorchLinear:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, K] fp32 or half precision (taken as it is where that is `input_dtype`, else
-        converted) → [T, N] fp32 (or W's dtype: `widen`); with `residual` [T, N] fp32:
-        residual += that, returned."""
+        converted) → [T, N] fp32 (in W's dtype where widen=False, off the CPU, for a half-precision
+        W without bias); with `residual` [T, N] fp32: residual += that, returned."""
         w = self.weight
         if w.device.type != "cpu" and w.dtype != torch.float32 and residual is not None and self.bias is None:
             # the half-precision product widens inside the add: one op fewer, the same sums

@@ -128,8 +128,9 @@ def test_a_gpu_stage_turns_cudnn_attention_off_for_the_process():
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_a_half_precision_qkv_projects_as_its_fp32_widening(qk_norm):
     """A GPU stage's qkv projection leaves its product in bf16 (TorchLinear widen=False); the
-    q/k norm, or else the rotation, widens it within its own ops: the same q/k and v as the fp32
-    reference path gets from the widened product, written into a bf16 buffer or returned."""
+    q/k norm's input (a widened copy of q/k) or else the rotation's own ops widen it: the same
+    q/k as the fp32 reference path gets from the widened product, written into a bf16 buffer or
+    returned, and v handed on as it is."""
     import json
     from dataclasses import replace
     from pathlib import Path
@@ -151,7 +152,8 @@ def test_a_half_precision_qkv_projects_as_its_fp32_widening(qk_norm):
     project = attention.TorchAttention(cfg, None, TorchBackend()).project
     want_qk, want_v = project(qkv.float(), *norms, cos, sin)
     got_qk, got_v = project(qkv, *norms, cos, sin)
-    assert got_qk.dtype == torch.float32 and torch.equal(got_qk, want_qk) and torch.equal(got_v.float(), want_v)
+    assert got_qk.dtype == torch.float32 and torch.equal(got_qk, want_qk)
+    assert got_v.dtype == torch.bfloat16 and torch.equal(got_v.float(), want_v)
     out = torch.empty(3, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16)
     project(qkv, *norms, cos, sin, out=out)
     assert torch.equal(out, want_qk.to(torch.bfloat16))

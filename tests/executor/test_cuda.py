@@ -180,7 +180,8 @@ def test_a_kv_write_into_a_host_page_lands(checkpoint):
     kv = KVCache(2, 2, 8, torch.bfloat16, torch.device("cuda"), page_size=4, device_pages=1, host_pages=4)
     kv.reserve("a", 1)
     kv.reserve("b", 3)  # the device page is a's and partial: b's page starts on the host
-    k, v = torch.randn(3, 2, 8, device="cuda"), torch.randn(3, 2, 8, device="cuda")
+    # k in fp32, v in bf16: as a GPU stage's attention hands them on (its qkv stays in bf16)
+    k, v = torch.randn(3, 2, 8, device="cuda"), torch.randn(3, 2, 8, device="cuda").to(torch.bfloat16)
     kv.write(1, "b", 0, k, v)
     got_k, got_v, start = next(kv.chunks(1, "b", 3))
     torch.cuda.synchronize()

@@ -188,7 +188,7 @@ def test_a_decode_block_on_the_gpu_launches_few_kernels(model, most):
     norms), and these element-wise and copy ops: a cast into each of the two GEMMs that take fp32
     input, the widening of gate-up's output and of qkv's where the rotation does not widen it
     itself (before the q/k norm; inside the bias add), the q/k weights' scaling (Qwen3), the
-    rotation (three ops for q and k together), v into the cache's dtype, one write and one gather
+    rotation (three ops for q and k together), v's copy beside them, one write and one gather
     of K/V, the attention output's copy into the o projection's layout, silu and its product. The
     o and down GEMMs' outputs widen inside their residual adds; the attention output and silu's
     product are written in the GEMMs' input dtype. Before, a Qwen3 block launched 44 (64 before
@@ -235,3 +235,34 @@ def test_compiled_blocks_give_transformers_tokens_and_compile_once_for_every_lay
     seqs = Engine(other).generate(prompts, SamplingParams(), stop)
     assert [s.output_ids for s in seqs] == [hf_greedy(path, p, 10) for p in prompts]
     assert counters["stats"]["unique_graphs"] == 6
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_a_half_precision_qkv_gives_the_logits_of_its_widening(checkpoint, arch, monkeypatch):
+    """On CUDA the qkv projection's product stays in bf16 (TorchLinear widen=False) and attention
+    widens it; on the CPU TorchLinear always widens. So the GPU's products are emulated here:
+    each half-precision product without bias rounded to the weights' dtype, then widened where
+    TorchLinear widens it, or everywhere. Kept in bf16 or widened first, qkv gives the same
+    logits: the static decode step and a fused prompt (4 device pages), streamed pages (2)."""
+    from executor.torch_ops import TorchLinear
+
+    exact = TorchLinear._project
+
+    def gpu_products(widen_all: bool):
+        def project(self, x):
+            y = exact(self, x)
+            if self.weight.dtype == torch.float32 or self.bias is not None:
+                return y
+            y = y.to(self.weight.dtype)  # a half-precision GEMM's output
+            return y.float() if self.widen or widen_all else y
+        return project
+
+    path = checkpoint(arch, "bf16")
+    ids = prompt_ids(40, 256, seed=6)
+    for pages in (4, 2):
+        logits = []
+        for widen_all in (True, False):
+            monkeypatch.setattr(TorchLinear, "_project", gpu_products(widen_all))
+            logits.append(helm_teacher_forced_logits(path, ids, prefill=20, split=1, backend="torch",
+                                                     device_kv_pages=pages, kv_slab=True))
+        assert torch.equal(logits[0], logits[1]), pages

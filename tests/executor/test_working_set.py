@@ -62,7 +62,8 @@ class LiveBytes(TorchDispatchMode):
 def _block_peak(cfg: ModelConfig, tokens: int) -> int:
     """Peak bytes the executor's decoder block allocates for a prompt chunk of `tokens`, its input
     held by the caller as in a stage. Attention is the GPU stage's fused path up to the kernel:
-    q/k norms and rotary, K/V cast to the cache's dtype, q cast for SDPA, the kernel's output in
+    q/k norms and rotary (qkv in the weights' dtype, as the loader builds a GPU stage's
+    projection without a bias), K/V in the cache's dtype, q cast for SDPA, the kernel's output in
     that dtype and its copy back into the step's fp32 output. The flash and memory-efficient
     kernels keep no scores, and the gathered K/V are priced apart (gpu_working_bytes)."""
     wd, H, D = cfg.dtype, cfg.hidden_size, cfg.head_dim
@@ -73,7 +74,7 @@ def _block_peak(cfg: ModelConfig, tokens: int) -> int:
     def weight(rows, cols, widen=True):
         return TorchLinear(torch.empty(rows, cols, dtype=wd, device=META), widen=widen)
 
-    w = BlockWeights(input_norm=vec(H), qkv=weight(cfg.q_dim + 2 * cfg.kv_dim, H, widen=False),  # as loaded
+    w = BlockWeights(input_norm=vec(H), qkv=weight(cfg.q_dim + 2 * cfg.kv_dim, H, widen=False),
                      q_norm=vec(D) if cfg.qk_norm else None, k_norm=vec(D) if cfg.qk_norm else None,
                      o=weight(H, cfg.q_dim), post_norm=vec(H), gate_up=weight(2 * cfg.intermediate_size, H),
                      down=weight(H, cfg.intermediate_size))

@@ -33,7 +33,9 @@ def test_quick_profile_is_fast_valid_and_reports_progress():
     threads = torch.get_num_threads()
     start = time.perf_counter()
     m = profile_machine(quick=True, name="test-box", progress=messages.append, gpu_probe=lambda q, p: None)
-    assert time.perf_counter() - start < 20  # ~9 s on a 2-core VM, most of it the kernels probe
+    # ~9 s on an idle 2-core VM, most of it the kernels probe (27 s once beside another test run):
+    # a bound against the quick profile turning into a full one, not a timing
+    assert time.perf_counter() - start < 60
     assert torch.get_num_threads() == threads                  # measured with all cores, then restored
     assert m.source == "measured" and m.quick and m.name == "test-box" and m.gpu is None
     # the bandwidth buffer dwarfs the L3 (else it measures the cache)
