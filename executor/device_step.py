@@ -180,7 +180,7 @@ class ResidentDecode:
         # SDPA's additive mask [rows, 1, 1, keys·P]: a key is visible where its position is at or
         # before the row's (a boolean mask SDPA would convert in every layer)
         hidden = (key_pos[None, :] > positions[:, None])[:, None, None, :]
-        mask = torch.zeros(hidden.shape, dtype=self.pool.slab.dtype, device=x.device).masked_fill_(hidden, -math.inf)
+        mask = torch.zeros(hidden.shape, dtype=self._cache_dtype, device=x.device).masked_fill_(hidden, -math.inf)
         del key_pos, hidden  # not kept in the graph's pool beside the mask (planner/working_set.py)
         table = index[:, _TABLE:].reshape(-1)
         where = (index[:, _WRITE_SLOT].contiguous(), index[:, _WRITE_ROW].contiguous())

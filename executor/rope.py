@@ -45,11 +45,8 @@ def rotation_tables(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[to
     """cos, sin: [T, head_dim] fp32 for integer positions [T], as `apply_rotary` takes them: cos
     for both halves of a head, sin with the sign of its half's term (-sin, then sin). Made once a
     step for every layer, so a layer's rotation costs three element-wise ops."""
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-    angles = torch.cat((angles, angles), dim=-1)
-    sin = angles.sin()
-    sin[:, :inv_freq.shape[0]].neg_()
-    return angles.cos(), sin
+    cos, sin = rotary_tables(inv_freq, positions)
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -75,14 +75,11 @@ class TorchLinear:
         """x: [T, K] fp32 or half precision (taken as it is where that is `input_dtype`, else
         converted) → [T, N] fp32 (in W's dtype where widen=False, off the CPU, for a half-precision
         W without bias); with `residual` [T, N] fp32: residual += that, returned."""
-        w = self.weight
-        if w.device.type != "cpu" and w.dtype != torch.float32 and residual is not None and self.bias is None:
-            # the half-precision product widens inside the add: one op fewer, the same sums
-            return residual.add_(F.linear(x.to(w.dtype), w))
-        y = self._project(x)
+        # a product added into the fp32 residual widens inside the add: one op fewer, the same sums
+        y = self._project(x, widen=self.widen and residual is None)
         return y if residual is None else residual.add_(y)
 
-    def _project(self, x: torch.Tensor) -> torch.Tensor:
+    def _project(self, x: torch.Tensor, widen: bool) -> torch.Tensor:
         w = self.weight
         if w.dtype == torch.float32:
             return F.linear(x.float(), w, self.bias)
@@ -90,7 +87,7 @@ class TorchLinear:
             y = F.linear(x.to(w.dtype), w)
             if self.bias is not None:
                 return y + self.bias  # the bias add widens
-            return y.float() if self.widen else y
+            return y.float() if widen else y
         x = x.float()
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         rows = max(1, _UPCAST_CHUNK_ELEMS // self.in_features)

@@ -242,19 +242,19 @@ def test_a_half_precision_qkv_gives_the_logits_of_its_widening(checkpoint, arch,
     """On CUDA the qkv projection's product stays in bf16 (TorchLinear widen=False) and attention
     widens it; on the CPU TorchLinear always widens. So the GPU's products are emulated here:
     each half-precision product without bias rounded to the weights' dtype, then widened where
-    TorchLinear widens it, or everywhere. Kept in bf16 or widened first, qkv gives the same
+    TorchLinear widens it (or its residual add does), or everywhere. Kept in bf16 or widened first, qkv gives the same
     logits: the static decode step and a fused prompt (4 device pages), streamed pages (2)."""
     from executor.torch_ops import TorchLinear
 
     exact = TorchLinear._project
 
     def gpu_products(widen_all: bool):
-        def project(self, x):
-            y = exact(self, x)
+        def project(self, x, widen):
+            y = exact(self, x, widen)
             if self.weight.dtype == torch.float32 or self.bias is not None:
                 return y
             y = y.to(self.weight.dtype)  # a half-precision GEMM's output
-            return y.float() if self.widen or widen_all else y
+            return y.float() if widen or widen_all else y
         return project
 
     path = checkpoint(arch, "bf16")
