@@ -153,15 +153,16 @@ def _load_stage(reader: CheckpointReader, cfg: ModelConfig, spec: StageSpec, pla
                               (p + "self_attn.k_proj.bias", (cfg.kv_dim,)),
                               (p + "self_attn.v_proj.bias", (cfg.kv_dim,))], f32)
         gate_up = fused([(p + "mlp.gate_proj.weight", (I, H)), (p + "mlp.up_proj.weight", (I, H))])
-        blocks.append(BlockWeights(
+        blocks.append(BlockWeights.of(
+            ops,
             input_norm=get(p + "input_layernorm.weight", (H,), f32),
-            qkv=ops.linear(qkv, qkv_bias, widen=False),  # attention widens q/k itself (TorchAttention.project)
+            qkv=qkv, qkv_bias=qkv_bias,
             q_norm=get(p + "self_attn.q_norm.weight", (D,), f32) if cfg.qk_norm else None,
             k_norm=get(p + "self_attn.k_norm.weight", (D,), f32) if cfg.qk_norm else None,
-            o=ops.linear(get(p + "self_attn.o_proj.weight", (H, cfg.q_dim)), None),
+            o=get(p + "self_attn.o_proj.weight", (H, cfg.q_dim)),
             post_norm=get(p + "post_attention_layernorm.weight", (H,), f32),
-            gate_up=ops.linear(gate_up, None),
-            down=ops.linear(get(p + "mlp.down_proj.weight", (H, I)), None),
+            gate_up=gate_up,
+            down=get(p + "mlp.down_proj.weight", (H, I)),
         ))
 
     head = None

@@ -362,24 +362,3 @@ def kv_read_gibps(buffer_bytes: int, runs: int, threads: int, progress: Progress
         progress(f"KV read (attention kernel) {fmt_bytes(buf.numel() * 2)} run {r + 1}/{runs}: {results[-1]:.2f} GiB/s")
     del buf
     return round_sig(statistics.median(results), 4)
-
-
-def device_gemv_gibps(device, hidden: int, dtype: torch.dtype, timer: Callable[[Callable[[], object], int], float],
-                      reps: int, copies: int = 4) -> float:
-    """GiB/s at which the GPU stage's projections stream their weights in a decode step: the
-    one-token matmul executor.torch_ops.TorchLinear issues on CUDA (its activation already cast
-    to the weights' half precision; the casts are launches of their own, which δ prices), over
-    (3·H, H) weights in `dtype`, `copies` of them in turn so that none is still in the GPU's L2
-    cache when it is read again. A device copy's bandwidth (the profile's HBM figure) overstates
-    what a matrix-vector product reaches. One launch per call, so the GPU's queue stays ahead of
-    the host on a fast GPU. timer: seconds per call (CUDA events)."""
-    linears = [torch.randn(3 * hidden, hidden, device=device, dtype=dtype) for _ in range(copies)]
-    x = torch.randn(1, hidden, device=device, dtype=dtype)
-    turn = iter(range(1 << 62))
-
-    def one():
-        return torch.nn.functional.linear(x, linears[next(turn) % copies])
-
-    one()
-    nbytes = linears[0].numel() * linears[0].element_size()
-    return max(nbytes / timer(one, reps) for _ in range(3)) / GIB

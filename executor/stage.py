@@ -37,6 +37,14 @@ class BlockWeights:
     gate_up: Linear  # H → 2·I, gate and up fused
     down: Linear  # I → H
 
+    @classmethod
+    def of(cls, ops, *, input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down) -> "BlockWeights":
+        """A block from its tensors (linears' weights [out, in] in the checkpoint's dtype, norms and
+        biases fp32), its linears made by the stage's backend `ops`: qkv's product left in the
+        weights' dtype, since attention widens q/k itself (TorchAttention.project)."""
+        return cls(input_norm, ops.linear(qkv, qkv_bias, widen=False), q_norm, k_norm, ops.linear(o, None),
+                   post_norm, ops.linear(gate_up, None), ops.linear(down, None))
+
 
 @dataclass
 class HeadWeights:

@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from planner.machine import DeviceCalibration, MachineProfile
+from planner.machine import DeviceCalibration, GpuProfile, MachineProfile
 from planner.ir import SharedWeight, UnitIR
 from planner.step_shape import PREFILL_CHUNK_TOKENS
 from planner.units import GIB, fmt_bytes
@@ -65,8 +65,7 @@ def device_rates(machine: MachineProfile, device: str, calibration=None, dtype: 
     """A device's rates for a model whose weights are `dtype` (float32 | bfloat16 | float16): on
     a CPU whose profile measured the executor's kernels for that dtype, the rates of the kernels
     that will run (the GEMV's weight streaming, the chosen prompt-GEMM path, prompt attention);
-    otherwise the generic DRAM read and fp32 GEMM figures. On the GPU weight reads at the rate
-    the profile's one-token matmul reached where it has one, else HBM's."""
+    otherwise the generic DRAM read and fp32 GEMM figures. On the GPU, gpu_rates."""
     calibration = calibration or machine.calibration
     if device == "cpu":
         c = machine.cpu
@@ -79,8 +78,13 @@ def device_rates(machine: MachineProfile, device: str, calibration=None, dtype: 
                            attn_gflops=k.attention_gflops, prefill_rate=k.prompt_gflops_at)
     if machine.gpu is None:
         raise ValueError("machine profile has no GPU")
-    g = machine.gpu
-    return DeviceRates("cuda", g.hbm_gibps, g.prefill_gflops, g.prefill_gflops, 0, g.hbm_gibps, calibration.cuda,
+    return gpu_rates(machine.gpu, calibration.cuda)
+
+
+def gpu_rates(g: GpuProfile, calibration: DeviceCalibration) -> DeviceRates:
+    """The GPU's rates: weights read at the rate the profile's one-token matmul reached where it
+    has one, else HBM's; KV at HBM's; no cache the cost model blends in."""
+    return DeviceRates("cuda", g.hbm_gibps, g.prefill_gflops, g.prefill_gflops, 0, g.hbm_gibps, calibration,
                        weight_gibps=g.gemv_gibps or 0.0)
 
 

@@ -119,6 +119,13 @@ class GpuProfile:
     # precision; the copy's hbm_gibps overstates it): weight reads are priced with it, KV reads with
     # hbm_gibps (None: both with hbm_gibps)
     gemv_gibps: float | None = field(default=None, metadata=OMIT_IF_NONE)
+    # What one decoder block adds to the GPU stage's decode step, timed through the executor's own
+    # step (executor/device_probe.py: CUDA graphs and all), and the block's roofline at the rates
+    # above: the excess is the profile's δ for the GPU (calibration.cuda). decode_block: which
+    # block, and how its step ran
+    decode_block_ms: float | None = field(default=None, metadata=OMIT_IF_NONE)
+    decode_block_roofline_ms: float | None = field(default=None, metadata=OMIT_IF_NONE)
+    decode_block: str | None = field(default=None, metadata=OMIT_IF_NONE)
 
 
 @dataclass(frozen=True)
@@ -145,7 +152,7 @@ class DeviceCalibration:
 class Calibration:
     cpu: DeviceCalibration = field(default_factory=DeviceCalibration)
     cuda: DeviceCalibration = field(default_factory=DeviceCalibration)
-    provenance: str = "default"          # "default" | "manual" | "profiled" (η_kv probed) | "recalibrated"
+    provenance: str = "default"          # "default" | "manual" | "profiled" (CPU η_kv, GPU δ probed) | "recalibrated"
     samples: int = 0                     # executor measurements the values were fitted to
 
     def for_device(self, device: str) -> DeviceCalibration:

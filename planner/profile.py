@@ -19,6 +19,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -281,13 +282,17 @@ def measure_gpu(device, *, name: str, mem_get_info: Callable[[], tuple[int, int]
                 release: Callable[[], None] = lambda: None, matmul_dtype=None,
                 stream_workspace: Callable[[], int] | None = None,
                 flash_attention: Callable[[], bool] | None = None, gemv: bool = True,
+                decode_block: dict | None = None,
                 progress: Progress = _quiet) -> tuple[GpuProfile, LinkProfile]:
     """Measure a torch device as the GPU stage's device, and the host link to it. timer: seconds
     per call of a kernel (default: host clock between synchronisations); release: return the
     probes' freed buffers to the device; matmul_dtype: the prefill matmul's (default bf16);
     stream_workspace: bytes a new stream's first GEMM keeps (None: not measured); flash_attention:
     whether PyTorch's flash attention runs the GPU stage's prompt chunks (None: not asked); gemv:
-    time the GPU stage's decode projection (executor/probe.py, device_gemv_gibps). Usable VRAM is
+    time the GPU stage's decode projection (executor/device_probe.py, device_gemv_gibps);
+    decode_block: a config.json's fields whose decoder block to time through the executor's
+    decode step (device_probe.decode_block_ms; in matmul_dtype), beside its roofline at this
+    device's rates (None: not timed). Usable VRAM is
     read after the probes, so what stays allocated once the GPU has run a matmul (cuBLAS's handle
     and workspace for one stream) counts as reserved."""
     import torch
@@ -302,10 +307,18 @@ def measure_gpu(device, *, name: str, mem_get_info: Callable[[], tuple[int, int]
     progress(f"prefill matmul {shape}: {flops:.0f} GFLOP/s")
     weight_gibps = None
     if gemv:
-        from executor.probe import device_gemv_gibps
+        from executor.device_probe import device_gemv_gibps
         weight_gibps = device_gemv_gibps(device, hidden, matmul_dtype, timer, 10 if quick else 50)
         progress(f"decode projection (1,{hidden})x({hidden},{3 * hidden}) {str(matmul_dtype).removeprefix('torch.')}: "
                  f"{weight_gibps:.1f} GiB/s of weights (a device copy: {statistics.median(hbm):.1f})")
+    gpu = GpuProfile(
+        name=name, vram_total_bytes=int(total), vram_usable_bytes=int(free),
+        cuda_context_reserve_bytes=int(total - free), hbm_gibps=round_sig(statistics.median(hbm), 4),
+        hbm_gibps_runs=tuple(hbm), prefill_gflops=round_sig(flops, 4), prefill_matmul=shape,
+        gemv_gibps=round_sig(weight_gibps, 4) if weight_gibps is not None else None)
+    if decode_block is not None:
+        gpu = _time_decode_block(gpu, device, {**decode_block, "torch_dtype": str(matmul_dtype).removeprefix("torch.")},
+                                 timer, 5 if quick else 20, release, progress)
     link_bytes = link_bytes or ((64 * MIB) if quick else (256 * MIB))
     h2d, d2h, lat_h2d, lat_d2h = _link(device, link_bytes, sync, pin_memory, 3 if quick else 10)
     progress(f"link {fmt_bytes(link_bytes)} pinned={pin_memory}: h2d {h2d:.1f} GiB/s, d2h {d2h:.1f} GiB/s, "
@@ -321,16 +334,49 @@ def measure_gpu(device, *, name: str, mem_get_info: Callable[[], tuple[int, int]
     if flash is not None:
         progress("flash attention: " + ("runs half-precision GQA" if flash else
                                         "does not run here (prompt chunks stream over their KV pages)"))
-    gpu = GpuProfile(
-        name=name, vram_total_bytes=int(total), vram_usable_bytes=int(free),
-        cuda_context_reserve_bytes=int(total - free), hbm_gibps=round_sig(statistics.median(hbm), 4),
-        hbm_gibps_runs=tuple(hbm), prefill_gflops=round_sig(flops, 4), prefill_matmul=shape,
-        stream_workspace_bytes=workspace, flash_attention=flash,
-        gemv_gibps=round_sig(weight_gibps, 4) if weight_gibps is not None else None)
+    gpu = replace(gpu, vram_usable_bytes=int(free), cuda_context_reserve_bytes=int(total - free),
+                  stream_workspace_bytes=workspace, flash_attention=flash)
     link = LinkProfile(h2d_gibps=round_sig(h2d, 4), d2h_gibps=round_sig(d2h, 4),
                        h2d_latency_us=round_sig(lat_h2d, 4), d2h_latency_us=round_sig(lat_d2h, 4),
                        pinned=pin_memory)
     return gpu, link
+
+
+def _time_decode_block(gpu: GpuProfile, device, config: dict, timer, reps: int, release: Callable[[], None],
+                       progress: Progress) -> GpuProfile:
+    """gpu with the decode-block probe's figures: what one block of `config` adds to the GPU
+    stage's decode step, and that block's roofline at gpu's rates (the cost model's T_proj +
+    T_attn for one token at the probe's context)."""
+    import torch
+    from executor.device_probe import DECODE_BLOCK_CONTEXT, decode_block_ms, decode_step_mode
+    from planner.cost import gpu_rates, unit_decode_ms
+    from planner.trace import trace_model
+
+    try:
+        measured = decode_block_ms(device, timer, reps, config)
+    except torch.cuda.OutOfMemoryError:  # a GPU busy with others: the plans go without δ
+        release()
+        progress("decode block: not measured (out of GPU memory for one block's weights)")
+        return gpu
+    if measured <= 0:  # the deeper stage no slower: noise swamped the difference, nothing to price
+        progress(f"decode block: not measured (a deeper stage ran {-measured * 1e3:.1f} us a block faster)")
+        return gpu
+    block = next(u for u in trace_model(config).units if u.kind == "block")
+    roofline = sum(unit_decode_ms(block, gpu_rates(gpu, DeviceCalibration()), 1, DECODE_BLOCK_CONTEXT))
+    what = (f"{config['architectures'][0]} block (hidden {config['hidden_size']}, MLP {config['intermediate_size']}, "
+            f"{config['num_attention_heads']}/{config['num_key_value_heads']} heads of {config['head_dim']}) "
+            f"{config['torch_dtype']}, one token at context {DECODE_BLOCK_CONTEXT}, {decode_step_mode(device)}")
+    progress(f"decode block: {measured * 1e3:.1f} us a block, roofline {roofline * 1e3:.1f} us ({what})")
+    return replace(gpu, decode_block_ms=round_sig(measured, 4), decode_block_roofline_ms=round_sig(roofline, 4),
+                   decode_block=what)
+
+
+def profiled_gpu_delta_ms(gpu: GpuProfile | None) -> float | None:
+    """δ for the GPU from its decode-block probe: what a block's step took beyond its roofline (0
+    where it ran at or under it); None where the probe did not run."""
+    if gpu is None or gpu.decode_block_ms is None or gpu.decode_block_roofline_ms is None:
+        return None
+    return round_sig(max(0.0, gpu.decode_block_ms - gpu.decode_block_roofline_ms), 3)
 
 
 def cuda_stream_workspace_bytes(dtype) -> int:
@@ -373,11 +419,13 @@ def probe_cuda(quick: bool, progress: Progress) -> tuple[GpuProfile, LinkProfile
     torch.empty(1, device="cuda")  # create the context so mem_get_info sees its reserve
     # GPUs without bf16 tensor cores (before Ampere) run fp16 checkpoints' rate
     dtype = torch.bfloat16 if torch.cuda.get_device_capability()[0] >= 8 else torch.float16
+    from executor.device_probe import DECODE_BLOCK_CONFIG
     return measure_gpu(torch.device("cuda"), name=torch.cuda.get_device_name(0),
                        mem_get_info=torch.cuda.mem_get_info, sync=torch.cuda.synchronize,
                        pin_memory=True, quick=quick, timer=_cuda_event_timer, release=torch.cuda.empty_cache,
                        matmul_dtype=dtype, stream_workspace=lambda: cuda_stream_workspace_bytes(dtype),
-                       flash_attention=lambda: flash_attention_runs("cuda", dtype), progress=progress)
+                       flash_attention=lambda: flash_attention_runs("cuda", dtype), decode_block=DECODE_BLOCK_CONFIG,
+                       progress=progress)
 
 
 # ---- the whole profile -----------------------------------------------------------------------
@@ -432,6 +480,10 @@ def _profile(quick, name, progress, threads, facts, gpu_probe, started) -> Machi
     cpu_kernels = measure_cpu_kernels(threads, quick, buffer_bytes, progress)
     measured = gpu_probe(quick, progress)
     gpu, link = measured if measured else (None, None)
+    delta = profiled_gpu_delta_ms(gpu)
+    if delta is not None:
+        # the first plans price the GPU stage's kernels beyond the roofline; recalibration refits δ
+        calibration = replace(calibration, cuda=DeviceCalibration(delta_ms_per_block=delta), provenance="profiled")
     seconds = time.perf_counter() - started
     load = ""
     try:

@@ -27,7 +27,9 @@ def _machine_line(plan: Plan) -> str:
     if m.gpu and m.link:
         line += (f"; GPU {m.gpu.name} {fmt_bytes(m.gpu.vram_usable_bytes)} usable of "
                  f"{fmt_bytes(m.gpu.vram_total_bytes)}, HBM {m.gpu.hbm_gibps:g} GiB/s"
-                 + (f" (decode projections {m.gpu.gemv_gibps:g})" if m.gpu.gemv_gibps else "") + "; "
+                 + (f" (decode projections {m.gpu.gemv_gibps:g})" if m.gpu.gemv_gibps else "")
+                 + (f", a decode block {1e3 * m.gpu.decode_block_ms:.0f} us (roofline "
+                    f"{1e3 * m.gpu.decode_block_roofline_ms:.0f})" if m.gpu.decode_block_ms is not None else "") + "; "
                  f"link h2d {m.link.h2d_gibps:g} GiB/s, {m.link.h2d_latency_us:g} us")
     else:
         line += "; no GPU"

@@ -289,6 +289,12 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"model": size, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
                      "gpu_memory_cap": fmt_bytes(cap), "prompt_tokens": args.prompt_tokens,
                      "new_tokens": args.new_tokens, "smoke": smoke}
+    if machine.gpu is not None and machine.gpu.decode_block_ms is not None:
+        # the profile's decode-block probe: the GPU's δ in the plans below (recalibration refits it)
+        results["profile_decode_block"] = {
+            "block": machine.gpu.decode_block, "ms": machine.gpu.decode_block_ms,
+            "roofline_ms": machine.gpu.decode_block_roofline_ms,
+            "delta_ms_per_block": machine.calibration.cuda.delta_ms_per_block}
 
     # 1. capped: HELM's plan against Accelerate
     if not args.skip_capped:
@@ -328,6 +334,10 @@ def main(argv: list[str] | None = None) -> int:
     save()
     print(json.dumps(results, indent=1))
     lines = []
+    if "profile_decode_block" in results:
+        b = results["profile_decode_block"]
+        lines.append(f"profile: a decode block {b['ms']} ms, roofline {b['roofline_ms']} ms: "
+                     f"δ {b['delta_ms_per_block']} ms per block ({b['block']})")
     if "capped" in results:
         c = results["capped"]
         lines.append(f"capped at {fmt_bytes(cap)}: HELM k={c['helm']['split_k']} {c['helm']['decode_tok_s']} tok/s "
@@ -340,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         launches = (f", {profile['kernels_per_step']} kernels a step" if "kernels_per_step" in profile
                     else f", {profile['ops_per_step']} ops a step" if "ops_per_step" in profile else "")
         lines.append(f"{'all-GPU' if name == 'all_gpu' else 'all-GPU, compiled'} at context {args.context}: "
-                     f"{run['decode_ms_per_token']} ms/token, HBM roofline {run['hbm_roofline_ms']} ms "
+                     f"{run['decode_ms_per_token']} ms/token (predicted {run['predicted_ms_per_token']}), "
+                     f"HBM roofline {run['hbm_roofline_ms']} ms "
                      f"({run['over_roofline']}x){launches}")
     print("\n" + "\n".join(lines), file=sys.stderr)
     return 0

@@ -11,7 +11,6 @@ from executor.batch import StepBatch
 from executor.device_step import ResidentDecode
 from executor.kv_cache import KVCache
 from executor.stage import BlockWeights
-from executor.torch_ops import TorchLinear
 from executor.engine import Engine
 from executor.loader import load_model
 from executor.model_config import ModelConfig
@@ -108,17 +107,18 @@ def decode_step_launches(cfg: ModelConfig, layers: int, rows: int = 1, pages: in
     def vec(n):
         return torch.empty(n, device=meta)
 
-    def linear(n, k, bias=False, widen=True):
-        return TorchLinear(torch.empty(n, k, dtype=cfg.dtype, device=meta), vec(n) if bias else None, widen)
+    def weight(n, k):
+        return torch.empty(n, k, dtype=cfg.dtype, device=meta)
 
-    qkv = cfg.q_dim + 2 * cfg.kv_dim  # its projection as the loader makes it
-    blocks = [BlockWeights(vec(H), linear(qkv, H, cfg.attention_bias, widen=False), vec(D) if cfg.qk_norm else None,
-                           vec(D) if cfg.qk_norm else None, linear(H, cfg.q_dim), vec(H),
-                           linear(2 * cfg.intermediate_size, H), linear(H, cfg.intermediate_size))
+    ops = TorchBackend()
+    qkv = cfg.q_dim + 2 * cfg.kv_dim
+    blocks = [BlockWeights.of(ops, input_norm=vec(H), qkv=weight(qkv, H), qkv_bias=vec(qkv) if cfg.attention_bias else None,
+                              q_norm=vec(D) if cfg.qk_norm else None, k_norm=vec(D) if cfg.qk_norm else None,
+                              o=weight(H, cfg.q_dim), post_norm=vec(H), gate_up=weight(2 * cfg.intermediate_size, H),
+                              down=weight(H, cfg.intermediate_size))
               for _ in range(layers)]
     kv = KVCache(num_layers=layers, num_kv_heads=cfg.num_kv_heads, head_dim=D, dtype=cfg.dtype, device=meta,
                  page_size=16, device_pages=64, host_pages=0, slab=True)
-    ops = TorchBackend()
     step = ResidentDecode(cfg, blocks, kv, ops.attention(cfg, kv), ops, graphs=False, compiled=False)
     x = torch.empty(rows, H, device=meta)
     index = torch.zeros(rows, 3 + pages, dtype=torch.int64, device=meta)

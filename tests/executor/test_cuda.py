@@ -279,6 +279,31 @@ def test_the_plans_gpu_bytes_bound_what_the_gpu_stage_allocates(checkpoint):
     assert peak <= priced + workspace
 
 
+def test_the_profiles_decode_block_probe_runs_the_graphed_step_and_gives_its_memory_back():
+    """probe_cuda times a Qwen3-8B block through the GPU stage's decode step replayed as CUDA
+    graphs, beside its roofline; nothing it allocated stays allocated. Prints the figures, for
+    the notes (δ = the block's time beyond its roofline)."""
+    from planner.profile import probe_cuda, profiled_gpu_delta_ms
+
+    # from a known state: the default stream's cuBLAS workspace only (the profile's first GEMM makes it)
+    torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()
+    a = torch.ones(64, 64, device="cuda", dtype=torch.bfloat16)
+    a @ a
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    said = []
+    gpu, _ = probe_cuda(True, said.append)
+    torch.cuda.synchronize()
+    print("\n" + "\n".join(m for m in said if m.startswith(("decode", "prefill"))))
+    assert gpu.decode_block_ms is not None, said
+    assert gpu.decode_block_ms > 0 and gpu.decode_block_roofline_ms > 0 and "CUDA graph" in gpu.decode_block
+    assert profiled_gpu_delta_ms(gpu) >= 0
+    # the probe stages' capture streams left no cuBLAS workspace behind: what remains is the
+    # workspace of the stream the profile makes to measure one (kept by design, the plan prices it)
+    assert torch.cuda.memory_allocated() - before <= (gpu.stream_workspace_bytes or 0) + (1 << 20)
+
+
 def test_prompt_attention_on_cuda_is_flash_with_no_mask():
     """A late prompt chunk's attention on CUDA (executor/attention.py, lower_right_causal_attention)
     runs flash attention: its queries see the cached keys and their own causally (against fp32 math

@@ -7,10 +7,10 @@ import time
 import pytest
 import torch
 
-from planner.machine import load_machine, machine_to_yaml
+from planner.machine import DeviceCalibration, GpuProfile, LinkProfile, load_machine, machine_to_yaml
 from planner.planning import make_plan
 from planner.profile import (ISA_FLAGS, detect_cpu_facts, measure_gpu, measure_read_bandwidth, probe_cuda,
-                             profile_machine)
+                             profile_machine, profiled_gpu_delta_ms)
 from planner.units import GIB, MIB
 from tests.planner.conftest import DEV, config_path
 
@@ -32,12 +32,18 @@ def test_quick_profile_is_fast_valid_and_reports_progress():
     messages = []
     threads = torch.get_num_threads()
     start = time.perf_counter()
-    m = profile_machine(quick=True, name="test-box", progress=messages.append, gpu_probe=lambda q, p: None)
+    # a GPU whose decode-block probe ran: its δ is the block's time beyond its roofline
+    gpu = GpuProfile(name="Mock GPU", vram_total_bytes=8 * GIB, vram_usable_bytes=7 * GIB,
+                     cuda_context_reserve_bytes=GIB, hbm_gibps=250.0, hbm_gibps_runs=(250.0,), prefill_gflops=2e4,
+                     prefill_matmul="mock", gemv_gibps=200.0, decode_block_ms=0.4, decode_block_roofline_ms=0.25,
+                     decode_block="mock")
+    link = LinkProfile(h2d_gibps=12.0, d2h_gibps=12.0, h2d_latency_us=10.0, d2h_latency_us=10.0, pinned=True)
+    m = profile_machine(quick=True, name="test-box", progress=messages.append, gpu_probe=lambda q, p: (gpu, link))
     # ~9 s on an idle 2-core VM, most of it the kernels probe (27 s once beside another test run):
     # a bound against the quick profile turning into a full one, not a timing
     assert time.perf_counter() - start < 60
     assert torch.get_num_threads() == threads                  # measured with all cores, then restored
-    assert m.source == "measured" and m.quick and m.name == "test-box" and m.gpu is None
+    assert m.source == "measured" and m.quick and m.name == "test-box" and (m.gpu, m.link) == (gpu, link)
     # the bandwidth buffer dwarfs the L3 (else it measures the cache)
     assert m.cpu.dram_buffer_bytes >= max(GIB, 3 * m.cpu.l3_bytes)
     assert len(m.cpu.dram_read_gibps_runs) == 3 and m.cpu.dram_read_gibps > 0 and m.cpu.compute_gflops > 0
@@ -46,7 +52,7 @@ def test_quick_profile_is_fast_valid_and_reports_progress():
     # the attention kernel's cold KV rate, relative to DRAM's, is the plans' default η_kv
     assert any("KV read (attention kernel)" in msg and "run 3/3" in msg for msg in messages)
     assert m.calibration.provenance == "profiled" and 0 < m.calibration.cpu.eta_kv <= 1
-    assert m.calibration.cuda.eta_kv == 1.0
+    assert m.calibration.cuda == DeviceCalibration(delta_ms_per_block=0.15)
     assert load_machine(machine_to_yaml(m)) == m
 
 
@@ -81,6 +87,68 @@ def test_gpu_measurements_on_a_mocked_device():
     assert gpu.prefill_matmul == "(512,128)x(128,128) bfloat16"
     assert link.h2d_gibps > 0 and link.d2h_gibps > 0 and link.h2d_latency_us > 0 and not link.pinned
     assert len(syncs) > 100                     # every timed region is synchronised
+
+
+TINY_BLOCK = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 128,
+              "intermediate_size": 384, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+              "num_hidden_layers": 1, "vocab_size": 512, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
+              "rope_theta": 1e6, "torch_dtype": "float32"}
+
+
+def _mock_gpu(timer, decode_block, said):
+    return measure_gpu(torch.device("cpu"), name="Mock GPU", mem_get_info=lambda: (GIB, 2 * GIB),
+                       sync=lambda: None, pin_memory=False, quick=True, copy_bytes=4 * MIB, link_bytes=MIB,
+                       hidden=64, timer=timer, matmul_dtype=torch.bfloat16, decode_block=decode_block,
+                       progress=said.append)[0]
+
+
+def test_the_gpus_delta_is_its_decode_blocks_time_beyond_the_roofline(monkeypatch):
+    """The profile prices the GPU stage's per-block overhead δ as what the executor's decode step
+    takes per block beyond the block's roofline: the DESIGN §5 formulas for one token at the
+    probe's context, at the rates this profile measured."""
+    from executor import device_probe
+    timed = []
+    monkeypatch.setattr(device_probe, "decode_block_ms",
+                        lambda device, timer, reps, config: timed.append(config["torch_dtype"]) or 50.0)
+    said = []
+    gpu = _mock_gpu(lambda fn, reps: (fn(), 1e-3)[1], TINY_BLOCK, said)
+    assert timed == ["bfloat16"]                                 # the block in the GPU's matmul dtype
+    H, I, h, kv, d, c = 128, 384, 4, 2, 32, device_probe.DECODE_BLOCK_CONTEXT
+    params = H * (h + 2 * kv) * d + h * d * H + 3 * H * I
+    f_proj, w = 2 * params, 2 * (params + 2 * H + 2 * d)         # bf16 weights, the norms' too
+    f_attn, kv_bytes = 4 * h * c * d, 2 * 2 * kv * d * c
+    P, Mw, M = gpu.prefill_gflops * 1e9, gpu.gemv_gibps * GIB, gpu.hbm_gibps * GIB
+    roofline_ms = 1e3 * (max(f_proj / P, w / Mw) + max(f_attn / P, kv_bytes / M))
+    assert gpu.decode_block_ms == 50.0 and gpu.decode_block_roofline_ms == pytest.approx(roofline_ms, rel=1e-3)
+    assert gpu.decode_block.startswith("Qwen3ForCausalLM block (hidden 128, MLP 384, 4/2 heads of 32) bfloat16")
+    assert 0 < roofline_ms < 50   # δ is stored to 3 significant digits
+    assert profiled_gpu_delta_ms(gpu) == pytest.approx(50.0 - roofline_ms, rel=2e-3)
+    assert any(m.startswith("decode block: 50000.0 us a block") for m in said)
+
+
+def test_a_decode_block_no_slower_than_the_roofline_or_not_measured_prices_no_delta():
+    from dataclasses import replace
+    said = []
+    # a timer that gives every call the same time: the deeper stage is no slower, nothing measured
+    gpu = _mock_gpu(lambda fn, reps: (fn(), 1e-3)[1], TINY_BLOCK, said)
+    assert (gpu.decode_block_ms, gpu.decode_block_roofline_ms, gpu.decode_block) == (None, None, None)
+    assert profiled_gpu_delta_ms(gpu) is None and any("decode block: not measured" in m for m in said)
+    assert profiled_gpu_delta_ms(None) is None
+    fast = replace(gpu, decode_block_ms=0.1, decode_block_roofline_ms=0.12, decode_block="mock")
+    assert profiled_gpu_delta_ms(fast) == 0.0
+
+
+def test_a_gpu_without_room_for_the_decode_block_is_profiled_without_it(monkeypatch):
+    from executor import device_probe
+
+    def out_of_memory(*args):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(device_probe, "decode_block_ms", out_of_memory)
+    said = []
+    gpu = _mock_gpu(lambda fn, reps: (fn(), 1e-3)[1], TINY_BLOCK, said)
+    assert gpu.decode_block_ms is None and gpu.gemv_gibps > 0 and profiled_gpu_delta_ms(gpu) is None
+    assert any("decode block: not measured (out of GPU memory" in m for m in said)
 
 
 def test_a_profile_with_a_gpu_plans_a_split(dev_machine):

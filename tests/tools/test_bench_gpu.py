@@ -10,10 +10,19 @@ from tools import bench_gpu
 def test_the_gpu_benchmark_runs_end_to_end_in_smoke_mode(tmp_path, capsys, monkeypatch):
     from dataclasses import replace
 
+    from planner.machine import DeviceCalibration
+
     placeholder = bench_gpu.placeholder_machine
-    # a profile that timed the GPU's one-token matmul (as a measured one has): its rate is reported too
-    monkeypatch.setattr(bench_gpu, "placeholder_machine",
-                        lambda: (lambda m: replace(m, gpu=replace(m.gpu, gemv_gibps=400.0)))(placeholder()))
+    # a profile that timed the GPU's one-token matmul and a decode block (as a measured one has):
+    # the matmul's rate is reported too, and the block's δ that the plans carry (1 us: the tiny
+    # model's blocks take a few us on the CPU, so a larger δ would rightly keep them all there)
+    def measured_like():
+        m = placeholder()
+        return replace(m, gpu=replace(m.gpu, gemv_gibps=400.0, decode_block_ms=0.151, decode_block_roofline_ms=0.15,
+                                      decode_block="mock block"),
+                       calibration=replace(m.calibration, cuda=DeviceCalibration(delta_ms_per_block=0.001)))
+
+    monkeypatch.setattr(bench_gpu, "placeholder_machine", measured_like)
     out = tmp_path / "bench.json"
     assert bench_gpu.main(["--smoke", "--work", str(tmp_path / "work"), "--new-tokens", "24", "--prompt-tokens", "8",
                            "--context", "64", "--compiled", "--out", str(out)]) == 0
@@ -36,5 +45,8 @@ def test_the_gpu_benchmark_runs_end_to_end_in_smoke_mode(tmp_path, capsys, monke
     compiled = results["all_gpu_compiled"]
     assert compiled["compiled"] and not results["all_gpu"]["compiled"]
     assert compiled["decode_ms_per_token"] > 0 and compiled["vs_uncompiled"] > 0 and compiled["decode_profile"]["top"]
+    assert results["profile_decode_block"] == {"block": "mock block", "ms": 0.151, "roofline_ms": 0.15,
+                                               "delta_ms_per_block": 0.001}
     err = capsys.readouterr().err
     assert "capped at" in err and "all-GPU, compiled" in err
+    assert "profile: a decode block 0.151 ms, roofline 0.15 ms: δ 0.001 ms per block (mock block)" in err
