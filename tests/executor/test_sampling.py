@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from executor.errors import RequestError
-from executor.sampling import SamplingParams, StopCriteria, make_generator, sample
+from executor.sampling import (NUCLEUS_PROBES, SamplingParams, StopCriteria, candidates, candidates_by_sorting,
+                               make_generator, sample)
 
 
 def draws(params, logits, n):
@@ -49,6 +50,79 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
 def test_vanishing_temperature_or_top_p_is_greedy(params):
     logits = torch.randn(5000, generator=torch.Generator().manual_seed(4)) * 30
     assert draws(params, logits, 20) == [int(torch.argmax(logits))] * 20
+
+
+def _distribution(ids, probs, vocab):
+    """{token: probability}, renormalised, of a sampler's candidates."""
+    ids = torch.arange(vocab) if ids is None else ids
+    probs = probs / probs.sum()
+    return {int(i): float(p) for i, p in zip(ids, probs) if p > 0}
+
+
+def _logits(kind, vocab=20000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(vocab, generator=g)
+    if kind == "flat":          # random weights: the nucleus spans most of the vocabulary
+        return x
+    if kind == "peaked":        # a trained model's: a nucleus of a few tokens
+        return x * 2 + torch.where(torch.arange(vocab) % 997 == 3, 12.0, 0.0)
+    if kind == "medium":        # a nucleus between the probes' sizes
+        return x * 2.5
+    if kind == "ties":          # many logits equal to the k-th's (fp32 rounding of a bf16 head)
+        return (x * 2).round() / 2
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind", ["flat", "peaked", "medium", "ties"])
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=0.8, top_p=0.9),
+    SamplingParams(temperature=1.3, top_p=0.5),
+    SamplingParams(temperature=0.6, top_k=20),
+    SamplingParams(temperature=0.6, top_k=20, top_p=0.95),
+    SamplingParams(temperature=1.0, top_k=3000, top_p=0.7),
+    SamplingParams(temperature=1e-300, top_p=0.9),
+], ids=lambda p: f"T{p.temperature:g}-k{p.top_k}-p{p.top_p:g}")
+def test_the_candidates_are_the_whole_vocabularys_sorted_filters(kind, params):
+    """The sampler's candidates — looked for among the most likely tokens first — are the tokens
+    and probabilities that the filters give over the whole vocabulary, sorted whole."""
+    logits = _logits(kind)
+    got = _distribution(*candidates(logits, params), len(logits))
+    want = _distribution(*candidates_by_sorting(logits, params), len(logits))
+    # where the nucleus ends among tied tokens, which of them it keeps is either's choice: the same
+    # number, and every token more likely than the least likely kept one
+    assert sorted(got.values()) == pytest.approx(sorted(want.values()), rel=1e-9, abs=1e-300)
+    least = min(want.values())
+    above = {t for t, p in want.items() if p > least * (1 + 1e-9)}
+    assert above <= got.keys() and all(got[t] == pytest.approx(want[t], rel=1e-9) for t in above)
+
+
+def test_the_test_logits_reach_every_nucleus_search():
+    """The cases above take each path: a nucleus within the first probe, within the second, and
+    one that needs the whole vocabulary sorted; and ties at the k-th logit."""
+    sizes = {kind: len(candidates(_logits(kind), SamplingParams(temperature=0.8, top_p=0.9))[0])
+             for kind in ("peaked", "medium", "flat")}
+    assert sizes["peaked"] < NUCLEUS_PROBES[0] < sizes["medium"] < NUCLEUS_PROBES[1] < sizes["flat"]
+    ids, _ = candidates(_logits("ties"), SamplingParams(temperature=0.6, top_k=20))
+    assert len(ids) > 20
+
+
+def test_draws_follow_the_candidates_probabilities():
+    logits = _logits("peaked", vocab=3000) / 3
+    params = SamplingParams(temperature=1.0, top_k=8, top_p=0.9, seed=5)
+    ids, probs = candidates_by_sorting(logits, params)
+    n = 4000
+    got = draws(params, logits, n)
+    assert set(got) <= set(ids.tolist())
+    counts = torch.tensor([got.count(int(i)) for i in ids], dtype=torch.float64)
+    expected = probs * n
+    assert torch.all((counts - expected).abs() < 4 * expected.sqrt() + 5)
+
+
+def test_logits_that_are_not_finite_are_an_error_not_a_token():
+    with pytest.raises(ValueError, match="not finite"):
+        sample(torch.tensor([0.0, float("nan"), 1.0]), SamplingParams(temperature=1.0, seed=0), make_generator(
+            SamplingParams(temperature=1.0, seed=0)))
 
 
 def test_temperature_sampling_follows_softmax():
