@@ -233,10 +233,28 @@ class Engine:
         batch = StepBatch.build(parts, rows)
         ids = torch.tensor([seq.token(i) for seq, start, count in scheduled for i in range(start, start + count)],
                            dtype=torch.int64)
-        logits = self._run_stages(ids, batch)
+        tokens = self._tokens(self._run_stages(ids, batch), emitting)
         for seq, start, count in scheduled:
             seq.num_computed = start + count
-        return [self._append(seq, logits[i]) for i, seq in enumerate(emitting)]
+        return [self._append(seq, token) for seq, token in zip(emitting, tokens)]
+
+    @staticmethod
+    def _tokens(logits: torch.Tensor, emitting: list[Sequence]) -> list[int]:
+        """The next token of each emitting sequence from its row of logits [R, V] fp32 (on the
+        last stage's device): greedy rows by argmax where the logits are, so that from a GPU only
+        their ids cross to the host; the others sampled on the host (executor/sampling.py)."""
+        greedy = [i for i, seq in enumerate(emitting) if seq.sampling.greedy]
+        tokens: list[int] = [0] * len(emitting)
+        if greedy:
+            rows = logits if len(greedy) == len(emitting) else logits[torch.tensor(greedy, device=logits.device)]
+            for i, token in zip(greedy, rows.argmax(-1).tolist()):
+                tokens[i] = token
+        sampled = [i for i, seq in enumerate(emitting) if not seq.sampling.greedy]
+        if sampled:
+            rows = logits[torch.tensor(sampled, device=logits.device)].cpu()
+            for i, row in zip(sampled, rows):
+                tokens[i] = sample(row, emitting[i].sampling, emitting[i].generator)
+        return tokens
 
     def _fail(self, seq: Sequence, error: Exception) -> TokenEvent:
         log.error("request %s failed: %s: %s", seq.request_id, type(error).__name__, error)
@@ -282,7 +300,7 @@ class Engine:
                 t0 = time.perf_counter()
                 x = stage.forward(x, batch)
                 clocks.append((time.perf_counter() - t0) * 1e3)
-        logits = x.float().cpu()  # waits for the last stage
+        logits = x.float()
         timings = []
         for i, (stage, clock) in enumerate(zip(self.model.stages, clocks)):
             if isinstance(clock, tuple):
@@ -294,8 +312,7 @@ class Engine:
             self.on_step(self.last_step)
         return logits
 
-    def _append(self, seq: Sequence, logits: torch.Tensor) -> TokenEvent:
-        token = sample(logits, seq.sampling, seq.generator)
+    def _append(self, seq: Sequence, token: int) -> TokenEvent:
         seq.output_ids.append(token)
         now = time.perf_counter()
         if seq.first_token_s is None:

@@ -77,6 +77,22 @@ def test_requests_joining_mid_run_get_their_own_tokens(path):
     assert [s.output_ids for s in seqs] == alone
 
 
+def test_greedy_and_sampled_rows_of_one_step_get_their_own_tokens(path):
+    """Greedy rows take their argmax where the logits are, sampled rows are drawn on the host: in
+    one batch, in any mix, each request gets the tokens it gets alone."""
+    prompts = [prompt_ids(n, 256, seed=60 + n) for n in (7, 4, 11)]
+    params = [SamplingParams(), SamplingParams(temperature=0.9, top_k=40, seed=5), SamplingParams()]
+    alone = [helm_generate(path, [p], split=2, sampling=s, max_new_tokens=8, page_size=4)[0][0]
+             for p, s in zip(prompts, params)]
+    assert alone[1] != helm_generate(path, [prompts[1]], split=2, max_new_tokens=8, page_size=4)[0][0]
+    eng = engine_for(path, eos_token_ids=())
+    stop = StopCriteria(max_new_tokens=8, ignore_eos=True)
+    seqs = [eng.add_request(p, s, stop) for p, s in zip(prompts, params)]
+    while eng.has_work():
+        eng.step()
+    assert [s.output_ids for s in seqs] == alone
+
+
 def test_request_validation(path):
     eng = engine_for(path)
     eng.add_request([11, 12], request_id="x")
