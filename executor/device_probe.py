@@ -4,21 +4,21 @@
 - `device_gemv_gibps`: the rate at which a decode step's projections stream their weights.
 - `decode_block_ms`: what one more decoder block adds to the GPU stage's decode step, run as the
   engine runs it (Stage.forward → the static step, replayed as a CUDA graph unless
-  HELM_CUDA_GRAPHS=0, compiled where HELM_COMPILE=1). On a fast GPU that step is bound by its
-  kernels, not by HBM; the profile prices the difference as the per-block overhead δ.
+  HELM_CUDA_GRAPHS=0, compiled where HELM_COMPILE=1: whatever this process's environment makes
+  the executor do). On a fast GPU that step is bound by its kernels, not by HBM; the profile
+  prices the difference as the per-block overhead δ.
 
 Timers are passed in (CUDA events on the GPU), so the CPU tests run the same code on CPU tensors.
 """
 from __future__ import annotations
 
-import os
+import gc
 from typing import Callable
 
 import torch
 
 from executor.batch import StepBatch
 from executor.backends import TorchBackend
-from executor.device_step import COMPILE_ENV, GRAPHS_ENV
 from executor.kv_cache import KVCache
 from executor.model_config import ModelConfig
 from executor.stage import BlockWeights, Stage
@@ -40,8 +40,10 @@ DECODE_BLOCK_CONFIG = {
 DECODE_BLOCK_CONTEXT, DECODE_BLOCK_PAGE = 1024, 512
 #: The two stage depths whose difference is timed: one block's weights serve every layer (its
 #: bytes dwarf any GPU's L2 at real widths, so each layer still reads them from HBM), and the
-#: shallower stage is deep enough that the GPU, not the host's per-step work, sets its pace.
-DECODE_BLOCK_LAYERS = (4, 12)
+#: shallower stage is deep enough that the GPU, not the host's per-step work (which the difference
+#: assumes it hides), sets its pace: eight blocks' weights take longer to read than a step's host
+#: work takes, even at 8 TB/s.
+DECODE_BLOCK_LAYERS = (8, 16)
 
 
 def device_gemv_gibps(device, hidden: int, dtype: torch.dtype, timer: Timer, reps: int, copies: int = 4) -> float:
@@ -62,14 +64,6 @@ def device_gemv_gibps(device, hidden: int, dtype: torch.dtype, timer: Timer, rep
     one()
     nbytes = linears[0].numel() * linears[0].element_size()
     return max(nbytes / timer(one, reps) for _ in range(3)) / GIB
-
-
-def decode_step_mode(device) -> str:
-    """How the GPU stage runs its decode step on `device` under this process's environment."""
-    if torch.device(device).type != "cuda":
-        return "eager (no CUDA)"
-    mode = "CUDA graph" if os.environ.get(GRAPHS_ENV, "1") != "0" else f"eager ({GRAPHS_ENV}=0)"
-    return mode + (", torch.compile" if os.environ.get(COMPILE_ENV, "0") == "1" else "")
 
 
 def _block(config: ModelConfig, device, ops: TorchBackend) -> BlockWeights:
@@ -93,37 +87,50 @@ def _block(config: ModelConfig, device, ops: TorchBackend) -> BlockWeights:
 
 def decode_block_ms(device, timer: Timer, reps: int, config: dict = DECODE_BLOCK_CONFIG,
                     context: int = DECODE_BLOCK_CONTEXT, page: int = DECODE_BLOCK_PAGE,
-                    layers: tuple[int, int] = DECODE_BLOCK_LAYERS) -> float:
-    """Milliseconds one decoder block of `config` (a config.json's fields; its torch_dtype the
-    weights') adds to the GPU stage's decode step of one sequence whose token sits at `context`:
-    the step of a stage of layers[1] blocks less that of one of layers[0], over their difference.
-    Each stage is built as the loader builds a GPU stage (a slab KV pool, its decode graphs
-    captured), and timed by `timer` through Stage.forward, as the engine steps it; what a step
-    costs whatever its depth (the host's work, the index copy) cancels in the difference."""
+                    layers: tuple[int, int] = DECODE_BLOCK_LAYERS) -> tuple[float, str]:
+    """(milliseconds, how the step ran): what one decoder block of `config` (a config.json's
+    fields; its torch_dtype the weights') adds to the GPU stage's decode step of one sequence
+    whose token sits at `context` — the step of a stage of layers[1] blocks less that of one of
+    layers[0], over their difference. Each stage is built as the loader builds a GPU stage (a
+    slab KV pool, its decode graphs captured) and timed by `timer` through Stage.forward, as the
+    engine steps it; what a step costs whatever its depth (the host's work, the index copy)
+    cancels in the difference. Everything it allocated is given back before it returns."""
     cfg = ModelConfig.from_dict(config, source="the decode-block probe")
     device = torch.device(device)
-    ops = TorchBackend()
-    block = _block(cfg, device, ops)
     pages = -(-context // page)
     batch = StepBatch.build([("probe", context - 1, 1)])
-    x = torch.randn(1, cfg.hidden_size, device=device, generator=torch.Generator(device=device).manual_seed(1))
-    seconds = []
-    for n in layers:
-        kv = KVCache(num_layers=n, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=cfg.dtype,
-                     device=device, page_size=page, device_pages=pages, host_pages=0, slab=True)
-        stage = Stage(cfg, 1, 1 + n, device, None, [block] * n, None, kv, ops)
-        stage.fused.capture(1, pages)
+    seconds, how = [], ""
+    try:
+        ops = TorchBackend()
+        block = _block(cfg, device, ops)
+        x = torch.randn(1, cfg.hidden_size, device=device, generator=torch.Generator(device=device).manual_seed(1))
+        for n in layers:
+            kv = KVCache(num_layers=n, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=cfg.dtype,
+                         device=device, page_size=page, device_pages=pages, host_pages=0, slab=True)
+            stage = Stage(cfg, 1, 1 + n, device, None, [block] * n, None, kv, ops)
+            stage.fused.capture(1, pages)
 
-        def step(stage=stage):
-            return stage.forward(x, batch)
+            def step(stage=stage):
+                return stage.forward(x, batch)
 
-        if not torch.isfinite(step()).all():
-            raise RuntimeError("the decode-block probe's step is not finite")
-        seconds.append(min(timer(step, reps) for _ in range(3)))
-        del stage, kv, step
-    if device.type == "cuda":
-        _forget_capture_streams(device)
-    return 1e3 * (seconds[1] - seconds[0]) / (layers[1] - layers[0])
+            if not torch.isfinite(step()).all():
+                raise RuntimeError("the decode-block probe's step is not finite")
+            seconds.append(min(timer(step, reps) for _ in range(3)))
+            how = _how(stage.fused, pages)
+            del stage, kv, step
+    finally:
+        # the compiled step holds a cycle (a bound method); its graphs' pools and weights go now
+        block = x = ops = None
+        gc.collect()
+        if device.type == "cuda":
+            _forget_capture_streams(device)
+    return 1e3 * (seconds[1] - seconds[0]) / (layers[1] - layers[0]), how
+
+
+def _how(step, pages: int) -> str:
+    """How the stage's decode step ran: replayed as the CUDA graph of its bucket, or eagerly."""
+    mode = "CUDA graph" if (1, pages) in step.captured else "eager" + (" (no CUDA)" if not step.graphs else "")
+    return mode + (", torch.compile" if step.compiled else "")
 
 
 def _forget_capture_streams(device) -> None:

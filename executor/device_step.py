@@ -91,7 +91,8 @@ class ResidentDecode:
         self._cache_dtype = self.pool.slab.dtype  # read here: read in a compiled half, it would
         # make the slab an input of the graph, guarded on its shape, so every plan a daemon loads
         # would compile again
-        self._heads = torch.compile(self._heads_of, fullgraph=True) if compiled else self._heads_of
+        # compiled: a bound method, so a cycle (collected by gc, not on the last reference's drop)
+        self._compiled_heads = torch.compile(self._heads_of, fullgraph=True) if compiled else None
         self._rest = torch.compile(block_output, fullgraph=True) if compiled else block_output
         self._captured: dict[tuple[int, int], _Graph] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.graphs else None
@@ -185,7 +186,7 @@ class ResidentDecode:
         table = index[:, _TABLE:].reshape(-1)
         where = (index[:, _WRITE_SLOT].contiguous(), index[:, _WRITE_ROW].contiguous())
         for layer, w in enumerate(self.blocks):
-            heads = self._heads(x, w, cos, sin)
+            heads = (self._compiled_heads or self._heads_of)(x, w, cos, sin)
             # the attention output passed straight on: block_output frees it before the MLP
             x = self._rest(x, self._attend(layer, heads, table, where, mask), w, self.ops, self.config)
         return x

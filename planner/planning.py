@@ -201,14 +201,23 @@ def _longest_workload(identity: ModelIdentity, ir: IRSummary, machine: MachinePr
 
 
 def carry_calibration(parent: Plan, machine: MachineProfile) -> tuple[Calibration, Recalibration | None]:
-    """The calibration a plan derived from `parent` for `machine` starts from. The same machine:
-    all of it. Another machine: η is relative to each machine's measured rates, so it carries;
-    δ is an absolute per-block cost of the machine it was fitted on, so it is kept as the best
-    prior there is, but `recalibration.delta_from_other_machine` says where it came from."""
+    """The calibration a plan derived from `parent` for `machine` starts from. A parent never
+    recalibrated: `machine`'s own (its profile's; the parent's came from its own machine's
+    profile). The same machine: all of it. Another machine: η is relative to each machine's
+    measured rates, so it carries; δ is an absolute per-block cost of the machine it was fitted
+    on, so it is kept as the best prior there is — but the GPU's where `machine`'s profile timed
+    a decode block (a measurement of this machine beats a fit on another), and
+    `recalibration.delta_from_other_machine` says where the rest came from."""
     rec = parent.recalibration
-    if rec is not None:
-        rec = replace(rec, delta_from_other_machine=rec.machine != machine.name)
-    return parent.calibration, rec
+    if rec is None:
+        return machine.calibration, None
+    if rec.machine == machine.name:
+        return parent.calibration, replace(rec, delta_from_other_machine=False)
+    calibration = parent.calibration
+    if machine.gpu is not None and machine.gpu.decode_block_ms is not None:
+        calibration = replace(calibration, cuda=replace(
+            calibration.cuda, delta_ms_per_block=machine.calibration.cuda.delta_ms_per_block))
+    return calibration, replace(rec, delta_from_other_machine=True)
 
 
 # An IR traced before activations (and attention heads) were: its re-planned GPU working set

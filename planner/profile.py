@@ -347,16 +347,16 @@ def _time_decode_block(gpu: GpuProfile, device, config: dict, timer, reps: int, 
     """gpu with the decode-block probe's figures: what one block of `config` adds to the GPU
     stage's decode step, and that block's roofline at gpu's rates (the cost model's T_proj +
     T_attn for one token at the probe's context)."""
-    import torch
-    from executor.device_probe import DECODE_BLOCK_CONTEXT, decode_block_ms, decode_step_mode
+    from executor.device_probe import DECODE_BLOCK_CONTEXT, decode_block_ms
     from planner.cost import gpu_rates, unit_decode_ms
     from planner.trace import trace_model
 
     try:
-        measured = decode_block_ms(device, timer, reps, config)
-    except torch.cuda.OutOfMemoryError:  # a GPU busy with others: the plans go without δ
+        measured, how = decode_block_ms(device, timer, reps, config)
+    except RuntimeError as e:  # out of memory on a GPU busy with others, a failed capture: no δ
         release()
-        progress("decode block: not measured (out of GPU memory for one block's weights)")
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        progress(f"decode block: not measured ({type(e).__name__}: {reason}); the plans price no δ for the GPU")
         return gpu
     if measured <= 0:  # the deeper stage no slower: noise swamped the difference, nothing to price
         progress(f"decode block: not measured (a deeper stage ran {-measured * 1e3:.1f} us a block faster)")
@@ -365,7 +365,7 @@ def _time_decode_block(gpu: GpuProfile, device, config: dict, timer, reps: int, 
     roofline = sum(unit_decode_ms(block, gpu_rates(gpu, DeviceCalibration()), 1, DECODE_BLOCK_CONTEXT))
     what = (f"{config['architectures'][0]} block (hidden {config['hidden_size']}, MLP {config['intermediate_size']}, "
             f"{config['num_attention_heads']}/{config['num_key_value_heads']} heads of {config['head_dim']}) "
-            f"{config['torch_dtype']}, one token at context {DECODE_BLOCK_CONTEXT}, {decode_step_mode(device)}")
+            f"{config['torch_dtype']}, one token at context {DECODE_BLOCK_CONTEXT}, {how}")
     progress(f"decode block: {measured * 1e3:.1f} us a block, roofline {roofline * 1e3:.1f} us ({what})")
     return replace(gpu, decode_block_ms=round_sig(measured, 4), decode_block_roofline_ms=round_sig(roofline, 4),
                    decode_block=what)

@@ -3,11 +3,15 @@ executor's own code. Here its code runs on CPU tensors (no CUDA graphs); what is
 what it times and how the figure follows from the timings."""
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
 from executor import device_probe
 from executor.device_step import ResidentDecode
+from executor.kv_cache import KVCache
 
 TINY_BLOCK = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 128,
               "intermediate_size": 384, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
@@ -39,18 +43,43 @@ def test_a_decode_block_is_timed_through_the_stages_static_step_at_two_depths(mo
         timed.append((steps[before][0], len(steps) - before))
         return next(times)
 
-    ms = device_probe.decode_block_ms("cpu", timer, 2, TINY_BLOCK, context=100, page=32, layers=(2, 6))
-    assert ms == pytest.approx(1e3 * (8e-3 - 2e-3) / 4)
+    ms, how = device_probe.decode_block_ms("cpu", timer, 2, TINY_BLOCK, context=100, page=32, layers=(2, 6))
+    assert ms == pytest.approx(1e3 * (8e-3 - 2e-3) / 4) and how == "eager (no CUDA)"
     assert timed == [(2, 2)] * 3 + [(6, 2)] * 3
     # one token at position context - 1, a hidden state out, finite (the random weights keep it so)
     assert {s[1:] for s in steps} == {(99, (1, 128), True)}
 
 
-def test_the_decode_steps_mode_follows_the_environment(monkeypatch):
-    assert device_probe.decode_step_mode("cpu") == "eager (no CUDA)"
-    monkeypatch.setenv("HELM_CUDA_GRAPHS", "0")
-    monkeypatch.setenv("HELM_COMPILE", "1")
-    assert device_probe.decode_step_mode("cuda") == "eager (HELM_CUDA_GRAPHS=0), torch.compile"
-    monkeypatch.delenv("HELM_CUDA_GRAPHS")
-    monkeypatch.delenv("HELM_COMPILE")
-    assert device_probe.decode_step_mode("cuda") == "CUDA graph"
+def test_the_probe_gives_back_what_it_allocated():
+    """Nothing of the probe's stages outlives it (on a GPU: usable VRAM is read after it)."""
+    def alive():
+        return sum(isinstance(o, (ResidentDecode, KVCache)) for o in gc.get_objects())
+
+    gc.collect()
+    before = alive()
+    device_probe.decode_block_ms("cpu", lambda fn, reps: (fn(), 1e-3)[1], 1, TINY_BLOCK, context=64, page=32,
+                                 layers=(1, 2))
+    assert alive() == before
+
+
+def test_a_static_decode_step_is_freed_when_dropped_without_a_collection():
+    """Uncompiled, the GPU stage's step holds no reference cycle: a daemon unloading a plan gets
+    its KV slab and graphs back at once, not at the next garbage collection."""
+    from executor.backends import TorchBackend
+    from executor.model_config import ModelConfig
+    from executor.stage import Stage
+
+    cfg = ModelConfig.from_dict(TINY_BLOCK)
+    ops = TorchBackend()
+    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=32, dtype=cfg.dtype, device="cpu", page_size=16,
+                 device_pages=2, host_pages=0, slab=True)
+    stage = Stage(cfg, 1, 2, torch.device("cpu"), None, [device_probe._block(cfg, torch.device("cpu"), ops)], None,
+                  kv, ops)
+    assert isinstance(stage.fused, ResidentDecode)
+    step, slab = weakref.ref(stage.fused), weakref.ref(kv.device_pool.slab)
+    del stage, kv
+    gc.disable()
+    try:
+        assert step() is None and slab() is None
+    finally:
+        gc.enable()

@@ -341,6 +341,28 @@ def test_calibration_carries_across_machines_only_where_it_should(dev_plan, lapt
     assert not mine.recalibration.delta_from_other_machine and mine.recalibration.machine == laptop.name
 
 
+def test_a_machine_profiles_own_gpu_delta_beats_one_from_another_machine(dev_plan, laptop):
+    """The profile's decode-block probe gives a machine its own GPU δ: a plan derived for it from
+    a parent never recalibrated takes its calibration whole; from a parent recalibrated elsewhere
+    it takes that one's η and CPU δ (flagged as from elsewhere), and its own GPU δ."""
+    from dataclasses import replace
+    timed = replace(laptop, gpu=replace(laptop.gpu, decode_block_ms=0.2, decode_block_roofline_ms=0.15,
+                                        decode_block="mock"),
+                    calibration=Calibration(cuda=DeviceCalibration(delta_ms_per_block=0.05), provenance="profiled"))
+    fresh = make_plan(config_path("qwen3-0.6b"), timed, parent=dev_plan, source=rel_source("qwen3-0.6b"))
+    assert dev_plan.recalibration is None and fresh.calibration == timed.calibration and fresh.recalibration is None
+
+    truth = Calibration(cpu=DeviceCalibration(eta_kv=0.7, delta_ms_per_block=1.0))
+    v2 = recalibrate(dev_plan, synthetic_report(dev_plan, truth, LONG), "synthetic").plan
+    other = make_plan(config_path("qwen3-0.6b"), timed, parent=v2, source=rel_source("qwen3-0.6b"))
+    assert other.calibration.cpu == v2.calibration.cpu and other.calibration.cuda.delta_ms_per_block == 0.05
+    assert other.calibration.cuda.eta_kv == v2.calibration.cuda.eta_kv
+    assert other.recalibration.delta_from_other_machine
+    # without a timed block the GPU's δ is the parent's, as the CPU's
+    untimed = make_plan(config_path("qwen3-0.6b"), laptop, parent=v2, source=rel_source("qwen3-0.6b"))
+    assert untimed.calibration == v2.calibration
+
+
 # ---- bad input: a clear one-line error, nothing written ----------------------------------------
 
 @pytest.fixture(scope="module")

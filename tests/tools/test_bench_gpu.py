@@ -14,8 +14,8 @@ def test_the_gpu_benchmark_runs_end_to_end_in_smoke_mode(tmp_path, capsys, monke
 
     placeholder = bench_gpu.placeholder_machine
     # a profile that timed the GPU's one-token matmul and a decode block (as a measured one has):
-    # the matmul's rate is reported too, and the block's δ that the plans carry (1 us: the tiny
-    # model's blocks take a few us on the CPU, so a larger δ would rightly keep them all there)
+    # the matmul's rate is reported too, and the block's δ that the plans carry (a small one: the
+    # tiny model's blocks are so cheap on the CPU that a real GPU's δ would rightly keep them there)
     def measured_like():
         m = placeholder()
         return replace(m, gpu=replace(m.gpu, gemv_gibps=400.0, decode_block_ms=0.151, decode_block_roofline_ms=0.15,
