@@ -252,8 +252,16 @@ class Engine:
         sampled = [i for i, seq in enumerate(emitting) if not seq.sampling.greedy]
         if sampled:
             rows = logits[torch.tensor(sampled, device=logits.device)].cpu()
-            for i, row in zip(sampled, rows):
-                tokens[i] = sample(row, emitting[i].sampling, emitting[i].generator)
+            # a row that fails (logits not finite) fails the step, which is retried one sequence
+            # at a time: the rows drawn before it draw again then, from where they were
+            states = [emitting[i].generator.get_state() for i in sampled]
+            try:
+                for i, row in zip(sampled, rows):
+                    tokens[i] = sample(row, emitting[i].sampling, emitting[i].generator)
+            except Exception:
+                for i, state in zip(sampled, states):
+                    emitting[i].generator.set_state(state)
+                raise
         return tokens
 
     def _fail(self, seq: Sequence, error: Exception) -> TokenEvent:

@@ -72,10 +72,14 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     return gen
 
 
-#: Sizes of the most likely tokens among which the nucleus (top-p) is looked for before the whole
-#: vocabulary is sorted: a trained model's nucleus is usually a few hundred tokens, and sorting a
-#: vocabulary of 10^5 logits takes milliseconds a token on a CPU (tools/bench_sampling.py).
-NUCLEUS_PROBES = (256, 4096)
+#: The most likely tokens among which the nucleus (top-p) is looked for first: a trained model's
+#: nucleus is usually a few dozen tokens. A larger one is found from the mass of the probabilities
+#: by their log2, in NUCLEUS_BUCKETS_PER_OCTAVE buckets an octave (the most likely first, down to
+#: 2^-NUCLEUS_OCTAVES of the top token's; all smaller ones share the last): only the bucket where
+#: the mass reaches top_p is sorted, never the vocabulary, whose sort takes milliseconds a token
+#: (tools/bench_sampling.py).
+NUCLEUS_PROBE = 256
+NUCLEUS_BUCKETS_PER_OCTAVE, NUCLEUS_OCTAVES = 64, 64
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
@@ -86,11 +90,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     # inverse CDF: the first candidate whose cumulative probability passes u · total (one with
     # probability 0 never: the CDF does not rise there)
     cdf = torch.cumsum(probs, 0)
-    total = cdf[-1]
-    if not (math.isfinite(total) and total > 0):
-        raise ValueError("the logits are not finite: nothing to sample from")
     u = torch.rand((), dtype=torch.float64, generator=generator)
-    at = min(int(torch.searchsorted(cdf, u * total, right=True)), len(cdf) - 1)
+    at = min(int(torch.searchsorted(cdf, u * cdf[-1], right=True)), len(cdf) - 1)
     return int(ids[at]) if ids is not None else at
 
 
@@ -98,51 +99,83 @@ def candidates(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tens
     """(token ids, probabilities) a sampled token is drawn from: softmax(logits / temperature)
     restricted to the top_k most likely tokens (all tokens tied with the k-th included) and then to
     the smallest set of them, most likely first, whose mass reaches top_p (the most likely always
-    stays); probabilities not renormalised. ids None: every token, in id order. The tokens are
-    chosen on the logits as they are (the scores' order); only the candidates are exponentiated
-    where top_k leaves few."""
+    stays); probabilities not renormalised, the candidates in no particular order. ids None: every
+    token, in id order. Which of several tokens tied at a cut stay is not specified (top_k: the
+    lowest ids). ValueError where the logits are not finite (NaN, +inf)."""
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
         k = params.top_k
         values, ids = torch.topk(logits, k + 1)
+        _check_finite(values[0])
         if values[k] == values[k - 1]:  # ties with the k-th: all of them
             ids = torch.nonzero(logits >= values[k - 1]).squeeze(1)
             values, order = torch.sort(logits[ids], descending=True, stable=True)
             ids = ids[order]
         else:
             values, ids = values[:k], ids[:k]
-        probs = _scaled_exp(values, values[0], params.temperature)
+        probs = torch.exp(_scores(values, values[0], params.temperature))
         n = _nucleus(probs, probs.sum(), params.top_p)
         return ids[:n], probs[:n]
-    probs = _scaled_exp(logits, logits.max(), params.temperature)
+    best = logits.max()
+    _check_finite(best)
+    scores = _scores(logits, best, params.temperature)
+    probs = torch.exp(scores)
     if params.top_p >= 1.0:
         return None, probs
     total = probs.sum()
-    for m in (*[m for m in NUCLEUS_PROBES if m < vocab], vocab):
-        values, ids = torch.topk(probs, m) if m < vocab else torch.sort(probs, descending=True)
+    if NUCLEUS_PROBE < vocab:
+        values, ids = torch.topk(probs, NUCLEUS_PROBE)
         n = _nucleus(values, total, params.top_p)
-        if n < m or m == vocab:
+        if n < NUCLEUS_PROBE:
             return ids[:n], values[:n]
-    raise AssertionError("unreachable")
+    return _nucleus_by_mass(scores, probs, total, params.top_p)
 
 
-def _scaled_exp(logits: torch.Tensor, best: torch.Tensor, temperature: float) -> torch.Tensor:
-    """exp((logits - best) / temperature) in float64, best the largest logit. In float64 and
-    shifted by the maximum: any temperature > 0 is a valid double, but in fp32 a tiny one (1e-300)
-    is 0 and one of 1e-40 makes the raw quotient overflow, so softmax gave NaN. Shifted, the best
-    token scores 0 and the rest tend to -inf: greedy, as the limit should be."""
-    return torch.exp((logits.to(torch.float64) - float(best)) / temperature)
+def _check_finite(best: torch.Tensor) -> None:
+    """NaN anywhere makes the maximum NaN; +inf makes it infinite."""
+    if not math.isfinite(float(best)):
+        raise ValueError("the logits are not finite: nothing to sample from")
 
 
-def _nucleus(probs: torch.Tensor, total: torch.Tensor, top_p: float) -> int:
-    """How many of `probs` (most likely first, of a distribution whose mass is `total`) the
-    nucleus keeps: up to the first whose preceding mass reaches top_p (at least one). Returns
-    len(probs) where their mass never reaches it, so the caller can tell it may go on further."""
+def _scores(logits: torch.Tensor, best: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(logits - best) / temperature in float64, best the largest logit: the log of each token's
+    probability relative to the best's. In float64 and shifted by the maximum: any temperature > 0
+    is a valid double, but in fp32 a tiny one (1e-300) is 0 and one of 1e-40 makes the raw quotient
+    overflow, so softmax gave NaN. Shifted, the best token scores 0 and the rest tend to -inf:
+    greedy, as the limit should be."""
+    return (logits.to(torch.float64) - float(best)) / temperature
+
+
+def _nucleus(probs: torch.Tensor, total: torch.Tensor, top_p: float, before: float = 0.0) -> int:
+    """How many of `probs` (most likely first, of a distribution whose mass is `total`, after
+    `before` of its mass in tokens more likely still) the nucleus keeps: those whose preceding mass
+    stays below top_p (the first of all, at least). len(probs) where it never reaches top_p within
+    them, so a caller can tell it may go on further."""
     if top_p >= 1.0:
         return len(probs)
-    before = (torch.cumsum(probs, 0) - probs) / total
-    reached = torch.nonzero(before[1:] >= top_p)
-    return int(reached[0]) + 1 if len(reached) else len(probs)
+    preceding = before + torch.cumsum(probs, 0) - probs
+    reached = torch.nonzero(preceding >= top_p * total)
+    first = int(reached[0]) if len(reached) else len(probs)
+    return max(first, 1) if before == 0.0 else first
+
+
+def _nucleus_by_mass(scores: torch.Tensor, probs: torch.Tensor, total: torch.Tensor, top_p: float):
+    """The nucleus of a whole vocabulary without sorting it: the probabilities' mass by bucket of
+    their log2 (bucket 0 the most likely), the bucket where the mass reaches top_p found from its
+    running sum; the tokens of every bucket before it are kept whole, those of that bucket by
+    `_nucleus` after sorting it alone. Bucket order is probability order, so this keeps what a
+    whole sort would."""
+    buckets = NUCLEUS_BUCKETS_PER_OCTAVE * NUCLEUS_OCTAVES
+    # -scores / ln 2 is -log2 of the probability relative to the best (0 for it, +inf for none)
+    bucket = (scores * (-NUCLEUS_BUCKETS_PER_OCTAVE / math.log(2))).clamp_(max=buckets - 1).long()
+    reached = torch.cumsum(torch.bincount(bucket, weights=probs, minlength=buckets), 0)
+    edge = min(int(torch.searchsorted(reached, top_p * total)), buckets - 1)  # first to reach it
+    before = float(reached[edge - 1]) if edge else 0.0
+    whole = torch.nonzero(bucket < edge).squeeze(1)
+    at_edge = torch.nonzero(bucket == edge).squeeze(1)
+    values, order = torch.sort(probs[at_edge], descending=True)
+    n = _nucleus(values, total, top_p, before)
+    return torch.cat([whole, at_edge[order[:n]]]), torch.cat([probs[whole], values[:n]])
 
 
 def candidates_by_sorting(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:

@@ -93,6 +93,32 @@ def test_greedy_and_sampled_rows_of_one_step_get_their_own_tokens(path):
     assert [s.output_ids for s in seqs] == alone
 
 
+def test_a_request_failing_to_sample_leaves_its_batch_mates_tokens_as_they_are_alone(path, monkeypatch):
+    """A row whose sampling fails fails the step, retried one sequence at a time: the seeded rows
+    drawn before it draw again then, and still get the tokens they get alone."""
+    import executor.engine as engine_module
+
+    first, second = prompt_ids(6, 256, seed=80), prompt_ids(5, 256, seed=81)
+    good = SamplingParams(temperature=0.9, seed=5)
+    alone = helm_generate(path, [first], split=2, sampling=good, max_new_tokens=6, page_size=4)[0][0]
+    sample = engine_module.sample
+
+    def failing(logits, params, generator):
+        if params.seed == 99:
+            raise ValueError("the logits are not finite: nothing to sample from")
+        return sample(logits, params, generator)
+
+    monkeypatch.setattr(engine_module, "sample", failing)
+    eng = engine_for(path, eos_token_ids=())
+    stop = StopCriteria(max_new_tokens=6, ignore_eos=True)
+    a = eng.add_request(first, good, stop)
+    b = eng.add_request(second, SamplingParams(temperature=0.9, seed=99), stop)
+    while eng.has_work():
+        eng.step()
+    assert b.finish_reason == "error" and "not finite" in b.error
+    assert a.finish_reason == "length" and a.output_ids == alone
+
+
 def test_request_validation(path):
     eng = engine_for(path)
     eng.add_request([11, 12], request_id="x")

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from executor.errors import RequestError
-from executor.sampling import (NUCLEUS_PROBES, SamplingParams, StopCriteria, candidates, candidates_by_sorting,
+from executor import sampling
+from executor.sampling import (NUCLEUS_PROBE, SamplingParams, StopCriteria, candidates, candidates_by_sorting,
                                make_generator, sample)
 
 
@@ -66,14 +67,18 @@ def _logits(kind, vocab=20000, seed=0):
         return x
     if kind == "peaked":        # a trained model's: a nucleus of a few tokens
         return x * 2 + torch.where(torch.arange(vocab) % 997 == 3, 12.0, 0.0)
-    if kind == "medium":        # a nucleus between the probes' sizes
+    if kind == "medium":        # a nucleus of some hundreds of tokens
         return x * 2.5
     if kind == "ties":          # many logits equal to the k-th's (fp32 rounding of a bf16 head)
         return (x * 2).round() / 2
+    if kind == "masked":        # tokens a caller masked out (-inf), the rest flat
+        return torch.where(torch.arange(vocab) % 3 == 0, float("-inf"), x)
+    if kind == "small":         # a vocabulary smaller than the first probe
+        return x[:100] * 2
     raise ValueError(kind)
 
 
-@pytest.mark.parametrize("kind", ["flat", "peaked", "medium", "ties"])
+@pytest.mark.parametrize("kind", ["flat", "peaked", "medium", "ties", "masked", "small"])
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=0.7),
     SamplingParams(temperature=0.8, top_p=0.9),
@@ -82,6 +87,8 @@ def _logits(kind, vocab=20000, seed=0):
     SamplingParams(temperature=0.6, top_k=20, top_p=0.95),
     SamplingParams(temperature=1.0, top_k=3000, top_p=0.7),
     SamplingParams(temperature=1e-300, top_p=0.9),
+    SamplingParams(temperature=1.0, top_p=1 - 1e-12),
+    SamplingParams(temperature=0.5, top_k=19999, top_p=0.99),
 ], ids=lambda p: f"T{p.temperature:g}-k{p.top_k}-p{p.top_p:g}")
 def test_the_candidates_are_the_whole_vocabularys_sorted_filters(kind, params):
     """The sampler's candidates — looked for among the most likely tokens first — are the tokens
@@ -97,14 +104,40 @@ def test_the_candidates_are_the_whole_vocabularys_sorted_filters(kind, params):
     assert above <= got.keys() and all(got[t] == pytest.approx(want[t], rel=1e-9) for t in above)
 
 
-def test_the_test_logits_reach_every_nucleus_search():
-    """The cases above take each path: a nucleus within the first probe, within the second, and
-    one that needs the whole vocabulary sorted; and ties at the k-th logit."""
-    sizes = {kind: len(candidates(_logits(kind), SamplingParams(temperature=0.8, top_p=0.9))[0])
-             for kind in ("peaked", "medium", "flat")}
-    assert sizes["peaked"] < NUCLEUS_PROBES[0] < sizes["medium"] < NUCLEUS_PROBES[1] < sizes["flat"]
+def test_a_large_nucleus_is_found_without_sorting_the_vocabulary(monkeypatch):
+    """The cases above take each path — a nucleus within the first probe, and larger ones found
+    from the mass by bucket — and ties at the k-th logit; a large nucleus sorts one bucket only."""
+    sorted_sizes = []
+    sort = torch.sort
+    monkeypatch.setattr(sampling.torch, "sort", lambda x, **kw: (sorted_sizes.append(len(x)), sort(x, **kw))[1])
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+    assert len(candidates(_logits("peaked"), params)[0]) < NUCLEUS_PROBE and not sorted_sizes
+    for kind in ("medium", "flat"):
+        sorted_sizes.clear()
+        assert len(candidates(_logits(kind), params)[0]) > NUCLEUS_PROBE
+        assert len(sorted_sizes) == 1 and sorted_sizes[0] < 20000 / 50
     ids, _ = candidates(_logits("ties"), SamplingParams(temperature=0.6, top_k=20))
     assert len(ids) > 20
+
+
+@pytest.mark.parametrize("kept", [NUCLEUS_PROBE - 1, NUCLEUS_PROBE, NUCLEUS_PROBE + 1])
+def test_a_nucleus_ending_at_the_first_probes_edge_keeps_what_a_whole_sort_keeps(kept):
+    """300 equally likely tokens over a tail of unlikely ones, top_p just under `kept` of them: the
+    nucleus ends just before, at or just after the first probe's last token."""
+    logits = torch.full((20000,), -30.0)
+    logits[torch.arange(300) * 61] = 0.0
+    params = SamplingParams(temperature=1.0, top_p=(kept - 0.5) / 300)
+    ids, _ = candidates(logits, params)
+    assert len(ids) == len(candidates_by_sorting(logits, params)[0]) == kept
+    assert set(ids.tolist()) <= set((torch.arange(300) * 61).tolist())
+
+
+def test_logits_that_are_not_finite_are_an_error_not_a_token():
+    for logits in (torch.tensor([0.0, float("nan"), 1.0]), torch.tensor([0.0, float("inf"), 1.0])):
+        for params in (SamplingParams(temperature=1.0, seed=0), SamplingParams(temperature=1.0, top_p=0.5, seed=0),
+                       SamplingParams(temperature=1.0, top_k=2, seed=0)):
+            with pytest.raises(ValueError, match="not finite"):
+                sample(logits, params, make_generator(params))
 
 
 def test_draws_follow_the_candidates_probabilities():
@@ -117,12 +150,6 @@ def test_draws_follow_the_candidates_probabilities():
     counts = torch.tensor([got.count(int(i)) for i in ids], dtype=torch.float64)
     expected = probs * n
     assert torch.all((counts - expected).abs() < 4 * expected.sqrt() + 5)
-
-
-def test_logits_that_are_not_finite_are_an_error_not_a_token():
-    with pytest.raises(ValueError, match="not finite"):
-        sample(torch.tensor([0.0, float("nan"), 1.0]), SamplingParams(temperature=1.0, seed=0), make_generator(
-            SamplingParams(temperature=1.0, seed=0)))
 
 
 def test_temperature_sampling_follows_softmax():
