@@ -258,7 +258,7 @@ class Engine:
             try:
                 for i, row in zip(sampled, rows):
                     tokens[i] = sample(row, emitting[i].sampling, emitting[i].generator)
-            except Exception:
+            except BaseException:
                 for i, state in zip(sampled, states):
                     emitting[i].generator.set_state(state)
                 raise

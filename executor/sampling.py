@@ -76,8 +76,8 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
 #: nucleus is usually a few dozen tokens. A larger one is found from the mass of the probabilities
 #: by their log2, in NUCLEUS_BUCKETS_PER_OCTAVE buckets an octave (the most likely first, down to
 #: 2^-NUCLEUS_OCTAVES of the top token's; all smaller ones share the last): only the bucket where
-#: the mass reaches top_p is sorted, never the vocabulary, whose sort takes milliseconds a token
-#: (tools/bench_sampling.py).
+#: the mass reaches top_p is sorted, not the vocabulary, whose sort takes milliseconds a token
+#: (tools/bench_sampling.py) — unless most of it is within 1/64 of an octave of the top token.
 NUCLEUS_PROBE = 256
 NUCLEUS_BUCKETS_PER_OCTAVE, NUCLEUS_OCTAVES = 64, 64
 
@@ -168,11 +168,13 @@ def _nucleus_by_mass(scores: torch.Tensor, probs: torch.Tensor, total: torch.Ten
     buckets = NUCLEUS_BUCKETS_PER_OCTAVE * NUCLEUS_OCTAVES
     # -scores / ln 2 is -log2 of the probability relative to the best (0 for it, +inf for none)
     bucket = (scores * (-NUCLEUS_BUCKETS_PER_OCTAVE / math.log(2))).clamp_(max=buckets - 1).long()
-    reached = torch.cumsum(torch.bincount(bucket, weights=probs, minlength=buckets), 0)
-    edge = min(int(torch.searchsorted(reached, top_p * total)), buckets - 1)  # first to reach it
+    mass = torch.bincount(bucket, weights=probs, minlength=buckets)
+    reached = torch.cumsum(mass, 0)
+    # the first bucket to reach it; the last with any mass where rounding puts top_p · total past all
+    edge = min(int(torch.searchsorted(reached, top_p * total)), int(torch.nonzero(mass).max()))
     before = float(reached[edge - 1]) if edge else 0.0
     whole = torch.nonzero(bucket < edge).squeeze(1)
-    at_edge = torch.nonzero(bucket == edge).squeeze(1)
+    at_edge = torch.nonzero((bucket == edge) & (probs > 0)).squeeze(1)  # not tokens of no mass
     values, order = torch.sort(probs[at_edge], descending=True)
     n = _nucleus(values, total, top_p, before)
     return torch.cat([whole, at_edge[order[:n]]]), torch.cat([probs[whole], values[:n]])

@@ -120,6 +120,18 @@ def test_a_large_nucleus_is_found_without_sorting_the_vocabulary(monkeypatch):
     assert len(ids) > 20
 
 
+@pytest.mark.parametrize("top_p", [1 - 1e-15, 1 - 2 ** -53])
+def test_a_nucleus_of_almost_all_the_mass_keeps_no_token_of_none(top_p):
+    """top_p · total rounding past the whole mass: the nucleus is every token of any probability,
+    not the ones masked out (-inf) or below the last bucket's edge with none."""
+    logits = torch.randn(151936, generator=torch.Generator().manual_seed(11))  # a seed whose sums round so
+    logits[torch.arange(151936) % 20 != 0] = float("-inf")
+    params = SamplingParams(temperature=1.0, top_p=top_p)
+    ids, probs = candidates(logits, params)
+    finite = int(torch.isfinite(logits).sum())
+    assert bool((probs > 0).all()) and len(ids) == len(candidates_by_sorting(logits, params)[0]) == finite
+
+
 @pytest.mark.parametrize("kept", [NUCLEUS_PROBE - 1, NUCLEUS_PROBE, NUCLEUS_PROBE + 1])
 def test_a_nucleus_ending_at_the_first_probes_edge_keeps_what_a_whole_sort_keeps(kept):
     """300 equally likely tokens over a tail of unlikely ones, top_p just under `kept` of them: the
