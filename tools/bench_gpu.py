@@ -210,6 +210,41 @@ def run_helm(model_dir: Path, plan, config: ModelConfig, ids: list[int], new_tok
     return out
 
 
+# Issue 11's targets: HELM's decode at the cap against Accelerate's, the all-GPU decode against the
+# HBM roofline, and the GPU stage's decode steps against the plan (once δ is fitted).
+TARGET_SPEEDUP, TARGET_OVER_ROOFLINE, TARGET_ERROR_PCT = 3.0, 1.25, 10.0
+
+
+def targets(results: dict) -> dict:
+    """Each target the runs measured: its figure, its bound and whether it was met."""
+    out = {}
+
+    def check(name, value, bound, met):
+        if value is not None:
+            out[name] = {"value": value, "bound": bound, "verdict": "met" if met(value) else "missed"}
+
+    capped = results.get("capped", {})
+    check("decode_vs_accelerate_at_cap", capped.get("decode_speedup"), f">= {TARGET_SPEEDUP}x",
+          lambda v: v >= TARGET_SPEEDUP)
+    for run in ("all_gpu", "all_gpu_compiled"):
+        check(f"{run}_over_roofline", results.get(run, {}).get("over_roofline"), f"<= {TARGET_OVER_ROOFLINE}x",
+              lambda v: v <= TARGET_OVER_ROOFLINE)
+
+    def gpu_decode_error(rows):
+        errors = [r["error_pct"] for r in rows if r["device"] == "cuda" and r["phase"] == "decode"]
+        return max(errors, key=abs) if errors else None
+
+    within = f"|error| <= {TARGET_ERROR_PCT}%"
+    helm = capped.get("helm", {})
+    check("gpu_stage_predicted_first_plan", gpu_decode_error(helm.get("stages", [])), within,
+          lambda v: abs(v) <= TARGET_ERROR_PCT)
+    check("gpu_stage_predicted_after_fit", gpu_decode_error(helm.get("after_fit", {}).get("stages", [])), within,
+          lambda v: abs(v) <= TARGET_ERROR_PCT)
+    check("all_gpu_stage_predicted_first_plan", gpu_decode_error(results.get("all_gpu", {}).get("stages", [])),
+          within, lambda v: abs(v) <= TARGET_ERROR_PCT)
+    return out
+
+
 def run_accelerate(model_dir: Path, ids: list[int], new_tokens: int, gpu_memory: int) -> dict:
     """The same request through transformers with Accelerate's device_map="auto" under the cap."""
     from transformers import AutoModelForCausalLM
@@ -331,9 +366,10 @@ def main(argv: list[str] | None = None) -> int:
         results["all_gpu_compiled"]["vs_uncompiled"] = round(
             results["all_gpu_compiled"]["decode_ms_per_token"] / results["all_gpu"]["decode_ms_per_token"], 3)
 
+    results["targets"] = targets(results)
     save()
     print(json.dumps(results, indent=1))
-    lines = []
+    lines = [f"target {name}: {t['verdict']} ({t['value']} vs {t['bound']})" for name, t in results["targets"].items()]
     if "profile_decode_block" in results:
         b = results["profile_decode_block"]
         lines.append(f"profile: a decode block {b['ms']} ms, roofline {b['roofline_ms']} ms: "

@@ -47,6 +47,32 @@ def test_the_gpu_benchmark_runs_end_to_end_in_smoke_mode(tmp_path, capsys, monke
     assert compiled["decode_ms_per_token"] > 0 and compiled["vs_uncompiled"] > 0 and compiled["decode_profile"]["top"]
     assert results["profile_decode_block"] == {"block": "mock block", "ms": 0.151, "roofline_ms": 0.15,
                                                "delta_ms_per_block": 0.001}
+    # the targets it measured, each with its figure and bound (the smoke run's figures mean nothing)
+    t = results["targets"]
+    assert set(t) >= {"all_gpu_over_roofline", "all_gpu_compiled_over_roofline", "gpu_stage_predicted_first_plan",
+                      "gpu_stage_predicted_after_fit", "all_gpu_stage_predicted_first_plan"}
+    assert "decode_vs_accelerate_at_cap" not in t           # no Accelerate in a smoke run
+    assert t["all_gpu_over_roofline"]["value"] == results["all_gpu"]["over_roofline"]
+    assert t["all_gpu_over_roofline"]["verdict"] == ("met" if results["all_gpu"]["over_roofline"] <= 1.25 else "missed")
+    worst = max((r["error_pct"] for r in helm["stages"] if r["device"] == "cuda" and r["phase"] == "decode"), key=abs)
+    assert t["gpu_stage_predicted_first_plan"]["value"] == worst
     err = capsys.readouterr().err
     assert "capped at" in err and "all-GPU, compiled" in err
+    assert "target all_gpu_over_roofline: " in err
     assert "profile: a decode block 0.151 ms, roofline 0.15 ms: δ 0.001 ms per block (mock block)" in err
+
+
+def test_the_targets_verdicts_follow_their_bounds():
+    rows = [{"device": "cpu", "phase": "decode", "error_pct": 40.0},
+            {"device": "cuda", "phase": "decode", "error_pct": -12.5},
+            {"device": "cuda", "phase": "prefill", "error_pct": 30.0}]
+    results = {"capped": {"decode_speedup": 3.4, "helm": {"stages": rows, "after_fit": {"stages": [
+        {"device": "cuda", "phase": "decode", "error_pct": 4.0}]}}},
+        "all_gpu": {"over_roofline": 1.31, "stages": []}}
+    t = bench_gpu.targets(results)
+    assert t["decode_vs_accelerate_at_cap"] == {"value": 3.4, "bound": ">= 3.0x", "verdict": "met"}
+    assert t["all_gpu_over_roofline"]["verdict"] == "missed"
+    # the GPU stage's decode rows only, the worst of them
+    assert t["gpu_stage_predicted_first_plan"] == {"value": -12.5, "bound": "|error| <= 10.0%", "verdict": "missed"}
+    assert t["gpu_stage_predicted_after_fit"]["verdict"] == "met"
+    assert "all_gpu_stage_predicted_first_plan" not in t and "all_gpu_compiled_over_roofline" not in t
