@@ -27,7 +27,7 @@ import torch
 from executor.batch import StepBatch
 from executor.errors import RequestError
 from executor.loader import LoadedModel
-from executor.sampling import SamplingParams, StopCriteria, make_generator, sample
+from executor.sampling import SamplingParams, StopCriteria, make_generator, sample_rows
 from planner.step_shape import MAX_RUNNING_SEQUENCES, MAX_STEP_TOKENS, PREFILL_CHUNK_TOKENS, step_tokens
 
 log = logging.getLogger(__name__)
@@ -233,36 +233,12 @@ class Engine:
         batch = StepBatch.build(parts, rows)
         ids = torch.tensor([seq.token(i) for seq, start, count in scheduled for i in range(start, start + count)],
                            dtype=torch.int64)
-        tokens = self._tokens(self._run_stages(ids, batch), emitting)
+        # a failed draw (logits not finite) leaves every generator as it was, for the retry
+        tokens = sample_rows(self._run_stages(ids, batch), [seq.sampling for seq in emitting],
+                             [seq.generator for seq in emitting])
         for seq, start, count in scheduled:
             seq.num_computed = start + count
         return [self._append(seq, token) for seq, token in zip(emitting, tokens)]
-
-    @staticmethod
-    def _tokens(logits: torch.Tensor, emitting: list[Sequence]) -> list[int]:
-        """The next token of each emitting sequence from its row of logits [R, V] fp32 (on the
-        last stage's device): greedy rows by argmax where the logits are, so that from a GPU only
-        their ids cross to the host; the others sampled on the host (executor/sampling.py)."""
-        greedy = [i for i, seq in enumerate(emitting) if seq.sampling.greedy]
-        tokens: list[int] = [0] * len(emitting)
-        if greedy:
-            rows = logits if len(greedy) == len(emitting) else logits[torch.tensor(greedy, device=logits.device)]
-            for i, token in zip(greedy, rows.argmax(-1).tolist()):
-                tokens[i] = token
-        sampled = [i for i, seq in enumerate(emitting) if not seq.sampling.greedy]
-        if sampled:
-            rows = logits[torch.tensor(sampled, device=logits.device)].cpu()
-            # a row that fails (logits not finite) fails the step, which is retried one sequence
-            # at a time: the rows drawn before it draw again then, from where they were
-            states = [emitting[i].generator.get_state() for i in sampled]
-            try:
-                for i, row in zip(sampled, rows):
-                    tokens[i] = sample(row, emitting[i].sampling, emitting[i].generator)
-            except BaseException:
-                for i, state in zip(sampled, states):
-                    emitting[i].generator.set_state(state)
-                raise
-        return tokens
 
     def _fail(self, seq: Sequence, error: Exception) -> TokenEvent:
         log.error("request %s failed: %s: %s", seq.request_id, type(error).__name__, error)

@@ -83,12 +83,54 @@ NUCLEUS_BUCKETS_PER_OCTAVE, NUCLEUS_OCTAVES = 64, 64
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token id from next-token logits [V] (fp32, CPU)."""
-    if params.greedy:
-        return int(torch.argmax(logits))
-    ids, probs = candidates(logits, params)
-    # inverse CDF: the first candidate whose cumulative probability passes u · total (one with
-    # probability 0 never: the CDF does not rise there)
+    """One token id from next-token logits [V] (fp32)."""
+    return sample_rows(logits[None], [params], [generator])[0]
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> list[int]:
+    """One token per row of next-token logits [R, V] (fp32, on the device the last stage left
+    them on), row r by params[r] with generators[r]. The work that reads whole rows runs there,
+    over every row at once where it can: the greedy rows' argmax, and one topk over the top-k rows
+    (only their candidates cross to the host); the other sampled rows are copied to the host and
+    filtered there (`candidates`). Each draw takes its own row's generator, so a row's token
+    depends on its logits and seed alone; and where any row fails (logits not finite), every
+    generator is put back as it was before the error is raised, so a retry draws the same."""
+    tokens = [0] * len(params)
+    vocab = logits.shape[-1]
+    greedy = [r for r, p in enumerate(params) if p.greedy]
+    top_k = [r for r, p in enumerate(params) if not p.greedy and 0 < p.top_k < vocab]
+    rest = [r for r, p in enumerate(params) if not p.greedy and not 0 < p.top_k < vocab]
+    if greedy:
+        for r, token in zip(greedy, _rows(logits, greedy, len(params)).argmax(-1).tolist()):
+            tokens[r] = token
+    states = [(generators[r], generators[r].get_state()) for r in top_k + rest]
+    try:
+        if top_k:
+            k_most = max(params[r].top_k for r in top_k)
+            values, ids = (t.cpu() for t in torch.topk(_rows(logits, top_k, len(params)), k_most + 1))
+            for j, r in enumerate(top_k):
+                k = params[r].top_k
+                found = _top_k(values[j, :k + 1], ids[j, :k + 1], k, lambda: logits[r].cpu(), params[r])
+                tokens[r] = _draw(*found, generators[r])
+        if rest:
+            rows = _rows(logits, rest, len(params)).cpu()
+            for j, r in enumerate(rest):
+                tokens[r] = _draw(*candidates(rows[j], params[r]), generators[r])
+    except BaseException:
+        for generator, state in states:
+            generator.set_state(state)
+        raise
+    return tokens
+
+
+def _rows(logits: torch.Tensor, rows: list[int], count: int) -> torch.Tensor:
+    return logits if len(rows) == count else logits[torch.tensor(rows, device=logits.device)]
+
+
+def _draw(ids: torch.Tensor | None, probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """Inverse CDF: the first candidate whose cumulative probability passes u · total (one with
+    probability 0 never: the CDF does not rise there)."""
     cdf = torch.cumsum(probs, 0)
     u = torch.rand((), dtype=torch.float64, generator=generator)
     at = min(int(torch.searchsorted(cdf, u * cdf[-1], right=True)), len(cdf) - 1)
@@ -99,23 +141,14 @@ def candidates(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tens
     """(token ids, probabilities) a sampled token is drawn from: softmax(logits / temperature)
     restricted to the top_k most likely tokens (all tokens tied with the k-th included) and then to
     the smallest set of them, most likely first, whose mass reaches top_p (the most likely always
-    stays); probabilities not renormalised, the candidates in no particular order. ids None: every
-    token, in id order. Which of several tokens tied at a cut stay is not specified (top_k: the
-    lowest ids). ValueError where the logits are not finite (NaN, +inf)."""
+    stays); probabilities not renormalised. ids None: every token, in id order; top_k's candidates
+    most likely first, ties by id; otherwise in no particular order. Which of several tokens tied
+    at a cut stay is not specified (top_k: the lowest ids). ValueError where the logits are not
+    finite (NaN, +inf)."""
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
-        k = params.top_k
-        values, ids = torch.topk(logits, k + 1)
-        _check_finite(values[0])
-        if values[k] == values[k - 1]:  # ties with the k-th: all of them
-            ids = torch.nonzero(logits >= values[k - 1]).squeeze(1)
-            values, order = torch.sort(logits[ids], descending=True, stable=True)
-            ids = ids[order]
-        else:
-            values, ids = values[:k], ids[:k]
-        probs = torch.exp(_scores(values, values[0], params.temperature))
-        n = _nucleus(probs, probs.sum(), params.top_p)
-        return ids[:n], probs[:n]
+        values, ids = torch.topk(logits, params.top_k + 1)
+        return _top_k(values, ids, params.top_k, lambda: logits, params)
     best = logits.max()
     _check_finite(best)
     scores = _scores(logits, best, params.temperature)
@@ -129,6 +162,27 @@ def candidates(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tens
         if n < NUCLEUS_PROBE:
             return ids[:n], values[:n]
     return _nucleus_by_mass(scores, probs, total, params.top_p)
+
+
+def _top_k(values: torch.Tensor, ids: torch.Tensor, k: int, row, params: SamplingParams):
+    """`candidates` of a top-k row from its k + 1 largest logits (values descending, with their
+    ids): the k best, or every token tied with the k-th, read from row() (the whole row), then the
+    nucleus among them. In a canonical order (most likely first, ties by id), so that where the
+    topk ran, and with how many more, changes no seeded draw."""
+    _check_finite(values[0])
+    if values[k] == values[k - 1]:  # ties with the k-th: all of them
+        logits = row()
+        ids = torch.nonzero(logits >= values[k - 1]).squeeze(1)
+        values = logits[ids]
+    else:
+        values, ids = values[:k], ids[:k]
+        ids, by_id = torch.sort(ids)
+        values = values[by_id]
+    values, order = torch.sort(values, descending=True, stable=True)
+    ids = ids[order]
+    probs = torch.exp(_scores(values, values[0], params.temperature))
+    n = _nucleus(probs, probs.sum(), params.top_p)
+    return ids[:n], probs[:n]
 
 
 def _check_finite(best: torch.Tensor) -> None:

@@ -24,9 +24,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from executor.sampling import SamplingParams, candidates_by_sorting, make_generator, sample  # noqa: E402
+from executor.sampling import (SamplingParams, candidates_by_sorting, make_generator, sample,  # noqa: E402
+                               sample_rows)
 
 VOCABS = {"Qwen3 / Qwen2.5": 151936, "Llama 3": 128256, "Mistral 7B v0.3": 32768}
+BATCH = 16
 PARAMS = {
     "temperature 0.7": SamplingParams(temperature=0.7, seed=0),
     "top-k 50": SamplingParams(temperature=0.7, top_k=50, seed=0),
@@ -81,6 +83,18 @@ def main(argv=None) -> int:
                 ref = ms_per_call(previous_sample, logits, params, args.runs)
                 print(f"| {vname} ({vocab}) | {kind} | {pname} | {kept} | {new:.3f} | {ref:.3f} | {ref / new:.1f}x |",
                       flush=True)
+    print(f"\nA step of {BATCH} sequences at Qwen3's vocabulary, peaked logits: ms to sample every row, "
+          "sample_rows (top-k rows' topk over all of them at once) against row by row")
+    print("| sampling | sample_rows | row by row | before, row by row |")
+    print("|---|---:|---:|---:|")
+    rows = torch.stack([logits_of("peaked", VOCABS["Qwen3 / Qwen2.5"]).roll(7 * r) for r in range(BATCH)])
+    for pname, params in PARAMS.items():
+        batch = ms_per_call(lambda x, p, g: sample_rows(x, [p] * BATCH, [make_generator(p) for _ in range(BATCH)]),
+                            rows, params, args.runs)
+        each = ms_per_call(lambda x, p, g: [sample(row, p, g) for row in x], rows, params, args.runs)
+        before = ms_per_call(lambda x, p, g: [previous_sample(row, p, g) for row in x], rows, params,
+                             max(1, args.runs // 4))
+        print(f"| {pname} | {batch:.3f} | {each:.3f} | {before:.3f} |", flush=True)
     return 0
 
 

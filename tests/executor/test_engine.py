@@ -78,10 +78,12 @@ def test_requests_joining_mid_run_get_their_own_tokens(path):
 
 
 def test_greedy_and_sampled_rows_of_one_step_get_their_own_tokens(path):
-    """Greedy rows take their argmax where the logits are, sampled rows are drawn on the host: in
-    one batch, in any mix, each request gets the tokens it gets alone."""
-    prompts = [prompt_ids(n, 256, seed=60 + n) for n in (7, 4, 11)]
-    params = [SamplingParams(), SamplingParams(temperature=0.9, top_k=40, seed=5), SamplingParams()]
+    """Greedy rows take their argmax where the logits are, top-k rows one topk over them all there,
+    the others are filtered on the host: in one batch, in any mix (top-k rows of different k), each
+    request gets the tokens it gets alone."""
+    prompts = [prompt_ids(n, 256, seed=60 + n) for n in (7, 4, 11, 5, 9)]
+    params = [SamplingParams(), SamplingParams(temperature=0.9, top_k=40, seed=5), SamplingParams(),
+              SamplingParams(temperature=1.1, top_k=3, top_p=0.9, seed=6), SamplingParams(temperature=0.8, seed=7)]
     alone = [helm_generate(path, [p], split=2, sampling=s, max_new_tokens=8, page_size=4)[0][0]
              for p, s in zip(prompts, params)]
     assert alone[1] != helm_generate(path, [prompts[1]], split=2, max_new_tokens=8, page_size=4)[0][0]
@@ -96,19 +98,19 @@ def test_greedy_and_sampled_rows_of_one_step_get_their_own_tokens(path):
 def test_a_request_failing_to_sample_leaves_its_batch_mates_tokens_as_they_are_alone(path, monkeypatch):
     """A row whose sampling fails fails the step, retried one sequence at a time: the seeded rows
     drawn before it draw again then, and still get the tokens they get alone."""
-    import executor.engine as engine_module
+    from executor import sampling
 
     first, second = prompt_ids(6, 256, seed=80), prompt_ids(5, 256, seed=81)
     good = SamplingParams(temperature=0.9, seed=5)
     alone = helm_generate(path, [first], split=2, sampling=good, max_new_tokens=6, page_size=4)[0][0]
-    sample = engine_module.sample
+    candidates = sampling.candidates
 
-    def failing(logits, params, generator):
+    def failing(logits, params):
         if params.seed == 99:
             raise ValueError("the logits are not finite: nothing to sample from")
-        return sample(logits, params, generator)
+        return candidates(logits, params)
 
-    monkeypatch.setattr(engine_module, "sample", failing)
+    monkeypatch.setattr(sampling, "candidates", failing)
     eng = engine_for(path, eos_token_ids=())
     stop = StopCriteria(max_new_tokens=6, ignore_eos=True)
     a = eng.add_request(first, good, stop)

@@ -5,7 +5,7 @@ import torch
 from executor.errors import RequestError
 from executor import sampling
 from executor.sampling import (NUCLEUS_PROBE, SamplingParams, StopCriteria, candidates, candidates_by_sorting,
-                               make_generator, sample)
+                               make_generator, sample, sample_rows)
 
 
 def draws(params, logits, n):
@@ -162,6 +162,53 @@ def test_draws_follow_the_candidates_probabilities():
     counts = torch.tensor([got.count(int(i)) for i in ids], dtype=torch.float64)
     expected = probs * n
     assert torch.all((counts - expected).abs() < 4 * expected.sqrt() + 5)
+
+
+ROW_PARAMS = [SamplingParams(), SamplingParams(temperature=0.6, top_k=20, top_p=0.95, seed=1),
+              SamplingParams(temperature=0.9, top_k=300, seed=2), SamplingParams(temperature=0.8, top_p=0.9, seed=3),
+              SamplingParams(temperature=1.2, seed=4), SamplingParams(temperature=0.7, top_k=5, seed=5)]
+
+
+def test_a_rows_token_depends_on_its_logits_and_seed_not_on_its_batch():
+    """sample_rows takes the top-k rows' candidates from one topk over them all (as many as the
+    largest k needs), the rest row by row: each row draws, round after round, what it draws alone."""
+    logits = torch.stack([_logits("ties", seed=s) for s in range(len(ROW_PARAMS))])  # ties inside the top k
+    batched = [make_generator(p) for p in ROW_PARAMS]
+    alone = [make_generator(p) for p in ROW_PARAMS]
+    for _ in range(25):
+        got = sample_rows(logits, ROW_PARAMS, batched)
+        assert got == [sample(row, p, g) for row, p, g in zip(logits, ROW_PARAMS, alone)]
+    assert got[0] == int(torch.argmax(logits[0]))
+
+
+def test_top_k_candidates_come_most_likely_first_ties_by_id():
+    logits = _logits("ties")
+    ids, probs = candidates(logits, SamplingParams(temperature=0.6, top_k=40))
+    order = sorted(range(len(ids)), key=lambda i: (-float(logits[ids[i]]), int(ids[i])))
+    assert order == list(range(len(ids))) and len(set(logits[ids].tolist())) < len(ids)   # ties inside
+
+
+def test_a_topk_that_orders_ties_otherwise_gives_the_same_candidates():
+    """Another device's topk (or one asked for more values) may list tied logits in another order:
+    the candidates come out the same, so a seeded draw does too."""
+    from executor.sampling import _top_k
+    logits = torch.tensor([0.0, 1.0, 4.0, 2.0, 1.0, 4.0, 3.0, 4.0, 0.5, 5.0])
+    params = SamplingParams(temperature=1.0, top_k=5)
+    one = _top_k(torch.tensor([5.0, 4.0, 4.0, 4.0, 3.0, 2.0]), torch.tensor([9, 7, 2, 5, 6, 3]), 5,
+                 lambda: logits, params)
+    other = _top_k(torch.tensor([5.0, 4.0, 4.0, 4.0, 3.0, 2.0]), torch.tensor([9, 2, 5, 7, 6, 3]), 5,
+                   lambda: logits, params)
+    assert one[0].tolist() == other[0].tolist() == [9, 2, 5, 7, 6] and torch.equal(one[1], other[1])
+
+
+def test_a_failing_row_leaves_every_generator_as_it_was():
+    logits = torch.stack([_logits("flat", seed=s) for s in range(len(ROW_PARAMS))])
+    logits[4, 7] = float("nan")          # a row without top-k, drawn after the top-k rows
+    generators = [make_generator(p) for p in ROW_PARAMS]
+    before = [g.get_state() for g in generators if g is not None]
+    with pytest.raises(ValueError, match="not finite"):
+        sample_rows(logits, ROW_PARAMS, generators)
+    assert all(torch.equal(g.get_state(), b) for g, b in zip([g for g in generators if g is not None], before))
 
 
 def test_temperature_sampling_follows_softmax():
