@@ -304,6 +304,21 @@ def test_the_profiles_decode_block_probe_runs_the_graphed_step_and_gives_its_mem
     assert torch.cuda.memory_allocated() - before <= (gpu.stream_workspace_bytes or 0) + (1 << 20)
 
 
+def test_sampling_rows_on_cuda_draws_what_it_draws_on_the_cpu():
+    """sample_rows on a GPU stage's logits (argmax and topk there, only candidates copied) gives
+    the tokens it gives on the same logits on the CPU, with the same seeds."""
+    from executor.sampling import SamplingParams, make_generator, sample_rows
+
+    g = torch.Generator().manual_seed(0)
+    logits = ((torch.randn(5, 151936, generator=g) * 4).round() / 2)   # ties inside the top k
+    params = [SamplingParams(), SamplingParams(temperature=0.6, top_k=20, top_p=0.95, seed=1),
+              SamplingParams(temperature=0.9, top_k=300, seed=2), SamplingParams(temperature=0.8, top_p=0.9, seed=3),
+              SamplingParams(temperature=1.2, seed=4)]
+    on_cpu, on_gpu = [make_generator(p) for p in params], [make_generator(p) for p in params]
+    for _ in range(10):
+        assert sample_rows(logits.cuda(), params, on_gpu) == sample_rows(logits, params, on_cpu)
+
+
 def test_prompt_attention_on_cuda_is_flash_with_no_mask():
     """A late prompt chunk's attention on CUDA (executor/attention.py, lower_right_causal_attention)
     runs flash attention: its queries see the cached keys and their own causally (against fp32 math
