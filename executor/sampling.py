@@ -87,34 +87,44 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return sample_rows(logits[None], [params], [generator])[0]
 
 
+#: Top-k rows of a step share one topk over them all where k is at most this: a row asking for
+#: more candidates would make every row's topk (and its copy to the host) that large.
+BATCHED_TOP_K = 1024
+
+
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
                 generators: list[torch.Generator | None]) -> list[int]:
     """One token per row of next-token logits [R, V] (fp32, on the device the last stage left
-    them on), row r by params[r] with generators[r]. The work that reads whole rows runs there,
-    over every row at once where it can: the greedy rows' argmax, and one topk over the top-k rows
-    (only their candidates cross to the host); the other sampled rows are copied to the host and
-    filtered there (`candidates`). Each draw takes its own row's generator, so a row's token
-    depends on its logits and seed alone; and where any row fails (logits not finite), every
-    generator is put back as it was before the error is raised, so a retry draws the same."""
+    them on), row r by params[r] with generators[r] (None: torch's global generator). The work
+    that reads whole rows runs there, over every row at once where it can: the greedy rows' argmax,
+    and one topk over the top-k rows (k <= BATCHED_TOP_K; only their candidates cross to the
+    host); the other sampled rows are copied to the host and filtered there (`candidates`). Each
+    draw takes its own row's generator, so a row's token depends on its logits and seed alone; and
+    where any row fails (logits not finite), every generator is put back as it was before the
+    error is raised, so a retry draws the same."""
     tokens = [0] * len(params)
     vocab = logits.shape[-1]
     greedy = [r for r, p in enumerate(params) if p.greedy]
-    top_k = [r for r, p in enumerate(params) if not p.greedy and 0 < p.top_k < vocab]
-    rest = [r for r, p in enumerate(params) if not p.greedy and not 0 < p.top_k < vocab]
-    if greedy:
-        for r, token in zip(greedy, _rows(logits, greedy, len(params)).argmax(-1).tolist()):
+    top_k = [r for r, p in enumerate(params) if not p.greedy and 0 < p.top_k < vocab and p.top_k <= BATCHED_TOP_K]
+    rest = [r for r, p in enumerate(params) if not p.greedy and r not in top_k]
+    # launched together, then copied: one wait for the device, not one per kind of row
+    best = _rows(logits, greedy, len(params)).argmax(-1) if greedy else None
+    k_most = max((params[r].top_k for r in top_k), default=0)
+    found = torch.topk(_rows(logits, top_k, len(params)), k_most + 1) if top_k else None
+    rows = _rows(logits, rest, len(params)) if rest else None
+    if best is not None:
+        for r, token in zip(greedy, best.tolist()):
             tokens[r] = token
-    states = [(generators[r], generators[r].get_state()) for r in top_k + rest]
+    states = [(g, g.get_state()) for g in (generators[r] for r in top_k + rest) if g is not None]
     try:
-        if top_k:
-            k_most = max(params[r].top_k for r in top_k)
-            values, ids = (t.cpu() for t in torch.topk(_rows(logits, top_k, len(params)), k_most + 1))
+        if found is not None:
+            values, ids = found.values.cpu(), found.indices.cpu()
             for j, r in enumerate(top_k):
                 k = params[r].top_k
-                found = _top_k(values[j, :k + 1], ids[j, :k + 1], k, lambda: logits[r].cpu(), params[r])
-                tokens[r] = _draw(*found, generators[r])
-        if rest:
-            rows = _rows(logits, rest, len(params)).cpu()
+                chosen = _top_k(values[j, :k + 1], ids[j, :k + 1], k, lambda: logits[r].cpu(), params[r])
+                tokens[r] = _draw(*chosen, generators[r])
+        if rows is not None:
+            rows = rows.cpu()
             for j, r in enumerate(rest):
                 tokens[r] = _draw(*candidates(rows[j], params[r]), generators[r])
     except BaseException:

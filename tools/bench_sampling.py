@@ -3,9 +3,9 @@
     python tools/bench_sampling.py                       # real vocabularies, this machine's threads
     python tools/bench_sampling.py --threads 1 --runs 50
 
-The engine samples on the host every step, once per sequence, after the last stage's logits
-arrive: at a vocabulary of 10^5 tokens, sorting it whole for top-p took longer than a GPU's whole
-decode step. `executor.sampling.sample` looks for the candidates among the most likely tokens
+The engine samples every step, for each sequence, after the last stage's logits arrive: at a
+vocabulary of 10^5 tokens, sorting it whole for top-p took longer than a GPU's whole decode step.
+All figures here are the CPU's (logits on the host), as on a plan whose last stage is the CPU. `executor.sampling.sample` looks for the candidates among the most likely tokens
 first, and for a larger nucleus sorts one bucket of the probabilities' mass; "before" is the
 sampler it replaced: `candidates_by_sorting` (the whole vocabulary filtered and sorted), then
 torch.multinomial over every token. Two kinds of logits: "peaked" as a trained model's next-token logits often are

@@ -166,7 +166,8 @@ def test_draws_follow_the_candidates_probabilities():
 
 ROW_PARAMS = [SamplingParams(), SamplingParams(temperature=0.6, top_k=20, top_p=0.95, seed=1),
               SamplingParams(temperature=0.9, top_k=300, seed=2), SamplingParams(temperature=0.8, top_p=0.9, seed=3),
-              SamplingParams(temperature=1.2, seed=4), SamplingParams(temperature=0.7, top_k=5, seed=5)]
+              SamplingParams(temperature=1.2, seed=4), SamplingParams(temperature=0.7, top_k=5, seed=5),
+              SamplingParams(temperature=1.0, top_k=5000, top_p=0.8, seed=6)]   # past BATCHED_TOP_K: alone
 
 
 def test_a_rows_token_depends_on_its_logits_and_seed_not_on_its_batch():
@@ -179,6 +180,22 @@ def test_a_rows_token_depends_on_its_logits_and_seed_not_on_its_batch():
         got = sample_rows(logits, ROW_PARAMS, batched)
         assert got == [sample(row, p, g) for row, p, g in zip(logits, ROW_PARAMS, alone)]
     assert got[0] == int(torch.argmax(logits[0]))
+
+
+def test_rows_share_a_topk_only_up_to_its_bound_and_take_the_global_generator_without_one(monkeypatch):
+    from executor import sampling
+    calls = []
+    topk = torch.topk
+    monkeypatch.setattr(sampling.torch, "topk", lambda x, k, **kw: (calls.append((tuple(x.shape), k)),
+                                                                      topk(x, k, **kw))[1])
+    logits = torch.stack([_logits("flat", seed=s) for s in range(len(ROW_PARAMS))])
+    sample_rows(logits, ROW_PARAMS, [make_generator(p) for p in ROW_PARAMS])
+    assert calls[0] == ((3, 20000), 301)      # the three rows of k <= BATCHED_TOP_K, at the largest of them
+    assert ((20000,), 5001) in calls          # the row past it, alone
+    torch.manual_seed(3)
+    first = sample_rows(logits[1:2], [ROW_PARAMS[1]], [None])
+    torch.manual_seed(3)
+    assert sample_rows(logits[1:2], [ROW_PARAMS[1]], [None]) == first
 
 
 def test_top_k_candidates_come_most_likely_first_ties_by_id():
