@@ -271,7 +271,8 @@ class Engine:
         return True
 
     def _run_stages(self, ids: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        """Run the stages in order; time each one (CUDA events on a GPU, the wall clock on the CPU)."""
+        """Run the stages in order; time each one (CUDA events on a GPU, the wall clock on the CPU).
+        The last stage's logits [rows, V] fp32, left on its device for the sampler."""
         x, clocks = ids, []
         for stage in self.model.stages:
             if stage.device.type == "cuda":

@@ -76,8 +76,8 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
 #: nucleus is usually a few dozen tokens. A larger one is found from the mass of the probabilities
 #: by their log2, in NUCLEUS_BUCKETS_PER_OCTAVE buckets an octave (the most likely first, down to
 #: 2^-NUCLEUS_OCTAVES of the top token's; all smaller ones share the last): only the bucket where
-#: the mass reaches top_p is sorted, not the vocabulary, whose sort takes milliseconds a token
-#: (tools/bench_sampling.py) — unless most of it is within 1/64 of an octave of the top token.
+#: the mass reaches top_p is sorted, not the whole vocabulary (tools/bench_sampling.py times
+#: both) — unless most of it is within 1/64 of an octave of the top token.
 NUCLEUS_PROBE = 256
 NUCLEUS_BUCKETS_PER_OCTAVE, NUCLEUS_OCTAVES = 64, 64
 
@@ -107,13 +107,15 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     greedy = [r for r, p in enumerate(params) if p.greedy]
     top_k = [r for r, p in enumerate(params) if not p.greedy and 0 < p.top_k < vocab and p.top_k <= BATCHED_TOP_K]
     rest = [r for r, p in enumerate(params) if not p.greedy and r not in top_k]
-    # launched together, then copied: one wait for the device, not one per kind of row
-    best = _rows(logits, greedy, len(params)).argmax(-1) if greedy else None
+    # launched together, then copied
+    best = _rows(logits, greedy, len(params)).max(-1) if greedy else None
     k_most = max((params[r].top_k for r in top_k), default=0)
     found = torch.topk(_rows(logits, top_k, len(params)), k_most + 1) if top_k else None
     rows = _rows(logits, rest, len(params)) if rest else None
     if best is not None:
-        for r, token in zip(greedy, best.tolist()):
+        for value in best.values.tolist():
+            _check_finite(value)
+        for r, token in zip(greedy, best.indices.tolist()):  # the first of equal maxima, as argmax
             tokens[r] = token
     states = [(g, g.get_state()) for g in (generators[r] for r in top_k + rest) if g is not None]
     try:
@@ -195,7 +197,7 @@ def _top_k(values: torch.Tensor, ids: torch.Tensor, k: int, row, params: Samplin
     return ids[:n], probs[:n]
 
 
-def _check_finite(best: torch.Tensor) -> None:
+def _check_finite(best: torch.Tensor | float) -> None:
     """NaN anywhere makes the maximum NaN; +inf makes it infinite."""
     if not math.isfinite(float(best)):
         raise ValueError("the logits are not finite: nothing to sample from")

@@ -116,9 +116,8 @@ def make_plan(model: str | Path | dict, machine: MachineProfile | None = None, *
     with its predicted decode step within `latency_bound_ms` (when given), and the plan is the
     fastest split at that context.
 
-    With `parent` the plan is its next version and inherits its calibration (unless
-    `calibration` is given) by `carry_calibration`: a parent calibrated on another machine keeps
-    its η and δ, but the plan says that δ was measured elsewhere."""
+    With `parent` the plan is its next version and starts from the calibration
+    `carry_calibration` gives it (unless `calibration` is given)."""
     data, given_source = read_config(model)
     dtype = config_dtype(data, dtype)
     machine = machine or placeholder_machine()

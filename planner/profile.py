@@ -7,7 +7,9 @@ from the same GEMV over a buffer that fits in it; fp32 GEMM throughput; ISA flag
 executor's own kernels per weight dtype (executor/probe.py): the rates the cost model prices
 decode and prompt chunks with, and the prompt-GEMM path the executor takes on this machine.
 GPU (when CUDA is present): usable VRAM once the context exists, device-to-device copy
-bandwidth, (128, H)×(H, H) matmul throughput, pinned host↔device bandwidth and latency.
+bandwidth, a prompt chunk's matmul throughput, the decode projection's weight reads, a decoder
+block through the GPU stage's own decode step (executor/device_probe.py: its excess over the
+block's roofline is the GPU's δ), pinned host↔device bandwidth and latency.
 
 Every measuring function takes its device and synchronisation as arguments, so the GPU code runs
 on CPU tensors in tests (same code path, device `cpu`).

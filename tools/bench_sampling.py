@@ -3,12 +3,12 @@
     python tools/bench_sampling.py                       # real vocabularies, this machine's threads
     python tools/bench_sampling.py --threads 1 --runs 50
 
-The engine samples every step, for each sequence, after the last stage's logits arrive: at a
-vocabulary of 10^5 tokens, sorting it whole for top-p took longer than a GPU's whole decode step.
-All figures here are the CPU's (logits on the host), as on a plan whose last stage is the CPU. `executor.sampling.sample` looks for the candidates among the most likely tokens
-first, and for a larger nucleus sorts one bucket of the probabilities' mass; "before" is the
-sampler it replaced: `candidates_by_sorting` (the whole vocabulary filtered and sorted), then
-torch.multinomial over every token. Two kinds of logits: "peaked" as a trained model's next-token logits often are
+The engine samples every step, for each sequence, after the last stage's logits arrive, so what
+sampling takes adds to every token. All figures here are the CPU's (logits on the host), as on a
+plan whose last stage is the CPU. `executor.sampling.sample` looks for the candidates among the
+most likely tokens first, and for a larger nucleus sorts one bucket of the probabilities' mass;
+"before" is the sampler it replaced: `candidates_by_sorting` (the whole vocabulary filtered and
+sorted), then torch.multinomial over every token. Two kinds of logits: "peaked" as a trained model's next-token logits often are
 (a nucleus of tens of tokens), and "flat" as a random-weight checkpoint's (a nucleus of most of the
 vocabulary).
 """
@@ -89,8 +89,8 @@ def main(argv=None) -> int:
     print("|---|---:|---:|---:|")
     rows = torch.stack([logits_of("peaked", VOCABS["Qwen3 / Qwen2.5"]).roll(7 * r) for r in range(BATCH)])
     for pname, params in PARAMS.items():
-        batch = ms_per_call(lambda x, p, g: sample_rows(x, [p] * BATCH, [make_generator(p) for _ in range(BATCH)]),
-                            rows, params, args.runs)
+        generators = [make_generator(params) for _ in range(BATCH)]
+        batch = ms_per_call(lambda x, p, g: sample_rows(x, [p] * BATCH, generators), rows, params, args.runs)
         each = ms_per_call(lambda x, p, g: [sample(row, p, g) for row in x], rows, params, args.runs)
         before = ms_per_call(lambda x, p, g: [previous_sample(row, p, g) for row in x], rows, params,
                              max(1, args.runs // 4))

@@ -146,8 +146,8 @@ def test_a_nucleus_ending_at_the_first_probes_edge_keeps_what_a_whole_sort_keeps
 
 def test_logits_that_are_not_finite_are_an_error_not_a_token():
     for logits in (torch.tensor([0.0, float("nan"), 1.0]), torch.tensor([0.0, float("inf"), 1.0])):
-        for params in (SamplingParams(temperature=1.0, seed=0), SamplingParams(temperature=1.0, top_p=0.5, seed=0),
-                       SamplingParams(temperature=1.0, top_k=2, seed=0)):
+        for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=0),
+                       SamplingParams(temperature=1.0, top_p=0.5, seed=0), SamplingParams(temperature=1.0, top_k=2, seed=0)):
             with pytest.raises(ValueError, match="not finite"):
                 sample(logits, params, make_generator(params))
 

@@ -15,7 +15,7 @@ from executor.attention import TorchAttention, streaming_attention
 from executor.backends import TorchBackend
 from executor.model_config import ModelConfig
 from executor.stage import BlockWeights
-from executor.torch_ops import TorchLinear, decoder_block
+from executor.torch_ops import decoder_block
 from planner.step_shape import PREFILL_CHUNK_TOKENS
 from planner.trace import trace_model
 from planner.working_set import activation_bytes_per_token, streamed_prompt_attention_bytes
@@ -71,14 +71,14 @@ def _block_peak(cfg: ModelConfig, tokens: int) -> int:
     def vec(n):
         return torch.empty(n, device=META)
 
-    def weight(rows, cols, widen=True):
-        return TorchLinear(torch.empty(rows, cols, dtype=wd, device=META), widen=widen)
+    def weight(rows, cols):
+        return torch.empty(rows, cols, dtype=wd, device=META)
 
-    w = BlockWeights(input_norm=vec(H), qkv=weight(cfg.q_dim + 2 * cfg.kv_dim, H, widen=False),
-                     q_norm=vec(D) if cfg.qk_norm else None, k_norm=vec(D) if cfg.qk_norm else None,
-                     o=weight(H, cfg.q_dim), post_norm=vec(H), gate_up=weight(2 * cfg.intermediate_size, H),
-                     down=weight(H, cfg.intermediate_size))
     ops = TorchBackend()
+    w = BlockWeights.of(ops, input_norm=vec(H), qkv=weight(cfg.q_dim + 2 * cfg.kv_dim, H), qkv_bias=None,
+                        q_norm=vec(D) if cfg.qk_norm else None, k_norm=vec(D) if cfg.qk_norm else None,
+                        o=weight(H, cfg.q_dim), post_norm=vec(H), gate_up=weight(2 * cfg.intermediate_size, H),
+                        down=weight(H, cfg.intermediate_size))
     attention = TorchAttention(cfg, None, ops)
     cos = sin = torch.empty(tokens, D, device=META)
 
