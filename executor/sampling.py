@@ -96,9 +96,9 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
                 generators: list[torch.Generator | None]) -> list[int]:
     """One token per row of next-token logits [R, V] (fp32, on the device the last stage left
     them on), row r by params[r] with generators[r] (None: torch's global generator). The work
-    that reads whole rows runs there, over every row at once where it can: the greedy rows' argmax,
-    and one topk over the top-k rows (k <= BATCHED_TOP_K; only their candidates cross to the
-    host); the other sampled rows are copied to the host and filtered there (`candidates`). Each
+    that reads whole rows runs there: the greedy rows' argmax and one topk over the top-k rows
+    (k <= BATCHED_TOP_K), each over all of them at once, only their ids and candidates crossing
+    to the host; the other sampled rows filtered there one by one (`candidates`). Each
     draw takes its own row's generator, so a row's token depends on its logits and seed alone; and
     where any row fails (logits not finite), every generator is put back as it was before the
     error is raised, so a retry draws the same."""
@@ -125,8 +125,7 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
                 k = params[r].top_k
                 chosen = _top_k(values[j, :k + 1], ids[j, :k + 1], k, lambda: logits[r].cpu(), params[r])
                 tokens[r] = _draw(*chosen, generators[r])
-        if rows is not None:
-            rows = rows.cpu()
+        if rows is not None:  # where they are: from a GPU stage, no row of logits crosses to the host
             for j, r in enumerate(rest):
                 tokens[r] = _draw(*candidates(rows[j], params[r]), generators[r])
     except BaseException:

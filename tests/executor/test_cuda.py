@@ -305,8 +305,10 @@ def test_the_profiles_decode_block_probe_runs_the_graphed_step_and_gives_its_mem
 
 
 def test_sampling_rows_on_cuda_draws_what_it_draws_on_the_cpu():
-    """sample_rows on a GPU stage's logits (argmax and topk there, only candidates copied) gives
-    the tokens it gives on the same logits on the CPU, with the same seeds."""
+    """sample_rows on a GPU stage's logits (every row's filters there, only candidates copied)
+    gives the tokens it gives on the same logits on the CPU, with the same seeds: the greedy and
+    top-k rows exactly (their arithmetic is the host's), the others as long as the GPU's float64
+    exp and cumsum round alike or the draws miss the last bit where they do not."""
     from executor.sampling import SamplingParams, make_generator, sample_rows
 
     g = torch.Generator().manual_seed(0)
