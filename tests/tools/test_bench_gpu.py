@@ -30,6 +30,7 @@ def test_the_gpu_benchmark_runs_end_to_end_in_smoke_mode(tmp_path, capsys, monke
     assert results["smoke"] and results["model"] == "tiny"
     helm = results["capped"]["helm"]
     assert helm["decode_tok_s"] > 0 and {r["phase"] for r in helm["stages"]} == {"prefill", "decode"}
+    assert helm["decode_ms_per_token_recorded"] > 0        # the same request with the Recorder's predictions
     assert all(r["measured_ms"] > 0 and r["predicted_ms"] > 0 for r in helm["stages"])
     assert helm["decode_path"] == "static step, eager"  # the GPU stage's code, on the CPU
     fit = helm["after_fit"]  # fitted to this request, checked on another
