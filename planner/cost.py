@@ -226,6 +226,18 @@ class SplitCost:
         return sum(s.prefill_ms for s in self.stages) + self.comm_prefill_ms
 
 
+def _alike(units) -> list[tuple[UnitIR, int]]:
+    """(a unit, how many of `units` cost as it does), in order of first appearance."""
+    groups: dict[tuple, list] = {}
+    for u in units:
+        group = groups.get(u.cost_key)
+        if group is None:
+            groups[u.cost_key] = [u, 1]
+        else:
+            group[1] += 1
+    return [(u, n) for u, n in groups.values()]
+
+
 def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight, ...],
                    machine: MachineProfile, *, batch: int, context: int, prompt: int,
                    page_size_tokens: int, watermark: float, offload: bool,
@@ -315,21 +327,22 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
             continue
         rates = device_rates(machine, device, calibration, dtype)
         proj = attn = prefill = 0.0
-        step_bytes = (sum(weight_read_bytes(u, batch) for u in units[start:end])
-                      + batch * context * (gpu_kv_tok if device == "cuda" else cpu_kv_tok))
-        for u in units[start:end]:
+        groups = _alike(units[start:end])  # a stage's blocks cost alike: each priced once
+        read_bytes = sum(n * weight_read_bytes(u, batch) for u, n in groups)
+        step_bytes = read_bytes + batch * context * (gpu_kv_tok if device == "cuda" else cpu_kv_tok)
+        for u, alike in groups:
             p, a = unit_decode_ms(u, rates, batch, context, streamed if device == "cuda" else 0.0,
                                   link.h2d_gibps if link else 0.0, step_bytes)
-            proj += p
-            attn += a
+            proj += alike * p
+            attn += alike * a
             if logits or u.kind != "head":
-                prefill += unit_prefill_ms(u, rates, batch, prompt, prefix)
-        blocks = sum(u.kind == "block" for u in units[start:end])
+                prefill += alike * unit_prefill_ms(u, rates, batch, prompt, prefix)
+        blocks = sum(n for u, n in groups if u.kind == "block")
         overhead = blocks * rates.calibration.delta_ms_per_block
         stages.append(StageCost(
             device=device, unit_start=start, unit_end=end, num_blocks=blocks,
             weight_bytes=gpu_weights if device == "cuda" else cpu_weights,
-            read_bytes_per_step=sum(weight_read_bytes(u, batch) for u in units[start:end]),
+            read_bytes_per_step=read_bytes,
             kv_bytes=batch * context * (gpu_kv_tok if device == "cuda" else cpu_kv_tok),
             proj_ms=proj, attn_ms=attn, overhead_ms=overhead, prefill_ms=prefill + overhead))
     comm = comm_prefill = 0.0

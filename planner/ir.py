@@ -4,9 +4,13 @@ search and the plan file read; the trace itself (torch, transformers) is only ne
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from operator import attrgetter
 
 from planner.serial import OMIT_IF_NONE
+
+
+_IDENTITY = ("index", "weights", "num_nodes", "traced_as")  # which unit, not what it costs
 
 
 @dataclass(frozen=True)
@@ -31,9 +35,19 @@ class UnitIR:
     # was recorded)
     attn_heads: int | None = field(default=None, metadata=OMIT_IF_NONE)
 
+    @property
+    def cost_key(self) -> tuple:
+        """Every field but the unit's identity (its index, parameter names, trace bookkeeping):
+        units with the same key cost the same in every formula, so the cost model prices one of
+        them for all (planner/cost.py). A field added later is part of it unless in _IDENTITY."""
+        return _cost_fields(self)
+
     def prefill_flops(self, tokens: int) -> int:
         """FLOPs to prefill `tokens` tokens of one sequence (causal attention)."""
         return self.proj_flops_per_token * tokens + self.attn_flops_per_context_token * tokens * (tokens + 1) // 2
+
+
+_cost_fields = attrgetter(*(f.name for f in fields(UnitIR) if f.name not in _IDENTITY))
 
 
 @dataclass(frozen=True)

@@ -243,3 +243,21 @@ def test_measured_kernel_rates_price_the_model_dtype():
         assert unit_decode_ms(u, other, batch=1, context=0)[0] == pytest.approx(1e3 * GIB / (10 * GIB))
         assert unit_prefill_ms(u, other, batch=1, prompt=100) == pytest.approx(
             1e3 * (100 * 2 * GIB / 100e9 + pairs * 4096 / 100e9))
+
+
+def test_a_stage_of_different_blocks_costs_each_as_its_own():
+    """A stage prices each kind of unit once (blocks alike by every field but their identity):
+    one block unlike the others — more weights, more KV — is priced as itself, not as its
+    neighbours, and alike blocks cost as many times one of them."""
+    units, shared = model_units(4, block_bytes=100 * MIB, emb_bytes=50 * MIB, head_bytes=60 * MIB, kv=0, attn=0)
+    assert units[1].cost_key == units[2].cost_key and units[1].index != units[2].index
+    odd = unit(3, "block", 300 * MIB, kv=0)
+    assert odd.cost_key != units[1].cost_key
+    m = machine(cpu_gibps=10.0, hbm_gibps=100.0, link_gibps=10.0, latency_us=10.0, delta_cpu=0.5, delta_gpu=0.1)
+    c = split(len(units), (*units[:3], odd, *units[4:]), shared, m)          # all on the CPU
+    rates = device_rates(m, "cpu")
+    step = 8192 + 3 * 100 * MIB + 300 * MIB + 60 * MIB
+    expected = sum(sum(unit_decode_ms(u, rates, 1, 1024, stage_step_bytes=step))
+                   for u in (*units[:3], odd, *units[4:])) + 4 * 0.5
+    assert c.stage_ms("cpu") == pytest.approx(expected)
+    assert c.stages[0].read_bytes_per_step == step
