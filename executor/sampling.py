@@ -152,10 +152,11 @@ def candidates(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tens
     """(token ids, probabilities) a sampled token is drawn from: softmax(logits / temperature)
     restricted to the top_k most likely tokens (all tokens tied with the k-th included) and then to
     the smallest set of them, most likely first, whose mass reaches top_p (the most likely always
-    stays); probabilities not renormalised. ids None: every token, in id order; top_k's candidates
-    most likely first, ties by id; otherwise in no particular order. Which of several tokens tied
-    at a cut stay is not specified (top_k: the lowest ids). ValueError where the logits are not
-    finite (NaN, +inf)."""
+    stays); probabilities not renormalised. ids None: every token, in id order; otherwise in an
+    order fixed by the logits alone (most likely first, ties by id, but for a large nucleus: by
+    bucket of probability, then id), and of tokens tied at a cut the lowest ids stay: so neither
+    the device nor another topk's order of ties changes a seeded draw. ValueError where the
+    logits are not finite (NaN, +inf)."""
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
         values, ids = torch.topk(logits, params.top_k + 1)
@@ -171,8 +172,30 @@ def candidates(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tens
         values, ids = torch.topk(probs, NUCLEUS_PROBE)
         n = _nucleus(values, total, params.top_p)
         if n < NUCLEUS_PROBE:
-            return ids[:n], values[:n]
+            return _first(ids, values, n, probs)
+    if logits.device.type != "cpu":  # the buckets' mass adds up in a fixed order on the host only
+        return candidates(logits.cpu(), params)
     return _nucleus_by_mass(scores, probs, total, params.top_p)
+
+
+def _first(ids: torch.Tensor, values: torch.Tensor, n: int, probs: torch.Tensor):
+    """The n most likely of a topk's (ids, values) (values descending) in canonical order; where
+    the n-th ties with the one after it, the tied tokens that stay are the lowest ids, read from
+    the whole row `probs`."""
+    last = values[n - 1]
+    if n < len(values) and values[n] == last:
+        above = ids[:n][values[:n] > last]
+        tied = torch.nonzero(probs == last).squeeze(1)[:n - len(above)]
+        ids = torch.cat([above, tied])
+        return _canonical(ids, probs[ids])
+    return _canonical(ids[:n], values[:n])
+
+
+def _canonical(ids: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, values) most likely first, ties by id, whatever order they came in."""
+    ids, by_id = torch.sort(ids)
+    values, order = torch.sort(values[by_id], descending=True, stable=True)
+    return ids[order], values
 
 
 def _top_k(values: torch.Tensor, ids: torch.Tensor, k: int, row, params: SamplingParams):
@@ -184,13 +207,9 @@ def _top_k(values: torch.Tensor, ids: torch.Tensor, k: int, row, params: Samplin
     if values[k] == values[k - 1]:  # ties with the k-th: all of them
         logits = row()
         ids = torch.nonzero(logits >= values[k - 1]).squeeze(1)
-        values = logits[ids]
+        ids, values = _canonical(ids, logits[ids])
     else:
-        values, ids = values[:k], ids[:k]
-        ids, by_id = torch.sort(ids)
-        values = values[by_id]
-    values, order = torch.sort(values, descending=True, stable=True)
-    ids = ids[order]
+        ids, values = _canonical(ids[:k], values[:k])
     probs = torch.exp(_scores(values, values[0], params.temperature))
     n = _nucleus(probs, probs.sum(), params.top_p)
     return ids[:n], probs[:n]
@@ -240,7 +259,7 @@ def _nucleus_by_mass(scores: torch.Tensor, probs: torch.Tensor, total: torch.Ten
     before = float(reached[edge - 1]) if edge else 0.0
     whole = torch.nonzero(bucket < edge).squeeze(1)
     at_edge = torch.nonzero((bucket == edge) & (probs > 0)).squeeze(1)  # not tokens of no mass
-    values, order = torch.sort(probs[at_edge], descending=True)
+    values, order = torch.sort(probs[at_edge], descending=True, stable=True)  # ties by id
     n = _nucleus(values, total, top_p, before)
     return torch.cat([whole, at_edge[order[:n]]]), torch.cat([probs[whole], values[:n]])
 

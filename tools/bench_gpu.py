@@ -168,7 +168,7 @@ def run_helm(model_dir: Path, plan, config: ModelConfig, ids: list[int], new_tok
     load_s = time.perf_counter() - t0
     after_load = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
     engine = Engine(model, eos_token_ids=())
-    _request(engine, None, ids[:8], 2)  # warm-up
+    _request(engine, None, ids, 2)  # warm-up: the request's prompt chunks and a decode step
     recorder = Recorder(plan, "bench", config.architecture, kernel_isa(model))
     recorded = _request(engine, recorder, ids, new_tokens)
     # timed again without the recorder: its predictions run on the engine thread, once per new

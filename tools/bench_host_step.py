@@ -47,9 +47,10 @@ def host_step_ms(model_dir: Path, steps: int) -> list[dict]:
     gpu = model.stages[-1]
     if not isinstance(gpu.fused, ResidentDecode):
         raise SystemExit("the GPU stage has no static decode step to stub out")
-    logits = torch.randn(1, config.vocab_size, generator=torch.Generator().manual_seed(0))
-    gpu.fused.step = lambda x, index: x                                   # the blocks' device work
-    gpu.head.lm_head = lambda x: logits.expand(x.shape[0], -1)            # the output projection's
+    logits = torch.randn(1, config.vocab_size, generator=torch.Generator().manual_seed(0)).to(gpu.device)
+    gpu.fused.graphs = False                    # on CUDA: the step itself, not its captured graph,
+    gpu.fused.step = lambda x, index: x         # whose device work is gone
+    gpu.head.lm_head = lambda x: logits.expand(x.shape[0], -1)            # and the output projection's
     engine = Engine(model, eos_token_ids=())
     rows = []
     for name, params in SETTINGS.items():

@@ -307,15 +307,17 @@ def test_the_profiles_decode_block_probe_runs_the_graphed_step_and_gives_its_mem
 def test_sampling_rows_on_cuda_draws_what_it_draws_on_the_cpu():
     """sample_rows on a GPU stage's logits (every row's filters there, only candidates copied)
     gives the tokens it gives on the same logits on the CPU, with the same seeds: the greedy and
-    top-k rows exactly (their arithmetic is the host's), the others as long as the GPU's float64
-    exp and cumsum round alike or the draws miss the last bit where they do not."""
+    top-k rows exactly (their arithmetic is the host's), as a large nucleus (found on the host);
+    the others as long as the GPU's float64 exp and cumsum round alike or the draws miss the last
+    bit where they do not. Candidates come in an order of the logits' own, not of a topk's."""
     from executor.sampling import SamplingParams, make_generator, sample_rows
 
     g = torch.Generator().manual_seed(0)
-    logits = ((torch.randn(5, 151936, generator=g) * 4).round() / 2)   # ties inside the top k
+    logits = ((torch.randn(6, 151936, generator=g) * 4).round() / 2)   # ties inside the top k
+    logits[5, torch.arange(40) * 97] = 30.0       # a nucleus the probe holds, ending among 40 tied tokens
     params = [SamplingParams(), SamplingParams(temperature=0.6, top_k=20, top_p=0.95, seed=1),
               SamplingParams(temperature=0.9, top_k=300, seed=2), SamplingParams(temperature=0.8, top_p=0.9, seed=3),
-              SamplingParams(temperature=1.2, seed=4)]
+              SamplingParams(temperature=1.2, seed=4), SamplingParams(temperature=1.0, top_p=0.3, seed=5)]
     on_cpu, on_gpu = [make_generator(p) for p in params], [make_generator(p) for p in params]
     for _ in range(10):
         assert sample_rows(logits.cuda(), params, on_gpu) == sample_rows(logits, params, on_cpu)
