@@ -10,6 +10,8 @@
 #   bash tools/gpu_run.sh bench --skip-capped --compiled   # all-GPU decode, eager ops vs torch.compile
 #   bash tools/gpu_run.sh kernels                  # the CPU kernels' tests on this machine's CPU: its
 #                                                  # AVX-512 / AVX512-BF16 paths, which our VMs may lack
+#   bash tools/gpu_run.sh host                     # tools/bench_host_step.py: the host's work per GPU
+#                                                  # decode step (on bench's checkpoint, after bench)
 #   bash tools/gpu_run.sh all                      # tests and bench (default)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +38,12 @@ fi
 if [ "$what" = kernels ]; then
     python -m pytest -q -p no:cacheprovider tests/executor/kernels tests/executor/test_every_isa.py \
         tests/executor/test_fused_blocks.py tests/executor/test_probe.py 2>&1 | tee "$OUT/cpu_kernel_tests.txt" | tail -15
+fi
+if [ "$what" = host ]; then
+    model=/tmp/helm-bench-gpu/qwen3-8b-bf16   # bench_gpu.py's default checkpoint; else a small one
+    [ -f "$model/config.json" ] || { model=/tmp/helm-host-qwen3-0.6b;
+        python tools/make_model.py --size qwen3-0.6b --dtype bf16 --seed 0 --out "$model" --force > /dev/null; }
+    python tools/bench_host_step.py --model "$model" "$@" 2>&1 | tee "$OUT/host_step.txt" | tail -12
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
     python tools/bench_gpu.py --out "$OUT/bench_gpu.json" "$@" 2>&1 | tee "$OUT/bench_gpu.txt" | tail -40
