@@ -129,9 +129,9 @@ def without_cudnn_attention() -> None:
     (the decode graphs' masked step, executor/device_step.py), math as the last resort, not
     cuDNN's: PyTorch prefers cuDNN on Hopper for half precision, where it raises rather than falls
     back on shapes it has no plan for (gathered K/V, a lower-right causal chunk), and every decode
-    graph bucket would build a plan of its own at load. Process-wide, set when a GPU stage loads: the
+    graph bucket would build a plan of its own at load. Process-wide: the
     flag is global, so a context per call would cost host time in every layer and race other
-    threads."""
+    threads. Set by every TorchAttention on a CUDA KV cache (every SDPA call of ours is one's)."""
     if torch.backends.cuda.cudnn_sdp_enabled():
         log.info("SDPA on CUDA: cuDNN attention off (flash, memory-efficient or math)")
         torch.backends.cuda.enable_cudnn_sdp(False)
@@ -198,6 +198,9 @@ class TorchAttention:
     def __init__(self, config: "ModelConfig", kv: "KVCache", ops, fused_prompt: bool = False):
         self.config, self.kv, self.ops = config, kv, ops
         self.scale = config.head_dim ** -0.5
+        if kv is not None and kv.device.type == "cuda":
+            # here, not where a stage is loaded: the profile's decode-block probe builds its stages itself
+            without_cudnn_attention()
         if fused_prompt and kv.device.type == "cuda" and not flash_attention_runs(
                 kv.device, kv.dtype, config.num_heads, config.num_kv_heads, config.head_dim):
             # any other fused kernel on CUDA would need a chunk × context mask (or K/V repeated

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 
-from executor.attention import without_cudnn_attention
 from executor.backends import make_backend, resolve_backend
 from executor.device_step import ResidentDecode
 from executor.kv_cache import KVCache
@@ -116,8 +115,6 @@ def _load_stage(reader: CheckpointReader, cfg: ModelConfig, spec: StageSpec, pla
     if spec.device == "cuda" and device.type == "cpu":
         log.info("no CUDA device: the GPU stage (units %d..%d) runs its code on the CPU",
                  spec.unit_start, spec.unit_end - 1)
-    if device.type == "cuda":
-        without_cudnn_attention()
     wdtype, f32 = cfg.dtype, torch.float32
     H, V, D, I = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.intermediate_size
     ops = make_backend(backend, device, placement.cpu_threads, *choice,

@@ -5,7 +5,7 @@
 # benchmark. What it reports goes to $OUT (the device tool's output folder). Each part fits in one
 # 10-minute call:
 #
-#   bash tools/gpu_run.sh tests                    # the CUDA tests
+#   bash tools/gpu_run.sh tests [pytest args]      # the CUDA tests (e.g. -k "not compiled" to split them)
 #   bash tools/gpu_run.sh bench [bench_gpu args]   # tools/bench_gpu.py (Qwen3-8B dims, 8 GiB cap)
 #   bash tools/gpu_run.sh bench --skip-capped --compiled   # all-GPU decode, eager ops vs torch.compile
 #   bash tools/gpu_run.sh kernels                  # the CPU kernels' tests on this machine's CPU: its
@@ -19,6 +19,12 @@ OUT=${OUT:-/tmp/helm-gpu-out}
 mkdir -p "$OUT"
 what=${1:-all}
 [ $# -gt 0 ] && shift
+# the image's interpreter is python3 (a plain `python` may not exist); unbuffered, so a command cut
+# off at its time limit still leaves everything it printed in $OUT
+PY=${PYTHON:-python3}
+python() { "$PY" "$@"; }
+export PYTHONUNBUFFERED=1
+start=$SECONDS
 python -V > "$OUT/setup.txt" 2>&1   # the carried wheels are cp312 (tools/gpu_prepare.sh)
 python -m pip install -q --no-index --no-deps gpu_carry/wheels/*.whl >> "$OUT/setup.txt" 2>&1 \
     || { tail -40 "$OUT/setup.txt"; exit 1; }
@@ -29,11 +35,18 @@ if ! python -m pip install -q --no-deps --no-build-isolation -e . >> "$OUT/setup
     python setup.py -q build_ext --inplace >> "$OUT/setup.txt" 2>&1 || { tail -40 "$OUT/setup.txt"; exit 1; }
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+echo "setup: $((SECONDS - start)) s" | tee -a "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$OUT/gpu.txt"
 python -c "import torch, executor.kernels as k; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'kernels', k.KERNEL_ISA, 'of', k.available_isas())" | tee -a "$OUT/gpu.txt"
 { grep -m1 "model name" /proc/cpuinfo; grep -o -w 'avx512[a-z_0-9]*\|amx[a-z_0-9]*' /proc/cpuinfo | sort -u | tr '\n' ' '; echo; } | tee -a "$OUT/gpu.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
-    python -m pytest -q -s -p no:cacheprovider tests/executor/test_cuda.py 2>&1 | tee "$OUT/cuda_tests.txt" | tail -30
+    # a test that hangs is stopped by pytest-timeout (in the image) rather than the call's limit
+    args=(--durations=12)
+    python -c "import pytest_timeout" 2>/dev/null && args+=(--timeout=240)
+    [ "$what" = tests ] && args+=("$@")
+    python -m pytest -q -s -p no:cacheprovider "${args[@]}" tests/executor/test_cuda.py 2>&1 \
+        | tee "$OUT/cuda_tests.txt" | tail -45
+    echo "tests: done at $((SECONDS - start)) s"
 fi
 if [ "$what" = kernels ]; then
     python -m pytest -q -p no:cacheprovider tests/executor/kernels tests/executor/test_every_isa.py \

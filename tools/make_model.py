@@ -60,14 +60,15 @@ def make_model(arch: str | None, size: str, dtype: str = "bf16", seed: int = 0,
                out: str | os.PathLike | None = None,
                shard_size_bytes: int = DEFAULT_SHARD_SIZE_BYTES, overrides: dict | None = None,
                *, force: bool = False, config_only: bool = False,
-               progress: bool | None = None) -> Path:
+               progress: bool | None = None, jobs: int | None = None) -> Path:
     """Write a random-weight checkpoint of `arch` at `size` ('tiny' or a preset name) to `out`.
 
     arch may be None for a preset (its family is used). `overrides` patch config.json fields
     (e.g. {"num_hidden_layers": 1, "rope_scaling": None}). `config_only` writes everything except
     the weights (for planning real sizes). `progress` None shows progress on stderr for
-    checkpoints of PROGRESS_MIN_BYTES or more. config.json is written last, so a directory holding
-    it is a complete checkpoint. Returns `out` as a Path.
+    checkpoints of PROGRESS_MIN_BYTES or more. `jobs`: processes writing a sharded checkpoint's
+    shards at once (default one per CPU; the bytes are the same). config.json is written last, so a
+    directory holding it is a complete checkpoint. Returns `out` as a Path.
     """
     if out is None:
         raise MakeModelError("out (the checkpoint directory) is required")
@@ -79,7 +80,7 @@ def make_model(arch: str | None, size: str, dtype: str = "bf16", seed: int = 0,
     out = Path(out)
     _prepare_out(out, force)
     if not config_only:
-        write_weights(out, config, seed, dtype, shard_size_bytes, progress)
+        write_weights(out, config, seed, dtype, shard_size_bytes, progress, jobs)
     tmp = out / "tokenizer.json.tmp"
     tmp.write_text(tokenizer_json + "\n")
     os.replace(tmp, out / "tokenizer.json")
@@ -116,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard-size", default="2GB",
                         help="largest safetensors file, e.g. 2GB, 500MB (default 2GB)")
     parser.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="processes writing shards at once (default: one per CPU; same bytes)")
     parser.add_argument("--config-only", action="store_true",
                         help="write config, generation config and tokenizer but no weights")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
@@ -125,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = make_model(args.arch, args.size, args.dtype, args.seed, args.out,
                          parse_size(args.shard_size), dict(args.overrides), force=args.force,
-                         config_only=args.config_only)
+                         config_only=args.config_only, jobs=args.jobs)
     except MakeModelError as e:
         parser.error(str(e))  # exits 2 with the usage line and the message
     print(out)

@@ -1,5 +1,6 @@
 """Streaming paged attention against PyTorch's scaled_dot_product_attention."""
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -114,11 +115,16 @@ def test_lower_right_causal_attention_matches_sdpa_with_repeated_kv(heads, start
 
 def test_a_gpu_stage_turns_cudnn_attention_off_for_the_process():
     """PyTorch prefers cuDNN's attention on Hopper, which raises on shapes it has no plan for;
-    loading a GPU stage leaves flash, memory-efficient and math (executor/loader.py)."""
+    a GPU stage's attention (TorchAttention on a CUDA KV cache: the loader's stages and the profile's
+    decode-block probe alike) leaves flash, memory-efficient and math."""
     before = torch.backends.cuda.cudnn_sdp_enabled()
     try:
         torch.backends.cuda.enable_cudnn_sdp(True)
-        attention.without_cudnn_attention()
+        cpu_kv = SimpleNamespace(device=torch.device("cpu"))
+        attention.TorchAttention(SimpleNamespace(head_dim=8), cpu_kv, None)
+        assert torch.backends.cuda.cudnn_sdp_enabled()  # a CPU stage leaves the process as it is
+        cuda_kv = SimpleNamespace(device=torch.device("cuda"))  # a stand-in: nothing is allocated on it
+        attention.TorchAttention(SimpleNamespace(head_dim=8), cuda_kv, None)
         assert not torch.backends.cuda.cudnn_sdp_enabled()
         assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
     finally:

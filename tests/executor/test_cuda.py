@@ -130,7 +130,8 @@ def test_compiled_cuda_graph_decode_matches_transformers(checkpoint, monkeypatch
     # two halves, each compiled for rows 1 (PyTorch specialises it) and once for every other row
     # count (captured in the order 1, 2, 4, ...: rows turn dynamic at 2)
     assert counters["stats"]["unique_graphs"] <= 4
-    assert len(kernels) < eager  # the point: fused element-wise ops
+    # the point: fused element-wise ops (and the profiler saw the replay's kernels at all)
+    assert 0 < len(kernels) < eager
 
 
 def test_prefetch_reads_what_the_compute_stream_wrote_in_a_loop(checkpoint):
@@ -398,7 +399,7 @@ def test_rms_norm_on_cuda_is_the_fused_kernel_and_matches_the_reference():
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     print(f"\nrms_norm on CUDA: {len(kernels)} kernel(s): {sorted({e.name[:60] for e in kernels})}")
-    assert len(kernels) <= 2, [e.name for e in kernels]   # the norm (and at most a copy of a strided input)
+    assert 1 <= len(kernels) <= 2, [e.name for e in kernels]   # the norm (and at most a copy of a strided input)
 
 
 def test_the_decode_steps_kernels_on_cuda_are_those_counted_on_the_meta_device(checkpoint):

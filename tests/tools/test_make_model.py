@@ -270,6 +270,15 @@ def test_sharded_checkpoint_loads_with_identical_logits(checkpoint, tmp_path):
         assert torch.equal(_load(whole)(ids).logits, _load(sharded)(ids).logits)
 
 
+def test_shards_written_at_once_are_the_bytes_written_one_by_one(tmp_path):
+    """A sharded checkpoint's shards are written by several processes at once by default; the
+    files are the same bytes as one process writes."""
+    one = make_model("llama", "tiny", "bf16", 5, tmp_path / "one", shard_size_bytes=60_000, jobs=1)
+    three = make_model("llama", "tiny", "bf16", 5, tmp_path / "three", shard_size_bytes=60_000, jobs=3)
+    assert len(list(one.glob("model-*.safetensors"))) > 3
+    assert _file_bytes(one) == _file_bytes(three)
+
+
 # ----------------------------------------------------------------------------------------------
 # Configs, overrides, errors
 

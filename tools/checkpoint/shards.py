@@ -1,7 +1,9 @@
 """safetensors files written the way Hugging Face shards them, one chunk of values at a time."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import multiprocessing
 import os
 import re
 import struct
@@ -99,7 +101,12 @@ def _write_safetensors(path: Path, specs: list[TensorSpec], seed: int, dtype: st
 
 
 def write_weights(out: Path, config: dict, seed: int, dtype: str, shard_size_bytes: int,
-                   progress: bool | None) -> None:
+                  progress: bool | None, jobs: int | None = None) -> None:
+    """The checkpoint's safetensors: one file, or shards and their index. A sharded checkpoint's
+    shards are written by `jobs` processes at once (default: one per shard, at most one per CPU):
+    drawing the values is what takes the time (a Qwen3-8B's 8 billion, about 40 s on one core),
+    and each tensor's values depend only on the seed and its name, so the files are the same
+    bytes however many write them."""
     specs = tensor_specs(config)
     itemsize = torch.tensor([], dtype=DTYPES[dtype][0]).element_size()
     total_bytes = sum(s.numel for s in specs) * itemsize
@@ -109,13 +116,42 @@ def write_weights(out: Path, config: dict, seed: int, dtype: str, shard_size_byt
     if len(shards) == 1:
         _write_safetensors(out / "model.safetensors", specs, seed, dtype, prog, "model.safetensors")
         return
-    weight_map = {}
-    for i, shard in enumerate(shards, 1):
-        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        _write_safetensors(out / name, shard, seed, dtype, prog, f"shard {i}/{len(shards)}")
-        weight_map.update({spec.name: name for spec in shard})
+    names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    jobs = min(len(shards), jobs or os.cpu_count() or 1)
+    if jobs > 1:
+        _write_shards_at_once(out, names, shards, seed, dtype, itemsize, prog, jobs)
+    else:
+        for i, (name, shard) in enumerate(zip(names, shards), 1):
+            _write_safetensors(out / name, shard, seed, dtype, prog, f"shard {i}/{len(shards)}")
+    weight_map = {spec.name: name for name, shard in zip(names, shards) for spec in shard}
     index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
     write_json(out / "model.safetensors.index.json", index)
+
+
+def _write_shard(path: Path, specs: list[TensorSpec], seed: int, dtype: str) -> None:
+    """A worker's shard (its progress is the parent's: one line a shard)."""
+    torch.set_num_threads(1)  # one process a core: the draw is sequential, the affine map need not fan out
+    _write_safetensors(path, specs, seed, dtype, _Progress(1, False), path.name)
+
+
+def _write_shards_at_once(out: Path, names: list[str], shards: list[list[TensorSpec]], seed: int, dtype: str,
+                          itemsize: int, progress: _Progress, jobs: int) -> None:
+    """Every shard by a pool of `jobs` processes (spawned: a forked child of a process whose
+    OpenMP threads ran can hang in its first parallel region). A shard that fails stops the rest."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+        futures = {pool.submit(_write_shard, out / name, shard, seed, dtype): (i, shard)
+                   for i, (name, shard) in enumerate(zip(names, shards), 1)}
+        try:
+            for done in concurrent.futures.as_completed(futures):
+                done.result()
+                i, shard = futures[done]
+                progress.advance(sum(spec.numel for spec in shard) * itemsize,
+                                 f"shard {i}/{len(shards)} ({jobs} at once)")
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
 
 
 def write_json(path: Path, obj) -> None:
