@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepare, on a machine with a package registry, what a lent GPU machine (none) needs to run the
 # GPU checks (issue 11): Python 3.12 wheels of what its image lacks, at the versions this checkout's
-# generated gRPC code was made with, in gpu_carry/wheels, and executor/pb/ generated here.
+# generated gRPC code was made with, in gpu_carry/wheels, executor/pb/ generated here, and the CPU
+# kernels built for Python 3.12 in gpu_carry/kernels (where a python3.12 is here).
 #
 #   bash tools/gpu_prepare.sh
 #   then, with the device tool: run  bash tools/gpu_run.sh   carrying  gpu_carry  executor/pb
@@ -17,5 +18,31 @@ pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
     -d "$out" "grpcio==$(ver grpcio)" "protobuf==$(ver protobuf)" \
     "grpcio-health-checking==$(ver grpcio-health-checking)" "grpcio-reflection==$(ver grpcio-reflection)" \
     jsonschema prometheus-client
+# The CPU kernels, built here for the image's Python 3.12: their build (seven C units at -O3, one
+# after another) takes minutes of a lent machine's time, in every call that starts a fresh one.
+# One build carries every ISA's variant (setup.py), so this one runs there. Without a python3.12
+# here, gpu_run.sh builds them there.
+rm -rf gpu_carry/kernels
+py312=
+for candidate in python3.12 "$(pyenv root 2> /dev/null)"/versions/3.12*/bin/python3.12; do
+    if "$candidate" -V > /dev/null 2>&1; then py312=$candidate; break; fi   # (a pyenv shim may not run)
+done
+if [ -n "$py312" ]; then
+    tmp=$(mktemp -d)
+    "$py312" -m venv "$tmp/venv"
+    "$tmp/venv/bin/pip" install -q "cython==$(ver cython)" setuptools
+    mkdir -p "$tmp/src/executor/kernels"
+    cp setup.py pyproject.toml "$tmp/src/"
+    cp -r executor/kernels/_kernels.pyx executor/kernels/csrc "$tmp/src/executor/kernels/"
+    (cd "$tmp/src" && "$tmp/venv/bin/python" setup.py -q build_ext --inplace > build.log 2>&1) \
+        || { tail -20 "$tmp/src/build.log"; rm -rf "$tmp"; exit 1; }
+    mkdir -p gpu_carry/kernels
+    for so in "$tmp"/src/executor/kernels/_kernels.cpython-312-*.so; do
+        strip --strip-debug -o "gpu_carry/kernels/$(basename "$so")" "$so"
+    done
+    rm -rf "$tmp"
+else
+    echo "gpu_prepare: no python3.12 here: gpu_run.sh will build the CPU kernels on the GPU machine"
+fi
 du -sh gpu_carry executor/pb
-ls "$out"
+ls "$out" gpu_carry/kernels 2>/dev/null

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run on a lent GPU machine (no package registry), from the repository root, with gpu_carry/ and
-# executor/pb/ carried (tools/gpu_prepare.sh made them): install the carried wheels offline and the
-# project without dependencies (the CPU kernels build with it), then the CUDA tests and/or the GPU
+# executor/pb/ carried (tools/gpu_prepare.sh made them): install the carried wheels offline, take
+# the carried CPU kernels (else install the project without dependencies, which builds them), then
+# the CUDA tests and/or the GPU
 # benchmark. What it reports goes to $OUT (the device tool's output folder). Each part fits in one
 # 10-minute call:
 #
@@ -28,9 +29,15 @@ start=$SECONDS
 python -V > "$OUT/setup.txt" 2>&1   # the carried wheels are cp312 (tools/gpu_prepare.sh)
 python -m pip install -q --no-index --no-deps gpu_carry/wheels/*.whl >> "$OUT/setup.txt" 2>&1 \
     || { tail -40 "$OUT/setup.txt"; exit 1; }
-# The project, without dependencies (its build compiles the kernels in place); where even that
-# cannot build offline, the kernels are built in place and the checkout goes on the path.
-if ! python -m pip install -q --no-deps --no-build-isolation -e . >> "$OUT/setup.txt" 2>&1; then
+# The CPU kernels carried, built for this Python (tools/gpu_prepare.sh): the checkout goes on the
+# path as it is. Else the project, without dependencies (its build compiles the kernels in place,
+# minutes); where even that cannot build offline, the kernels are built in place.
+carried=gpu_carry/kernels/_kernels.$(python -c "import sysconfig; print(sysconfig.get_config_var('SOABI'))").so
+if [ -f "$carried" ] && cp "$carried" executor/kernels/ \
+        && PYTHONPATH="$PWD" python -c "import executor.kernels" >> "$OUT/setup.txt" 2>&1; then
+    echo "the CPU kernels: carried ($carried)" | tee -a "$OUT/setup.txt"
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+elif ! python -m pip install -q --no-deps --no-build-isolation -e . >> "$OUT/setup.txt" 2>&1; then
     echo "pip install -e . failed (see setup.txt): building the kernels in place, using PYTHONPATH"
     python setup.py -q build_ext --inplace >> "$OUT/setup.txt" 2>&1 || { tail -40 "$OUT/setup.txt"; exit 1; }
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
