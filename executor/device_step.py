@@ -28,6 +28,7 @@ the same padded shapes, without graphs (and compiled to C++ by Inductor with HEL
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from executor import paged_decode
 from executor.kv_cache import holding_unlocks
 from executor.rope import inverse_frequencies
 from executor.staging import PinnedStaging
@@ -46,6 +48,10 @@ GRAPHS_ENV = "HELM_CUDA_GRAPHS"
 # HELM_COMPILE=1 compiles each block's halves around attention with torch.compile (off by
 # default until tools/bench_gpu.py has measured it against the eager ops on a GPU).
 COMPILE_ENV = "HELM_COMPILE"
+
+PAGED_DECODE_ENV = paged_decode.PAGED_DECODE_ENV
+
+log = logging.getLogger(__name__)
 
 _POSITION, _WRITE_SLOT, _WRITE_ROW, _TABLE = 0, 1, 2, 3  # columns of the index tensor
 
@@ -100,6 +106,18 @@ class ResidentDecode:
         # the index tensor's copies to the device (asynchronous); on the CPU it is used as it is
         self._staging = PinnedStaging(self.device) if self.device.type == "cuda" else None
         self._slots = None  # (batch, page slots per sequence) of the step `accepts` took
+        # HELM_PAGED_DECODE=1: attention by executor/paged_decode.py's kernels, straight over the
+        # slab's pages, instead of a gather and SDPA (opt-in until measured on a GPU)
+        self.paged = False
+        if os.environ.get(PAGED_DECODE_ENV, "0") == "1":
+            why = paged_decode.unsupported(config.head_dim, kv.page_size, config.num_heads // config.num_kv_heads,
+                                           self.device)
+            if why:
+                log.warning("%s=1, but the paged decode kernels cannot run here (%s): SDPA over gathered pages",
+                            PAGED_DECODE_ENV, why)
+            self.paged = why is None
+        self._processors = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                            if self.device.type == "cuda" else 4)
 
     @property
     def captured(self) -> list[tuple[int, int]]:
@@ -176,19 +194,22 @@ class ResidentDecode:
         layer reads alike is made once here, so a layer launches only its own ops."""
         positions = index[:, _POSITION]
         cos, sin = self.attention.tables(self.inv_freq, positions)
-        keys = (index.shape[1] - _TABLE) * self.kv.page_size
-        key_pos = torch.arange(keys, device=x.device)
-        # SDPA's additive mask [rows, 1, 1, keys·P]: a key is visible where its position is at or
-        # before the row's (a boolean mask SDPA would convert in every layer)
-        hidden = (key_pos[None, :] > positions[:, None])[:, None, None, :]
-        mask = torch.zeros(hidden.shape, dtype=self._cache_dtype, device=x.device).masked_fill_(hidden, -math.inf)
-        del key_pos, hidden  # not kept in the graph's pool beside the mask (planner/working_set.py)
-        table = index[:, _TABLE:].reshape(-1)
+        if self.paged:  # the kernels read the page table and positions as they are
+            mask, table = None, index[:, _TABLE:]
+        else:
+            keys = (index.shape[1] - _TABLE) * self.kv.page_size
+            key_pos = torch.arange(keys, device=x.device)
+            # SDPA's additive mask [rows, 1, 1, keys·P]: a key is visible where its position is at or
+            # before the row's (a boolean mask SDPA would convert in every layer)
+            hidden = (key_pos[None, :] > positions[:, None])[:, None, None, :]
+            mask = torch.zeros(hidden.shape, dtype=self._cache_dtype, device=x.device).masked_fill_(hidden, -math.inf)
+            del key_pos, hidden  # not kept in the graph's pool beside the mask (planner/working_set.py)
+            table = index[:, _TABLE:].reshape(-1)
         where = (index[:, _WRITE_SLOT].contiguous(), index[:, _WRITE_ROW].contiguous())
         for layer, w in enumerate(self.blocks):
             heads = (self._compiled_heads or self._heads_of)(x, w, cos, sin)
             # the attention output passed straight on: block_output frees it before the MLP
-            x = self._rest(x, self._attend(layer, heads, table, where, mask), w, self.ops, self.config)
+            x = self._rest(x, self._attend(layer, heads, table, where, mask, positions), w, self.ops, self.config)
         return x
 
     def _heads_of(self, x: torch.Tensor, w, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -203,15 +224,19 @@ class ResidentDecode:
         return heads
 
     def _attend(self, layer: int, heads: torch.Tensor, table: torch.Tensor, where: tuple[torch.Tensor, torch.Tensor],
-                mask: torch.Tensor) -> torch.Tensor:
+                mask: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
         """heads [rows, H_q + 2·H_kv, D] (`_heads_of`) → attention output [rows, H_q·D] in the
         cache's dtype (which the o projection takes as it is on CUDA, TorchLinear.input_dtype):
-        this step's K/V written into the slab, every row's pages gathered, SDPA over them. The
-        output's reshape is a copy on CUDA (the memory-efficient kernel writes [rows, group, H_kv, D])."""
+        this step's K/V written into the slab, then either the paged kernels over the slab (table
+        [rows, pages]) or every row's pages gathered (table flattened) and SDPA over them. SDPA's
+        output reshape is a copy on CUDA (the memory-efficient kernel writes [rows, group, H_kv, D])."""
         rows, h_q, h_kv, d = heads.shape[0], self.config.num_heads, self.config.num_kv_heads, self.config.head_dim
         slab = self.pool.slab[:, layer]  # [slots, 2, H_kv, P, D]
         # K and V of each row into (its page's slot, its row in the page) of a [slots, P, 2, H_kv, D] view
         slab.permute(0, 3, 1, 2, 4).index_put_(where, heads[:, h_q:].unflatten(1, (2, h_kv)))
+        if self.paged:
+            return paged_decode.paged_decode_attention(heads[:, :h_q], slab, table, positions, self.scale,
+                                                       self._processors)
         gathered = slab.permute(1, 2, 0, 3, 4).index_select(2, table)  # [2, H_kv, rows·pages, P, D]
         k, v = gathered.view(2, h_kv, rows, -1, d).transpose(1, 2)  # each [rows, H_kv, pages·P, D]
         # The query heads of a KV head are its rows (GQA without repeating K/V): [rows, H_kv, group, D].

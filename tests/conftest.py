@@ -7,11 +7,18 @@ so every test that compares HELM against transformers reads the same files.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from tools.make_model import make_model
+
+if not torch.cuda.is_available():
+    # Triton kernels (executor/paged_decode.py) run on the CPU under Triton's interpreter, which
+    # must be on before triton is first imported: its standard library is made for one or the other
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as `python tools/bench_gpu.py`
     sys.path.insert(0, str(REPO))
 
-from executor.device_step import COMPILE_ENV, ResidentDecode  # noqa: E402
+from executor.device_step import COMPILE_ENV, PAGED_DECODE_ENV, ResidentDecode  # noqa: E402
 from executor.engine import Engine  # noqa: E402
 from executor.loader import load_model  # noqa: E402
 from executor.model_config import ModelConfig  # noqa: E402
@@ -188,6 +188,7 @@ def run_helm(model_dir: Path, plan, config: ModelConfig, ids: list[int], new_tok
         out["decode_path"] = "cuda graphs" if step.graphs else "static step, eager"
         out["graph_buckets"] = step.captured
         out["compiled"] = step.compiled
+        out["paged_decode"] = step.paged
         if eager_too or profile:
             out["decode_profile"] = decode_profile(engine, ids)
         if eager_too and step.graphs:
@@ -234,7 +235,7 @@ def targets(results: dict) -> dict:
     capped = results.get("capped", {})
     check("decode_vs_accelerate_at_cap", capped.get("decode_speedup"), f">= {TARGET_SPEEDUP}x",
           lambda v: v >= TARGET_SPEEDUP)
-    for run in ("all_gpu", "all_gpu_compiled"):
+    for run in ("all_gpu", "all_gpu_compiled", "all_gpu_paged_decode"):
         check(f"{run}_over_roofline", results.get(run, {}).get("over_roofline"), f"<= {TARGET_OVER_ROOFLINE}x",
               lambda v: v <= TARGET_OVER_ROOFLINE)
 
@@ -308,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-accelerate", action="store_true")
     p.add_argument("--skip-capped", action="store_true", help="leave run 1 (the capped GPU) out")
     p.add_argument("--compiled", action="store_true", help="run 3: run 2 with torch.compile (HELM_COMPILE=1)")
+    p.add_argument("--paged-decode", action="store_true",
+                   help="run 4: run 2 with the paged decode kernels (HELM_PAGED_DECODE=1) instead of SDPA")
     args = p.parse_args(argv)
     smoke = args.smoke or not torch.cuda.is_available()
     size = "tiny" if smoke else args.size
@@ -361,10 +364,11 @@ def main(argv: list[str] | None = None) -> int:
                         allow_infeasible=True)
     roofline = hbm_roofline_ms(all_gpu, args.context) if all_gpu.machine.gpu else float("nan")
     gemv = all_gpu.machine.gpu.gemv_gibps if all_gpu.machine.gpu else None
-    runs = [("all_gpu", False)] + ([("all_gpu_compiled", True)] if args.compiled else [])
-    for name, compiled in runs:
-        with _env(COMPILE_ENV, "1" if compiled else "0"):
-            run = run_helm(model_dir, all_gpu, config, long_ids, args.new_tokens, eager_too=not compiled,
+    runs = [("all_gpu", False, False)] + ([("all_gpu_compiled", True, False)] if args.compiled else []) \
+        + ([("all_gpu_paged_decode", False, True)] if args.paged_decode else [])
+    for name, compiled, paged in runs:
+        with _env(COMPILE_ENV, "1" if compiled else "0"), _env(PAGED_DECODE_ENV, "1" if paged else "0"):
+            run = run_helm(model_dir, all_gpu, config, long_ids, args.new_tokens, eager_too=name == "all_gpu",
                            profile=True, smoke=smoke)
         run["hbm_roofline_ms"] = round(roofline, 3)
         run["over_roofline"] = round(run["decode_ms_per_token"] / roofline, 2) if roofline == roofline else None
@@ -376,6 +380,10 @@ def main(argv: list[str] | None = None) -> int:
         # compiled over not (both as CUDA graphs where there is CUDA)
         results["all_gpu_compiled"]["vs_uncompiled"] = round(
             results["all_gpu_compiled"]["decode_ms_per_token"] / results["all_gpu"]["decode_ms_per_token"], 3)
+    if args.paged_decode:
+        # the paged kernels over SDPA on gathered pages (both as CUDA graphs where there is CUDA)
+        results["all_gpu_paged_decode"]["vs_sdpa"] = round(
+            results["all_gpu_paged_decode"]["decode_ms_per_token"] / results["all_gpu"]["decode_ms_per_token"], 3)
 
     results["targets"] = targets(results)
     save()
@@ -391,12 +399,14 @@ def main(argv: list[str] | None = None) -> int:
                      f"(predicted {c['helm']['predicted_ms_per_token']} ms/token, measured "
                      f"{c['helm']['decode_ms_per_token']})" + (f"; Accelerate {c['accelerate']['decode_tok_s']} tok/s: "
                                                                f"{c['decode_speedup']}x" if "accelerate" in c else ""))
-    for name, _ in runs:
+    for name, _, _ in runs:
         run = results[name]
         profile = run.get("decode_profile", {})
         launches = (f", {profile['kernels_per_step']} kernels a step" if "kernels_per_step" in profile
                     else f", {profile['ops_per_step']} ops a step" if "ops_per_step" in profile else "")
-        lines.append(f"{'all-GPU' if name == 'all_gpu' else 'all-GPU, compiled'} at context {args.context}: "
+        label = {"all_gpu": "all-GPU", "all_gpu_compiled": "all-GPU, compiled",
+                 "all_gpu_paged_decode": "all-GPU, paged decode kernels"}[name]
+        lines.append(f"{label} at context {args.context}: "
                      f"{run['decode_ms_per_token']} ms/token (predicted {run['predicted_ms_per_token']}), "
                      f"HBM roofline {run['hbm_roofline_ms']} ms "
                      f"({run['over_roofline']}x){launches}")

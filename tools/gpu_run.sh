@@ -2,13 +2,15 @@
 # Run on a lent GPU machine (no package registry), from the repository root, with gpu_carry/ and
 # executor/pb/ carried (tools/gpu_prepare.sh made them): install the carried wheels offline, take
 # the carried CPU kernels (else install the project without dependencies, which builds them), then
-# the CUDA tests and/or the GPU
-# benchmark. What it reports goes to $OUT (the device tool's output folder). Each part fits in one
-# 10-minute call:
+# the CUDA tests and/or the GPU benchmark. What it reports goes to $OUT (the device tool's output
+# folder). Each part fits in one 10-minute call:
 #
-#   bash tools/gpu_run.sh tests [pytest args]      # the CUDA tests (e.g. -k "not compiled" to split them)
+#   bash tools/gpu_run.sh tests [pytest args]      # the CUDA tests and the paged decode kernels' (on
+#                                                  # CUDA), e.g. -k "not compiled" to split them
 #   bash tools/gpu_run.sh bench [bench_gpu args]   # tools/bench_gpu.py (Qwen3-8B dims, 8 GiB cap)
-#   bash tools/gpu_run.sh bench --skip-capped --compiled   # all-GPU decode, eager ops vs torch.compile
+#   bash tools/gpu_run.sh bench --skip-capped --compiled --paged-decode
+#                                                  # all-GPU decode: eager ops vs torch.compile, and
+#                                                  # SDPA vs the paged decode kernels
 #   bash tools/gpu_run.sh kernels                  # the CPU kernels' tests on this machine's CPU: its
 #                                                  # AVX-512 / AVX512-BF16 paths, which our VMs may lack
 #   bash tools/gpu_run.sh host                     # tools/bench_host_step.py: the host's work per GPU
@@ -51,7 +53,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     args=(--durations=12)
     python -c "import pytest_timeout" 2>/dev/null && args+=(--timeout=240)
     [ "$what" = tests ] && args+=("$@")
-    python -m pytest -q -s -p no:cacheprovider "${args[@]}" tests/executor/test_cuda.py 2>&1 \
+    python -m pytest -q -s -p no:cacheprovider "${args[@]}" tests/executor/test_cuda.py \
+        tests/executor/test_paged_decode.py 2>&1 \
         | tee "$OUT/cuda_tests.txt" | tail -45
     echo "tests: done at $((SECONDS - start)) s"
 fi

@@ -39,14 +39,18 @@ def test_eviction_and_streaming_on_cuda(checkpoint):
     assert got == want
 
 
-@pytest.mark.parametrize("arch,compiled", [("llama", "0"), ("qwen3", "0"), ("qwen3", "1")])
-def test_bf16_logits_on_cuda_no_further_from_fp32_than_transformers_bf16(checkpoint, arch, compiled, monkeypatch):
+@pytest.mark.parametrize("arch,compiled,paged", [("llama", "0", "0"), ("qwen3", "0", "0"), ("qwen3", "1", "0"),
+                                                 ("qwen3", "0", "1"), ("llama", "0", "1")])
+def test_bf16_logits_on_cuda_no_further_from_fp32_than_transformers_bf16(checkpoint, arch, compiled, paged,
+                                                                         monkeypatch):
     """The CUDA stage multiplies in bf16 with fp32 accumulation, like transformers' bf16 model on
     CUDA: its logits are no further from transformers' fp32 run than that model's, and its
     argmax agrees wherever the reference's top-2 margin is wider than that error. Both decode
     paths: streaming (unbounded pool) and the static step over the slab (graphs), its blocks
-    compiled by torch.compile where HELM_COMPILE=1 (the bf16 branches production compiles)."""
+    compiled by torch.compile where HELM_COMPILE=1 (the bf16 branches production compiles), its
+    attention by the paged Triton kernels where HELM_PAGED_DECODE=1."""
     monkeypatch.setenv("HELM_COMPILE", compiled)
+    monkeypatch.setenv("HELM_PAGED_DECODE", paged)
     path = checkpoint(arch, "bf16")
     ids = prompt_ids(52, 256, seed=5)
     with torch.no_grad():
@@ -132,6 +136,32 @@ def test_compiled_cuda_graph_decode_matches_transformers(checkpoint, monkeypatch
     assert counters["stats"]["unique_graphs"] <= 4
     # the point: fused element-wise ops (and the profiler saw the replay's kernels at all)
     assert 0 < len(kernels) < eager
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_paged_decode_kernels_in_cuda_graphs_match_transformers(checkpoint, arch, monkeypatch):
+    """HELM_PAGED_DECODE=1 on CUDA: decode attention by executor/paged_decode.py's Triton kernels,
+    straight over the slab's pages and captured in the decode graphs (compiled at the capture's
+    warm-up); three sequences in a bucket of four rows; fp32 (IEEE products); greedy tokens equal
+    transformers'. The kernels a replay launches are printed beside the SDPA step's count."""
+    from executor.device_step import ResidentDecode
+
+    path = checkpoint(arch, "fp32")
+    prompts = [prompt_ids(20, 256, seed=1), prompt_ids(9, 256, seed=2), prompt_ids(3, 256, seed=3)]
+    want = [hf_greedy(path, p, 24) for p in prompts]
+    monkeypatch.setenv("HELM_PAGED_DECODE", "1")
+    got, model = helm_generate(path, prompts, split=1, max_new_tokens=24, page_size=16, device_kv_pages=32)
+    step = model.stages[1].fused
+    assert isinstance(step, ResidentDecode) and step.paged and step.graphs and (4, 4) in step.captured
+    assert got == want
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step._captured[(4, 4)].graph.replay()
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    print(f"\npaged decode step, {len(model.stages[1].blocks)} blocks: {len(kernels)} kernels; "
+          f"{sorted(set(n[:40] for n in kernels))}")
+    assert any("_attend_split" in n for n in kernels) and any("_combine" in n for n in kernels)
 
 
 def test_prefetch_reads_what_the_compute_stream_wrote_in_a_loop(checkpoint):

@@ -109,6 +109,30 @@ def test_chunked_prompt_on_the_fused_prompt_path_matches_transformers(checkpoint
     assert got[0] == want and len(static_steps) == 7
 
 
+@pytest.mark.parametrize("arch,dtype", [("qwen3", "fp32"), ("llama", "fp32"), ("qwen3", "bf16")])
+def test_paged_decode_kernels_give_transformers_tokens(checkpoint, arch, dtype, static_steps, monkeypatch):
+    """HELM_PAGED_DECODE=1: decode attention by executor/paged_decode.py's kernels over the slab's
+    pages (here under Triton's interpreter), split over the keys, with padded rows (3 sequences in
+    a bucket of 4) and pages partly written; the tokens of transformers (bf16: of the SDPA step)."""
+    from executor import paged_decode
+
+    if paged_decode.unsupported(16, 16, 1, torch.device("cpu")):
+        pytest.skip(paged_decode.unsupported(16, 16, 1, torch.device("cpu")))
+    path = checkpoint(arch, dtype)
+    prompts = [prompt_ids(n, 256, seed=n) for n in (3, 17, 9)]
+    if dtype == "fp32":
+        want = [hf_greedy(path, p, 14) for p in prompts]
+    else:
+        want, _ = helm_generate(path, prompts, split=1, max_new_tokens=14, page_size=16, device_kv_pages=12,
+                                backend="torch", kv_slab=True)
+    monkeypatch.setenv(paged_decode.PAGED_DECODE_ENV, "1")
+    static_steps.clear()
+    got, model = helm_generate(path, prompts, split=1, max_new_tokens=14, page_size=16, device_kv_pages=12,
+                               backend="torch", kv_slab=True)
+    assert model.stages[1].fused.paged
+    assert got == want and (4, 3 + 2) in static_steps
+
+
 def test_stale_kv_in_masked_slots_is_never_read(checkpoint, static_steps):
     """Slots after a sequence's end, padded pages and the scratch slot hold whatever earlier
     sequences left (here: large finite values in every slot); the position mask hides them all."""

@@ -25,7 +25,7 @@ def test_the_gpu_benchmark_runs_end_to_end_in_smoke_mode(tmp_path, capsys, monke
     monkeypatch.setattr(bench_gpu, "placeholder_machine", measured_like)
     out = tmp_path / "bench.json"
     assert bench_gpu.main(["--smoke", "--work", str(tmp_path / "work"), "--new-tokens", "24", "--prompt-tokens", "8",
-                           "--context", "64", "--compiled", "--out", str(out)]) == 0
+                           "--context", "64", "--compiled", "--paged-decode", "--out", str(out)]) == 0
     results = json.loads(out.read_text())
     assert results["smoke"] and results["model"] == "tiny"
     helm = results["capped"]["helm"]
@@ -46,6 +46,11 @@ def test_the_gpu_benchmark_runs_end_to_end_in_smoke_mode(tmp_path, capsys, monke
     compiled = results["all_gpu_compiled"]
     assert compiled["compiled"] and not results["all_gpu"]["compiled"]
     assert compiled["decode_ms_per_token"] > 0 and compiled["vs_uncompiled"] > 0 and compiled["decode_profile"]["top"]
+    # run 2 again with the paged decode kernels (on the CPU: under Triton's interpreter) where Triton is here
+    paged = results["all_gpu_paged_decode"]
+    from executor import paged_decode
+    assert paged["paged_decode"] == (paged_decode.triton is not None) and not results["all_gpu"]["paged_decode"]
+    assert paged["decode_ms_per_token"] > 0 and paged["vs_sdpa"] > 0
     assert results["profile_decode_block"] == {"block": "mock block", "ms": 0.151, "roofline_ms": 0.15,
                                                "delta_ms_per_block": 0.001}
     # the targets it measured, each with its figure and bound (the smoke run's figures mean nothing)
