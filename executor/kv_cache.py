@@ -73,8 +73,9 @@ class PagePool:
         self.slab = None
         if slab:
             # Zeroed: a static step reads whole pages, masking the slots after a sequence's end,
-            # and a masked slot still enters as 0 · V, which must not be 0 · NaN. Every slot stays
-            # finite after: it only ever holds K/V written by the model.
+            # and a masked slot still enters as 0 · V, which must not be 0 · NaN. A page is zeroed
+            # again when it is released (`release`): the model can write non-finite K/V (an
+            # overflowed activation fails its request), which must not reach the page's next owner.
             self.slab = torch.zeros((capacity_pages + 1, *page_shape), dtype=dtype, device=self.device)
             self._free = [self.slab[i] for i in reversed(range(capacity_pages))]  # slot 0 first
             self.keep_free = capacity_pages
@@ -113,6 +114,10 @@ class PagePool:
 
     def release(self, buf: torch.Tensor) -> None:
         self.used_pages -= 1
+        if self.slab is not None:
+            # on the stream of the steps that last read it (KVCache.free has waited for the copy
+            # stream), before a later step can take the page: a memset, once a sequence
+            buf.zero_()
         if len(self._free) < self.keep_free:
             self._free.append(buf)
 

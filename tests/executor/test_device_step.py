@@ -147,6 +147,31 @@ def test_stale_kv_in_masked_slots_is_never_read(checkpoint, static_steps):
     assert [s.output_ids for s in seqs] == want and static_steps
 
 
+def test_a_failed_requests_non_finite_kv_never_reaches_the_next_sequence_on_its_pages(checkpoint, static_steps):
+    """A request whose K/V went non-finite (an overflowed activation) fails; a later sequence that
+    takes its pages writes only the slots up to its own position, and a masked slot still enters
+    SDPA as 0 · V: released slab pages are zeroed, so its tokens are those it gets on a fresh pool."""
+    path = checkpoint("qwen3", "fp32")
+    cfg = ModelConfig.from_dir(path)
+    placement = Placement.from_split(cfg.num_units, 1, page_size_tokens=16, device_kv_pages=4)
+    model = load_model(path, placement, cfg, backend="torch", kv_slab=True)
+    engine = Engine(model)
+    poisoned = engine.add_request(prompt_ids(20, 256, seed=4), stop=StopCriteria(max_new_tokens=8, ignore_eos=True))
+    engine.step()  # its prompt: then every slot of its pages as an overflow would leave them
+    kv = model.stages[1].kv
+    kv.device_pool.slab[kv.device_slots(poisoned.request_id)] = float("nan")
+    while engine.has_work():
+        engine.step()
+    assert poisoned.finish_reason == "error"
+    prompt = prompt_ids(5, 256, seed=9)
+    want, _ = helm_generate(path, [prompt], split=1, max_new_tokens=12, page_size=16, device_kv_pages=4,
+                            backend="torch", kv_slab=True)
+    static_steps.clear()
+    later = engine.generate([prompt], SamplingParams(), StopCriteria(max_new_tokens=12, ignore_eos=True))[0]
+    assert later.finish_reason != "error" and [later.output_ids] == want and static_steps
+    assert not kv.device_pool.slab.isnan().any()  # every page released zeroed
+
+
 def test_prompt_chunks_of_a_sequence_with_host_pages_stream(checkpoint, static_steps, monkeypatch):
     """The GPU stage gathers a prompt's pages for the fused attention only while all are on the
     device; once one is on the host, its chunks stream the pages back one at a time."""
