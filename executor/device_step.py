@@ -111,7 +111,9 @@ class ResidentDecode:
         self.paged = False
         if os.environ.get(PAGED_DECODE_ENV, "0") == "1":
             why = paged_decode.unsupported(config.head_dim, kv.page_size, config.num_heads // config.num_kv_heads,
-                                           self.device)
+                                           self.device) \
+                or paged_decode.first_launch_error(config.num_heads, config.num_kv_heads, config.head_dim,
+                                                   kv.page_size, self.pool.slab.dtype, self.device)
             if why:
                 log.warning("%s=1, but the paged decode kernels cannot run here (%s): SDPA over gathered pages",
                             PAGED_DECODE_ENV, why)

@@ -39,13 +39,17 @@ except ImportError:  # the CPU-only install: the SDPA path serves
 
 
 def unsupported(head_dim: int, page_size: int, group: int, device: torch.device) -> str | None:
-    """Why these kernels cannot run this stage's decode attention (None: they can)."""
+    """Why these kernels cannot run this stage's decode attention (None: they can, as far as the
+    shapes and the device say; `first_launch_error` tries them)."""
     if triton is None:
         return "Triton is not installed"
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return "not a CUDA device (Triton's interpreter, TRITON_INTERPRET=1, runs it on the CPU)"
-    if head_dim < MIN_BLOCK or head_dim & (head_dim - 1):
-        return f"head_dim {head_dim} is not a power of two of at least {MIN_BLOCK}"
+    if device.type == "cuda":
+        if torch.cuda.get_device_capability(device) < (8, 0):
+            return "a GPU before compute capability 8.0 (no bf16 tensor-core products)"
+    elif not (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
+        return f"a {device.type} device (CUDA, or the CPU under Triton's interpreter, TRITON_INTERPRET=1)"
+    if head_dim < MIN_BLOCK or head_dim > 256 or head_dim & (head_dim - 1):
+        return f"head_dim {head_dim} is not a power of two from {MIN_BLOCK} to 256"
     if page_size < MIN_BLOCK or page_size & (page_size - 1):
         return f"the KV page of {page_size} tokens is not a power of two of at least {MIN_BLOCK}"
     if group > 64:
@@ -53,9 +57,27 @@ def unsupported(head_dim: int, page_size: int, group: int, device: torch.device)
     return None
 
 
+def first_launch_error(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
+                       device: torch.device) -> str | None:
+    """Run the kernels once on one page of zeros at the stage's shapes and dtype (every compile-time
+    choice but the split count's padding, which changes no resource): a GPU whose shared memory or
+    Triton build cannot take them says so here, at load, rather than in a graph capture. None: they ran."""
+    try:
+        slab = torch.zeros(2, 2, kv_heads, page_size, head_dim, dtype=dtype, device=device)
+        q = torch.zeros(1, q_heads, head_dim, dtype=dtype, device=device)
+        index = torch.tensor([[0, 0]], dtype=torch.int64, device=device)  # position 0, page slot 0
+        paged_decode_attention(q, slab, index[:, 1:], index[:, 0], head_dim ** -0.5, 1)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as e:  # noqa: BLE001 — any failure means: not here
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
 def splits_for(rows: int, kv_heads: int, keys: int, processors: int) -> tuple[int, int]:
     """(keys per split, splits): enough programs for about two per streaming processor, each over
-    whole blocks of keys."""
+    whole blocks of min(MAX_BLOCK_N, keys) keys (a multiple of the kernel's block of
+    min(MAX_BLOCK_N, page), since a row's keys are whole pages)."""
     block = min(MAX_BLOCK_N, keys)
     blocks = -(-keys // block)
     want = max(1, min(blocks, -(-2 * processors // max(1, rows * kv_heads))))
@@ -72,6 +94,8 @@ def paged_decode_attention(q: torch.Tensor, slab_layer: torch.Tensor, table: tor
     rows, h_q, d = q.shape
     _, _, h_kv, page, _ = slab_layer.shape
     group = h_q // h_kv
+    if q.stride(-1) != 1 or slab_layer.stride(-1) != 1:
+        raise ValueError("the paged decode kernels read head vectors whole: their last dimension must be contiguous")
     keys = table.shape[1] * page
     per_split, splits = splits_for(rows, h_kv, keys, processors)
     group_pad = max(MIN_BLOCK, triton.next_power_of_2(group))
@@ -81,12 +105,11 @@ def paged_decode_attention(q: torch.Tensor, slab_layer: torch.Tensor, table: tor
     attend_split, combine = _kernels()
     attend_split[(rows, h_kv, splits)](
         q, slab_layer, table, positions, partial, lse, scale * math.log2(math.e),
-        q.stride(0), q.stride(1), *slab_layer.stride()[:4], table.stride(0), positions.stride(0),
-        PAGE=page, GROUP=group, GROUP_PAD=group_pad, D=d, BLOCK_N=min(MAX_BLOCK_N, page, per_split),
-        KEYS_PER_SPLIT=per_split, UPCAST=upcast)
+        q.stride(0), q.stride(1), *slab_layer.stride()[:4], table.stride(0), positions.stride(0), per_split,
+        PAGE=page, GROUP=group, GROUP_PAD=group_pad, D=d, BLOCK_N=min(MAX_BLOCK_N, page), UPCAST=upcast)
     out = torch.empty(rows, h_q * d, dtype=slab_layer.dtype, device=q.device)
-    combine[(rows, h_q)](partial, lse, out, GROUP=group, GROUP_PAD=group_pad, D=d, SPLITS=splits,
-                          SPLITS_PAD=triton.next_power_of_2(splits))
+    combine[(rows, h_q)](partial, lse, out, splits, GROUP=group, GROUP_PAD=group_pad, D=d,
+                         SPLITS_PAD=triton.next_power_of_2(splits))
     return out
 
 
@@ -100,9 +123,10 @@ def _kernels():
 if triton is not None:
     def _attend_split(q_ptr, slab_ptr, table_ptr, pos_ptr, partial_ptr, lse_ptr, scale_log2,
                       stride_q_row, stride_q_head, stride_slot, stride_kv, stride_head, stride_token, stride_table,
-                      stride_pos,
+                      stride_pos, keys_per_split,
                       PAGE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
-                      BLOCK_N: tl.constexpr, KEYS_PER_SPLIT: tl.constexpr, UPCAST: tl.constexpr):
+                      BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+        # keys_per_split a runtime argument: one compile serves every graph bucket of a stage
         row = tl.program_id(0)
         head = tl.program_id(1)
         split = tl.program_id(2)
@@ -117,8 +141,8 @@ if triton is not None:
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max of the scores (log2 units)
         s = tl.zeros([GROUP_PAD], tl.float32)  # running sum of their exponentials
         acc = tl.zeros([GROUP_PAD, D], tl.float32)
-        first = split * KEYS_PER_SPLIT
-        for start in range(first, first + KEYS_PER_SPLIT, BLOCK_N):
+        first = split * keys_per_split
+        for start in range(first, first + keys_per_split, BLOCK_N):
             if start <= position:  # blocks wholly after the row's position are skipped, not masked
                 slot = tl.load(table_ptr + row * stride_table + start // PAGE)
                 at = (slab_ptr + slot * stride_slot + head * stride_head
@@ -147,8 +171,8 @@ if triton is not None:
         tl.store(partial_ptr + out[:, None] * D + d[None, :], acc / tl.where(s > 0, s, 1.0)[:, None])
         tl.store(lse_ptr + out, tl.where(s > 0, m + tl.log2(tl.where(s > 0, s, 1.0)), float("-inf")))
 
-    def _combine(partial_ptr, lse_ptr, out_ptr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
-                 SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    def _combine(partial_ptr, lse_ptr, out_ptr, splits, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                 D: tl.constexpr, SPLITS_PAD: tl.constexpr):
         row = tl.program_id(0)
         q_head = tl.program_id(1)
         heads = tl.num_programs(1)
@@ -156,9 +180,9 @@ if triton is not None:
         g = q_head % GROUP
         sp = tl.arange(0, SPLITS_PAD)
         d = tl.arange(0, D)
-        at = ((row * (heads // GROUP) + kv_head) * SPLITS + sp) * GROUP_PAD + g  # [SPLITS_PAD]
-        lse = tl.load(lse_ptr + at, mask=sp < SPLITS, other=float("-inf"))
+        at = ((row * (heads // GROUP) + kv_head) * splits + sp) * GROUP_PAD + g  # [SPLITS_PAD]
+        lse = tl.load(lse_ptr + at, mask=sp < splits, other=float("-inf"))
         weight = tl.exp2(lse - tl.max(lse, 0))  # the first split always holds key 0: the max is finite
-        part = tl.load(partial_ptr + at[:, None] * D + d[None, :], mask=(sp < SPLITS)[:, None], other=0.0)
+        part = tl.load(partial_ptr + at[:, None] * D + d[None, :], mask=(sp < splits)[:, None], other=0.0)
         o = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
         tl.store(out_ptr + (row * heads + q_head) * D + d, o.to(out_ptr.dtype.element_ty))

@@ -27,6 +27,7 @@ what=${1:-all}
 PY=${PYTHON:-python3}
 python() { "$PY" "$@"; }
 export PYTHONUNBUFFERED=1
+export PIP_BREAK_SYSTEM_PACKAGES=1   # where python3 is a distribution's own (externally managed)
 start=$SECONDS
 python -V > "$OUT/setup.txt" 2>&1   # the carried wheels are cp312 (tools/gpu_prepare.sh)
 python -m pip install -q --no-index --no-deps gpu_carry/wheels/*.whl >> "$OUT/setup.txt" 2>&1 \
@@ -35,7 +36,12 @@ python -m pip install -q --no-index --no-deps gpu_carry/wheels/*.whl >> "$OUT/se
 # path as it is. Else the project, without dependencies (its build compiles the kernels in place,
 # minutes); where even that cannot build offline, the kernels are built in place.
 carried=gpu_carry/kernels/_kernels.$(python -c "import sysconfig; print(sysconfig.get_config_var('SOABI'))").so
-if [ -f "$carried" ] && cp "$carried" executor/kernels/ \
+sources=$(cat setup.py executor/kernels/_kernels.pyx executor/kernels/csrc/* | sha256sum | cut -d' ' -f1)
+if [ -f "$carried" ] && [ "$sources" != "$(cat gpu_carry/kernels/SOURCES 2> /dev/null)" ]; then
+    echo "the carried CPU kernels were built from other sources (run tools/gpu_prepare.sh again): building them here"
+    carried=
+fi
+if [ -n "$carried" ] && [ -f "$carried" ] && cp "$carried" executor/kernels/ \
         && PYTHONPATH="$PWD" python -c "import executor.kernels" >> "$OUT/setup.txt" 2>&1; then
     echo "the CPU kernels: carried ($carried)" | tee -a "$OUT/setup.txt"
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -51,7 +57,7 @@ python -c "import torch, executor.kernels as k; print('torch', torch.__version__
 if [ "$what" = tests ] || [ "$what" = all ]; then
     # a test that hangs is stopped by pytest-timeout (in the image) rather than the call's limit
     args=(--durations=12)
-    python -c "import pytest_timeout" 2>/dev/null && args+=(--timeout=240)
+    python -c "import pytest_timeout" 2>/dev/null && args+=(--timeout=420)   # cold torch.compile caches
     [ "$what" = tests ] && args+=("$@")
     python -m pytest -q -s -p no:cacheprovider "${args[@]}" tests/executor/test_cuda.py \
         tests/executor/test_paged_decode.py 2>&1 \

@@ -67,7 +67,7 @@ def make_model(arch: str | None, size: str, dtype: str = "bf16", seed: int = 0,
     (e.g. {"num_hidden_layers": 1, "rope_scaling": None}). `config_only` writes everything except
     the weights (for planning real sizes). `progress` None shows progress on stderr for
     checkpoints of PROGRESS_MIN_BYTES or more. `jobs`: processes writing a sharded checkpoint's
-    shards at once (default one per CPU; the bytes are the same). config.json is written last, so a
+    shards at once (default: one per CPU for checkpoints of 1 GB or more; the bytes are the same). config.json is written last, so a
     directory holding it is a complete checkpoint. Returns `out` as a Path.
     """
     if out is None:
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="largest safetensors file, e.g. 2GB, 500MB (default 2GB)")
     parser.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
     parser.add_argument("--jobs", type=int, default=None,
-                        help="processes writing shards at once (default: one per CPU; same bytes)")
+                        help="processes writing shards at once (default: one per CPU from 1 GB; same bytes)")
     parser.add_argument("--config-only", action="store_true",
                         help="write config, generation config and tokenizer but no weights")
     parser.add_argument("--set", dest="overrides", action="append", default=[],

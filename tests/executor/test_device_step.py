@@ -109,17 +109,19 @@ def test_chunked_prompt_on_the_fused_prompt_path_matches_transformers(checkpoint
     assert got[0] == want and len(static_steps) == 7
 
 
-@pytest.mark.parametrize("arch,dtype", [("qwen3", "fp32"), ("llama", "fp32"), ("qwen3", "bf16")])
-def test_paged_decode_kernels_give_transformers_tokens(checkpoint, arch, dtype, static_steps, monkeypatch):
+@pytest.mark.parametrize("arch,dtype,lengths", [("qwen3", "fp32", (3, 17, 9)), ("llama", "fp32", (3, 17, 9)),
+                                                ("qwen3", "bf16", (3, 17, 9)), ("qwen3", "fp32", (70,))])
+def test_paged_decode_kernels_give_transformers_tokens(checkpoint, arch, dtype, lengths, static_steps, monkeypatch):
     """HELM_PAGED_DECODE=1: decode attention by executor/paged_decode.py's kernels over the slab's
-    pages (here under Triton's interpreter), split over the keys, with padded rows (3 sequences in
-    a bucket of 4) and pages partly written; the tokens of transformers (bf16: of the SDPA step)."""
+    pages (here under Triton's interpreter), with padded rows (3 sequences in a bucket of 4) and
+    pages partly written, or one long sequence whose keys split in two; the tokens of
+    transformers (bf16: of the SDPA step)."""
     from executor import paged_decode
 
     if paged_decode.unsupported(16, 16, 1, torch.device("cpu")):
         pytest.skip(paged_decode.unsupported(16, 16, 1, torch.device("cpu")))
     path = checkpoint(arch, dtype)
-    prompts = [prompt_ids(n, 256, seed=n) for n in (3, 17, 9)]
+    prompts = [prompt_ids(n, 256, seed=n) for n in lengths]
     if dtype == "fp32":
         want = [hf_greedy(path, p, 14) for p in prompts]
     else:
@@ -129,8 +131,12 @@ def test_paged_decode_kernels_give_transformers_tokens(checkpoint, arch, dtype, 
     static_steps.clear()
     got, model = helm_generate(path, prompts, split=1, max_new_tokens=14, page_size=16, device_kv_pages=12,
                                backend="torch", kv_slab=True)
-    assert model.stages[1].fused.paged
-    assert got == want and (4, 3 + 2) in static_steps
+    step = model.stages[1].fused
+    assert step.paged and got == want
+    if len(lengths) == 3:
+        assert (4, 3 + 2) in static_steps
+    else:  # 70..83 tokens: 8 pages of 16 in the bucket, two blocks of 64 keys, one split each
+        assert (1, 3 + 8) in static_steps and paged_decode.splits_for(1, 2, 128, step._processors)[1] == 2
 
 
 def test_stale_kv_in_masked_slots_is_never_read(checkpoint, static_steps):

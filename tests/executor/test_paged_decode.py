@@ -51,14 +51,19 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("h_q,h_kv,d,page", [(8, 2, 16, 16), (4, 4, 32, 32), (16, 2, 64, 16)])
+@pytest.mark.parametrize("h_q,h_kv,d,page,pages", [(8, 2, 16, 16, 12), (4, 4, 32, 32, 4), (16, 2, 64, 16, 5),
+                                                   (3, 1, 16, 16, 8)])
 @pytest.mark.parametrize("processors", [1, 64])
-def test_paged_decode_attention_equals_softmax_over_the_gathered_pages(dtype, h_q, h_kv, d, page, processors):
-    """Rows at positions within the first page, at a page's last slot, a page's first, and a
-    padded row (position 0 on the scratch slot); one split, and as many as there are key blocks."""
-    positions = [3, 2 * page - 1, 3 * page, 0]
-    q, slab_layer, table, pos = case(dtype, h_q, h_kv, d, page, pages=4, positions=positions)
+def test_paged_decode_attention_equals_softmax_over_the_gathered_pages(dtype, h_q, h_kv, d, page, pages, processors):
+    """Rows at positions within the first page, at a page's last slot, a page's first, the last
+    page's, and a padded row (position 0 on the scratch slot); one split, and (processors 64)
+    several (processors 64): 3 splits of 64 keys at pages of 16 (a padded lane in the combine), 2
+    at pages of 32, 2 over 80 keys (the last split past the table), and a group of 3 query heads."""
+    positions = [3, 2 * page - 1, 3 * page, (pages - 1) * page + 2, 0]
+    q, slab_layer, table, pos = case(dtype, h_q, h_kv, d, page, pages=pages, positions=positions, slots=24)
     scale = d ** -0.5
+    per_split, splits = paged_decode.splits_for(len(positions), h_kv, pages * page, processors)
+    assert (splits > 1) == (processors > 1)
     got = paged_decode.paged_decode_attention(q, slab_layer, table, pos, scale, processors)
     assert got.dtype == dtype and got.shape == (len(positions), h_q * d)
     want = reference(q, slab_layer, table, pos, scale)
@@ -69,9 +74,10 @@ def test_paged_decode_attention_equals_softmax_over_the_gathered_pages(dtype, h_
 def test_keys_after_the_position_are_never_read():
     """NaN in every slot after a row's position (and in the scratch slot) changes nothing: the
     blocks after it are skipped, the rest of its block masked."""
-    positions = [20, 5]
-    q, slab_layer, table, pos = case(torch.float32, 4, 2, 16, 16, pages=4, positions=positions)
+    positions = [100, 5]
+    q, slab_layer, table, pos = case(torch.float32, 4, 2, 16, 16, pages=8, positions=positions)
     want = paged_decode.paged_decode_attention(q, slab_layer, table, pos, 0.25, 8)
+    assert paged_decode.splits_for(2, 2, 128, 8)[1] == 2  # the second split's blocks, skipped for row 1
     poisoned = slab_layer.clone()
     for r, p in enumerate(positions):
         for i, slot in enumerate(table[r].tolist()):
@@ -93,3 +99,6 @@ def test_what_the_kernels_cannot_run_is_said():
     assert paged_decode.unsupported(128, 512, 4, DEVICE) is None
     assert "head_dim 80" in paged_decode.unsupported(80, 512, 4, DEVICE)
     assert "page of 8" in paged_decode.unsupported(128, 8, 4, DEVICE)
+    assert "meta device" in paged_decode.unsupported(128, 512, 4, torch.device("meta"))
+    assert paged_decode.first_launch_error(32, 8, 128, 16, torch.bfloat16, DEVICE) is None
+    assert "ValueError" in paged_decode.first_launch_error(32, 8, 48, 16, torch.bfloat16, DEVICE)  # no such block

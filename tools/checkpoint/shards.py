@@ -1,7 +1,7 @@
 """safetensors files written the way Hugging Face shards them, one chunk of values at a time."""
 from __future__ import annotations
 
-import concurrent.futures
+import contextlib
 import json
 import multiprocessing
 import os
@@ -19,6 +19,7 @@ from tools.checkpoint.weights import TensorSpec, tensor_specs, value_chunks
 DEFAULT_SHARD_SIZE_BYTES = 2 * 10**9  # "2GB", the Hugging Face default (GB = 10^9 bytes)
 PROGRESS_MIN_BYTES = 256 * 2**20  # show progress on stderr for checkpoints at least this big
 PROGRESS_EVERY_S = 2.0
+PARALLEL_MIN_BYTES = 10**9  # by default, shards are written by several processes from this size on
 
 
 # ----------------------------------------------------------------------------------------------
@@ -90,23 +91,28 @@ def _write_safetensors(path: Path, specs: list[TensorSpec], seed: int, dtype: st
     blob = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
     blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned, as safetensors writes it
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for spec in specs:
-            for chunk in value_chunks(spec, seed, torch_dtype):
-                f.write(memoryview(chunk.view(torch.uint8).numpy()))
-                progress.advance(chunk.numel() * itemsize, where)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            for spec in specs:
+                for chunk in value_chunks(spec, seed, torch_dtype):
+                    f.write(memoryview(chunk.view(torch.uint8).numpy()))
+                    progress.advance(chunk.numel() * itemsize, where)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)  # no half-written file left behind (a full disk, an interrupt)
+        raise
     os.replace(tmp, path)
 
 
 def write_weights(out: Path, config: dict, seed: int, dtype: str, shard_size_bytes: int,
                   progress: bool | None, jobs: int | None = None) -> None:
     """The checkpoint's safetensors: one file, or shards and their index. A sharded checkpoint's
-    shards are written by `jobs` processes at once (default: one per shard, at most one per CPU):
-    drawing the values is what takes the time (a Qwen3-8B's 8 billion, about 40 s on one core),
-    and each tensor's values depend only on the seed and its name, so the files are the same
-    bytes however many write them."""
+    shards are written by `jobs` processes at once (default: one per CPU from PARALLEL_MIN_BYTES
+    on, else one): drawing the values is what takes the time (a Qwen3-8B's 8 billion, about 40 s
+    on one core), and each tensor's values depend only on the seed and its name, so the files are
+    the same bytes however many write them."""
     specs = tensor_specs(config)
     itemsize = torch.tensor([], dtype=DTYPES[dtype][0]).element_size()
     total_bytes = sum(s.numel for s in specs) * itemsize
@@ -117,7 +123,9 @@ def write_weights(out: Path, config: dict, seed: int, dtype: str, shard_size_byt
         _write_safetensors(out / "model.safetensors", specs, seed, dtype, prog, "model.safetensors")
         return
     names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
-    jobs = min(len(shards), jobs or os.cpu_count() or 1)
+    if jobs is None:  # a process costs a second or two to start: worth it for big checkpoints only
+        jobs = (os.cpu_count() or 1) if total_bytes >= PARALLEL_MIN_BYTES else 1
+    jobs = min(len(shards), jobs)
     if jobs > 1:
         _write_shards_at_once(out, names, shards, seed, dtype, itemsize, prog, jobs)
     else:
@@ -137,21 +145,29 @@ def _write_shard(path: Path, specs: list[TensorSpec], seed: int, dtype: str) -> 
 def _write_shards_at_once(out: Path, names: list[str], shards: list[list[TensorSpec]], seed: int, dtype: str,
                           itemsize: int, progress: _Progress, jobs: int) -> None:
     """Every shard by a pool of `jobs` processes (spawned: a forked child of a process whose
-    OpenMP threads ran can hang in its first parallel region). A shard that fails stops the rest."""
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
-        futures = {pool.submit(_write_shard, out / name, shard, seed, dtype): (i, shard)
-                   for i, (name, shard) in enumerate(zip(names, shards), 1)}
-        try:
-            for done in concurrent.futures.as_completed(futures):
-                done.result()
-                i, shard = futures[done]
-                progress.advance(sum(spec.numel for spec in shard) * itemsize,
-                                 f"shard {i}/{len(shards)} ({jobs} at once)")
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            raise
+    OpenMP threads ran can hang in its first parallel region). A shard that fails (or an
+    interrupt) stops the rest at once, and their half-written files go."""
+    pool = multiprocessing.get_context("spawn").Pool(jobs)
+    try:
+        tasks = [(out / name, shard, seed, dtype) for name, shard in zip(names, shards)]
+        for done, (i, shard) in enumerate(pool.imap_unordered(_write_numbered_shard, enumerate(tasks, 1)), 1):
+            progress.advance(sum(spec.numel for spec in shard) * itemsize,
+                             f"shard {i}/{len(shards)} ({done} done, {jobs} at once)")
+    except BaseException:
+        pool.terminate()
+        pool.join()
+        for name in names:
+            with contextlib.suppress(OSError):
+                (out / f"{name}.tmp").unlink(missing_ok=True)
+        raise
+    pool.close()
+    pool.join()
+
+
+def _write_numbered_shard(task: tuple[int, tuple]) -> tuple[int, list[TensorSpec]]:
+    i, (path, specs, seed, dtype) = task
+    _write_shard(path, specs, seed, dtype)
+    return i, specs
 
 
 def write_json(path: Path, obj) -> None:
