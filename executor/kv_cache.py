@@ -113,11 +113,12 @@ class PagePool:
         return len(self._free)
 
     def release(self, buf: torch.Tensor) -> None:
-        self.used_pages -= 1
         if self.slab is not None:
             # on the stream of the steps that last read it (KVCache.free has waited for the copy
-            # stream), before a later step can take the page: a memset, once a sequence
+            # stream, eviction made this stream wait for its copy), before a later step can take
+            # the page: a memset, once a sequence or an eviction
             buf.zero_()
+        self.used_pages -= 1
         if len(self._free) < self.keep_free:
             self._free.append(buf)
 

@@ -62,6 +62,8 @@ def first_launch_error(q_heads: int, kv_heads: int, head_dim: int, page_size: in
     """Run the kernels once on one page of zeros at the stage's shapes and dtype (every compile-time
     choice but the split count's padding, which changes no resource): a GPU whose shared memory or
     Triton build cannot take them says so here, at load, rather than in a graph capture. None: they ran."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # an earlier asynchronous error is raised here, as itself
     try:
         slab = torch.zeros(2, 2, kv_heads, page_size, head_dim, dtype=dtype, device=device)
         q = torch.zeros(1, q_heads, head_dim, dtype=dtype, device=device)
@@ -70,7 +72,9 @@ def first_launch_error(q_heads: int, kv_heads: int, head_dim: int, page_size: in
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except Exception as e:  # noqa: BLE001 — any failure means: not here
-        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        # Triton's compile errors start with the source position: their last line says what failed
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        return f"{type(e).__name__}: {lines[-1] if lines else ''}"
     return None
 
 

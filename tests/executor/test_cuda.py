@@ -165,7 +165,8 @@ def test_paged_decode_kernels_in_cuda_graphs_match_transformers(checkpoint, arch
     # one long sequence: 8 pages of 16 in its bucket, its 128 keys split over two programs a KV head
     long = [prompt_ids(70, 256, seed=4)]
     got, model = helm_generate(path, long, split=1, max_new_tokens=14, page_size=16, device_kv_pages=32)
-    assert (1, 8) in model.stages[1].fused.captured and got == [hf_greedy(path, long[0], 14)]
+    assert model.stages[1].fused.paged and (1, 8) in model.stages[1].fused.captured
+    assert got == [hf_greedy(path, long[0], 14)]
 
 
 def test_prefetch_reads_what_the_compute_stream_wrote_in_a_loop(checkpoint):

@@ -279,12 +279,12 @@ def test_shards_written_at_once_are_the_bytes_written_one_by_one(tmp_path):
     assert _file_bytes(one) == _file_bytes(three)
 
 
-def test_a_shard_that_cannot_be_written_stops_the_writers_and_leaves_no_partial_file(tmp_path):
+def test_a_shard_that_cannot_be_written_fails_the_checkpoint_and_leaves_no_partial_file(tmp_path):
     config = configs.build_config("llama", "tiny", "bf16", None)
     count = len(shards._plan_shards(weights.tensor_specs(config), 2, 60_000))
     blocker = tmp_path / f"model-00002-of-{count:05d}.safetensors.tmp"
     blocker.mkdir()  # where shard 2's writer must open its file
-    with pytest.raises(IsADirectoryError):
+    with pytest.raises(MakeModelError, match=f"shard 2/{count}"):
         shards.write_weights(tmp_path, config, 0, "bf16", 60_000, progress=False, jobs=3)
     assert [p.name for p in tmp_path.glob("*.tmp")] == [blocker.name]
     assert not (tmp_path / "model.safetensors.index.json").exists()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import json
 import multiprocessing
+import multiprocessing.connection
 import os
 import re
 import struct
@@ -144,30 +145,38 @@ def _write_shard(path: Path, specs: list[TensorSpec], seed: int, dtype: str) -> 
 
 def _write_shards_at_once(out: Path, names: list[str], shards: list[list[TensorSpec]], seed: int, dtype: str,
                           itemsize: int, progress: _Progress, jobs: int) -> None:
-    """Every shard by a pool of `jobs` processes (spawned: a forked child of a process whose
-    OpenMP threads ran can hang in its first parallel region). A shard that fails (or an
-    interrupt) stops the rest at once, and their half-written files go."""
-    pool = multiprocessing.get_context("spawn").Pool(jobs)
+    """Every shard by its own process, `jobs` at a time (spawned: a forked child of a process whose
+    OpenMP threads ran can hang in its first parallel region). A writer that fails or is killed
+    (the OOM killer) stops the others at once, and no half-written file stays."""
+    context = multiprocessing.get_context("spawn")
+    pending = list(enumerate(zip(names, shards), 1))
+    running: dict = {}  # process → (shard number, file name, specs)
     try:
-        tasks = [(out / name, shard, seed, dtype) for name, shard in zip(names, shards)]
-        for done, (i, shard) in enumerate(pool.imap_unordered(_write_numbered_shard, enumerate(tasks, 1)), 1):
-            progress.advance(sum(spec.numel for spec in shard) * itemsize,
-                             f"shard {i}/{len(shards)} ({done} done, {jobs} at once)")
+        while pending or running:
+            while pending and len(running) < jobs:
+                i, (name, shard) = pending.pop(0)
+                writer = context.Process(target=_write_shard, args=(out / name, shard, seed, dtype), daemon=True)
+                writer.start()
+                running[writer] = (i, name, shard)
+            ended = multiprocessing.connection.wait([w.sentinel for w in running])
+            for writer in [w for w in running if w.sentinel in ended]:
+                writer.join()
+                i, name, shard = running.pop(writer)
+                if writer.exitcode != 0:
+                    how = (f"was killed by signal {-writer.exitcode}" if writer.exitcode < 0
+                           else f"exited with {writer.exitcode} (its error is above)")
+                    raise MakeModelError(f"writing shard {i}/{len(shards)} ({name}) failed: its process {how}")
+                progress.advance(sum(spec.numel for spec in shard) * itemsize,
+                                 f"shard {i}/{len(shards)} ({jobs} at once)")
     except BaseException:
-        pool.terminate()
-        pool.join()
+        for writer in running:
+            writer.terminate()
+        for writer in running:
+            writer.join()
         for name in names:
             with contextlib.suppress(OSError):
                 (out / f"{name}.tmp").unlink(missing_ok=True)
         raise
-    pool.close()
-    pool.join()
-
-
-def _write_numbered_shard(task: tuple[int, tuple]) -> tuple[int, list[TensorSpec]]:
-    i, (path, specs, seed, dtype) = task
-    _write_shard(path, specs, seed, dtype)
-    return i, specs
 
 
 def write_json(path: Path, obj) -> None:
