@@ -12,7 +12,8 @@ every kernel of the step at once, but it needs every shape and address fixed. So
 - writes each row's new K/V into (its page's slot, its position in the page) with one index_put
   per layer; padded rows write to the slab's scratch slot, which is never a page;
 - attends with SDPA over the gathered pages, a key visible where its position is at or before
-  the query's (later slots of the last page and padded pages are hidden by the same test);
+  the query's (later slots of the last page and padded pages are hidden by the same test); with
+  HELM_PAGED_DECODE=1, by executor/paged_decode.py's kernels straight over the slab (same test);
 - launches few kernels a block, since even a replayed kernel costs microseconds: what the layers
   share (rotary tables, mask, page table) is made once a step and casts ride inside the ops
   around them (tests/executor/test_device_step.py counts them); with HELM_COMPILE=1 each
