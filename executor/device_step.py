@@ -37,7 +37,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from executor import paged_decode
 from executor.kv_cache import holding_unlocks
 from executor.rope import inverse_frequencies
 from executor.staging import PinnedStaging
@@ -50,7 +49,9 @@ GRAPHS_ENV = "HELM_CUDA_GRAPHS"
 # default until tools/bench_gpu.py has measured it against the eager ops on a GPU).
 COMPILE_ENV = "HELM_COMPILE"
 
-PAGED_DECODE_ENV = paged_decode.PAGED_DECODE_ENV
+# HELM_PAGED_DECODE=1 attends with executor/paged_decode.py's Triton kernels (imported only then:
+# triton comes with CUDA builds of torch, and nothing else needs it)
+PAGED_DECODE_ENV = "HELM_PAGED_DECODE"
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,9 @@ class ResidentDecode:
         # slab's pages, instead of a gather and SDPA (opt-in until measured on a GPU)
         self.paged = False
         if os.environ.get(PAGED_DECODE_ENV, "0") == "1":
+            from executor import paged_decode
+
+            self._paged_attention = paged_decode.paged_decode_attention
             why = paged_decode.unsupported(config.head_dim, kv.page_size, config.num_heads // config.num_kv_heads,
                                            self.device) \
                 or paged_decode.first_launch_error(config.num_heads, config.num_kv_heads, config.head_dim,
@@ -238,8 +242,7 @@ class ResidentDecode:
         # K and V of each row into (its page's slot, its row in the page) of a [slots, P, 2, H_kv, D] view
         slab.permute(0, 3, 1, 2, 4).index_put_(where, heads[:, h_q:].unflatten(1, (2, h_kv)))
         if self.paged:
-            return paged_decode.paged_decode_attention(heads[:, :h_q], slab, table, positions, self.scale,
-                                                       self._processors)
+            return self._paged_attention(heads[:, :h_q], slab, table, positions, self.scale, self._processors)
         gathered = slab.permute(1, 2, 0, 3, 4).index_select(2, table)  # [2, H_kv, rows·pages, P, D]
         k, v = gathered.view(2, h_kv, rows, -1, d).transpose(1, 2)  # each [rows, H_kv, pages·P, D]
         # The query heads of a KV head are its rows (GQA without repeating K/V): [rows, H_kv, group, D].

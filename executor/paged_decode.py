@@ -15,9 +15,9 @@ keys among many blocks (flash-decoding):
 - `_combine`: program (row, query head) weighs the splits by their log-sum-exp and writes the
   attention output in the cache's dtype, [rows, H_q·D] as the o projection takes it (no copy).
 
-Two launches a layer in place of the gather, SDPA and the output's copy. Opt-in
-(HELM_PAGED_DECODE=1) until tools/bench_gpu.py has measured it against SDPA on a GPU. In tests it
-runs on the CPU under Triton's interpreter (TRITON_INTERPRET=1), whose products of half-precision
+Two launches a layer in place of the gather, SDPA and the output's copy. Opt-in (HELM_PAGED_DECODE=1,
+executor/device_step.py) until tools/bench_gpu.py has measured it against SDPA on a GPU. In tests
+it runs on the CPU under Triton's interpreter (TRITON_INTERPRET=1), whose products of half-precision
 blocks are not reliable, so there the blocks are widened to fp32 first (`UPCAST`); an fp32 cache
 is multiplied in IEEE fp32 everywhere (no TF32), as the SDPA path does.
 """
@@ -27,22 +27,22 @@ import os
 
 import torch
 
-PAGED_DECODE_ENV = "HELM_PAGED_DECODE"
 MIN_BLOCK = 16  # tl.dot's smallest side: query heads are padded to it, a page must hold it
 MAX_BLOCK_N = 64  # keys per inner block
 
 try:
     import triton
     import triton.language as tl
-except ImportError:  # the CPU-only install: the SDPA path serves
+except Exception as e:  # noqa: BLE001 — not installed (CPU builds of torch), or a broken install
     triton = tl = None
+    _NO_TRITON = f"Triton cannot be imported ({type(e).__name__}: {e})"
 
 
 def unsupported(head_dim: int, page_size: int, group: int, device: torch.device) -> str | None:
     """Why these kernels cannot run this stage's decode attention (None: they can, as far as the
     shapes and the device say; `first_launch_error` tries them)."""
     if triton is None:
-        return "Triton is not installed"
+        return _NO_TRITON
     if device.type == "cuda":
         if torch.cuda.get_device_capability(device) < (8, 0):
             return "a GPU before compute capability 8.0 (no bf16 tensor-core products)"

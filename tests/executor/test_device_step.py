@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from executor import attention
-from executor.device_step import ResidentDecode
+from executor.device_step import PAGED_DECODE_ENV, ResidentDecode
 from planner.step_shape import MAX_RUNNING_SEQUENCES, bucket
 from executor.engine import Engine
 from executor.loader import load_model
@@ -127,7 +127,7 @@ def test_paged_decode_kernels_give_transformers_tokens(checkpoint, arch, dtype, 
     else:
         want, _ = helm_generate(path, prompts, split=1, max_new_tokens=14, page_size=16, device_kv_pages=12,
                                 backend="torch", kv_slab=True)
-    monkeypatch.setenv(paged_decode.PAGED_DECODE_ENV, "1")
+    monkeypatch.setenv(PAGED_DECODE_ENV, "1")
     static_steps.clear()
     got, model = helm_generate(path, prompts, split=1, max_new_tokens=14, page_size=16, device_kv_pages=12,
                                backend="torch", kv_slab=True)
