@@ -225,6 +225,12 @@ class ResidentDecode:
         cfg = self.config
         h_q, h_kv = cfg.num_heads, cfg.num_kv_heads
         qkv = attention_input(x, w, self.ops, cfg)
+        if w.q_norm is not None and qkv.dtype == self._cache_dtype and qkv.is_contiguous():
+            # q/k normed (Qwen3): the norm reads them into a tensor of its own, so the rotation can
+            # write them back over qkv's own q/k, and v is where it belongs already (no copy)
+            heads = qkv.view(x.shape[0], h_q + 2 * h_kv, cfg.head_dim)
+            self.attention.project(qkv, w.q_norm, w.k_norm, cos, sin, out=heads[:, :h_q + h_kv])
+            return heads
         heads = torch.empty(x.shape[0], h_q + 2 * h_kv, cfg.head_dim, dtype=self._cache_dtype, device=x.device)
         _, v = self.attention.project(qkv, w.q_norm, w.k_norm, cos, sin, out=heads[:, :h_q + h_kv])
         heads[:, h_q + h_kv:].copy_(v)
