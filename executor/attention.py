@@ -129,9 +129,9 @@ def without_cudnn_attention() -> None:
     (the decode graphs' masked step, executor/device_step.py), math as the last resort, not
     cuDNN's: PyTorch prefers cuDNN on Hopper for half precision, where it raises rather than falls
     back on shapes it has no plan for (gathered K/V, a lower-right causal chunk), and every decode
-    graph bucket would build a plan of its own at load. Process-wide: the
-    flag is global, so a context per call would cost host time in every layer and race other
-    threads. Set by every TorchAttention on a CUDA KV cache (every SDPA call of ours is one's)."""
+    graph bucket would build a plan of its own at load. Process-wide: the flag is global, so a
+    context per call would cost host time in every layer and race other threads. Set by every
+    TorchAttention on a CUDA KV cache (every SDPA call of ours is one's)."""
     if torch.backends.cuda.cudnn_sdp_enabled():
         log.info("SDPA on CUDA: cuDNN attention off (flash, memory-efficient or math)")
         torch.backends.cuda.enable_cudnn_sdp(False)

@@ -123,8 +123,9 @@ class ResidentDecode:
                 log.warning("%s=1, but the paged decode kernels cannot run here (%s): SDPA over gathered pages",
                             PAGED_DECODE_ENV, why)
             self.paged = why is None
-        self._processors = (torch.cuda.get_device_properties(self.device).multi_processor_count
-                            if self.device.type == "cuda" else 4)
+            # the kernels split the keys for about two programs per SM (4 under the interpreter)
+            self._processors = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                                if self.device.type == "cuda" else 4)
 
     @property
     def captured(self) -> list[tuple[int, int]]:
@@ -225,15 +226,14 @@ class ResidentDecode:
         cfg = self.config
         h_q, h_kv = cfg.num_heads, cfg.num_kv_heads
         qkv = attention_input(x, w, self.ops, cfg)
-        if w.q_norm is not None and qkv.dtype == self._cache_dtype and qkv.is_contiguous():
-            # q/k normed (Qwen3): the norm reads them into a tensor of its own, so the rotation can
-            # write them back over qkv's own q/k, and v is where it belongs already (no copy)
-            heads = qkv.view(x.shape[0], h_q + 2 * h_kv, cfg.head_dim)
-            self.attention.project(qkv, w.q_norm, w.k_norm, cos, sin, out=heads[:, :h_q + h_kv])
-            return heads
-        heads = torch.empty(x.shape[0], h_q + 2 * h_kv, cfg.head_dim, dtype=self._cache_dtype, device=x.device)
+        # q/k normed (Qwen3): the norm reads them into a tensor of its own, so the rotation can
+        # write them back over qkv's own q/k, and v is where it belongs already (no copy)
+        in_place = w.q_norm is not None and qkv.dtype == self._cache_dtype and qkv.is_contiguous()
+        heads = qkv.view(x.shape[0], h_q + 2 * h_kv, cfg.head_dim) if in_place else \
+            torch.empty(x.shape[0], h_q + 2 * h_kv, cfg.head_dim, dtype=self._cache_dtype, device=x.device)
         _, v = self.attention.project(qkv, w.q_norm, w.k_norm, cos, sin, out=heads[:, :h_q + h_kv])
-        heads[:, h_q + h_kv:].copy_(v)
+        if not in_place:
+            heads[:, h_q + h_kv:].copy_(v)
         return heads
 
     def _attend(self, layer: int, heads: torch.Tensor, table: torch.Tensor, where: tuple[torch.Tensor, torch.Tensor],

@@ -41,9 +41,7 @@ if [ -n "$py312" ]; then
         strip --strip-debug -o "gpu_carry/kernels/$(basename "$so")" "$so"
     done
     rm -rf "$tmp"
-    # what it was built from: gpu_run.sh builds afresh where the checkout's sources differ
-    (LC_ALL=C; cat setup.py executor/kernels/_kernels.pyx executor/kernels/csrc/*) | sha256sum | cut -d' ' -f1 \
-        > gpu_carry/kernels/SOURCES
+    bash tools/kernel_sources_digest.sh > gpu_carry/kernels/SOURCES  # what it was built from
 else
     echo "gpu_prepare: no python3.12 here: gpu_run.sh will build the CPU kernels on the GPU machine"
 fi

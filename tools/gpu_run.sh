@@ -36,8 +36,7 @@ python -m pip install -q --no-index --no-deps gpu_carry/wheels/*.whl >> "$OUT/se
 # path as it is. Else the project, without dependencies (its build compiles the kernels in place,
 # minutes); where even that cannot build offline, the kernels are built in place.
 carried=gpu_carry/kernels/_kernels.$(python -c "import sysconfig; print(sysconfig.get_config_var('SOABI'))").so
-sources=$((LC_ALL=C; cat setup.py executor/kernels/_kernels.pyx executor/kernels/csrc/*) | sha256sum | cut -d' ' -f1)
-if [ -f "$carried" ] && [ "$sources" != "$(cat gpu_carry/kernels/SOURCES 2> /dev/null)" ]; then
+if [ -f "$carried" ] && [ "$(bash tools/kernel_sources_digest.sh)" != "$(cat gpu_carry/kernels/SOURCES 2> /dev/null)" ]; then
     echo "the carried CPU kernels were built from other sources (run tools/gpu_prepare.sh again): building them here"
     carried=
 fi

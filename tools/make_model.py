@@ -67,8 +67,9 @@ def make_model(arch: str | None, size: str, dtype: str = "bf16", seed: int = 0,
     (e.g. {"num_hidden_layers": 1, "rope_scaling": None}). `config_only` writes everything except
     the weights (for planning real sizes). `progress` None shows progress on stderr for
     checkpoints of PROGRESS_MIN_BYTES or more. `jobs`: processes writing a sharded checkpoint's
-    shards at once (default: one per CPU for checkpoints of 1 GB or more; the bytes are the same). config.json is written last, so a
-    directory holding it is a complete checkpoint. Returns `out` as a Path.
+    shards at once (default: one per CPU for checkpoints of 1 GB or more; the bytes are the same).
+    config.json is written last, so a directory holding it is a complete checkpoint. Returns `out`
+    as a Path.
     """
     if out is None:
         raise MakeModelError("out (the checkpoint directory) is required")
