@@ -17,10 +17,13 @@ keys among many blocks (flash-decoding):
 
 Two launches a layer in place of the gather, SDPA and the output's copy. Opt-in (HELM_PAGED_DECODE=1,
 executor/device_step.py) until tools/bench_gpu.py has measured it against SDPA on a GPU. In tests
-it runs on the CPU under Triton's interpreter (TRITON_INTERPRET=1), whose products of half-precision
-blocks are not reliable, so there the blocks are widened to fp32 first (`UPCAST`); an fp32 cache
-is multiplied in IEEE fp32 everywhere (no TF32), as the SDPA path does.
+it runs on the CPU under Triton's interpreter (TRITON_INTERPRET=1). fp16 blocks multiply there as
+on the GPU, so the tests cover the half-precision path; the interpreter keeps bf16 as 16-bit
+integers for NumPy, whose products of them are wrong, so there bf16 blocks are widened to fp32
+first (`UPCAST`). An fp32 cache is multiplied in IEEE fp32 everywhere (no TF32), as the SDPA path
+does.
 """
+import contextlib
 import functools
 import math
 import os
@@ -105,15 +108,17 @@ def paged_decode_attention(q: torch.Tensor, slab_layer: torch.Tensor, table: tor
     group_pad = max(MIN_BLOCK, triton.next_power_of_2(group))
     partial = torch.empty(rows, h_kv, splits, group_pad, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(rows, h_kv, splits, group_pad, dtype=torch.float32, device=q.device)
-    upcast = slab_layer.dtype == torch.float32 or q.device.type != "cuda"
+    upcast = slab_layer.dtype == torch.float32 or (q.device.type != "cuda" and slab_layer.dtype == torch.bfloat16)
     attend_split, combine = _kernels()
-    attend_split[(rows, h_kv, splits)](
-        q, slab_layer, table, positions, partial, lse, scale * math.log2(math.e),
-        q.stride(0), q.stride(1), *slab_layer.stride()[:4], table.stride(0), positions.stride(0), per_split,
-        PAGE=page, GROUP=group, GROUP_PAD=group_pad, D=d, BLOCK_N=min(MAX_BLOCK_N, page), UPCAST=upcast)
     out = torch.empty(rows, h_q * d, dtype=slab_layer.dtype, device=q.device)
-    combine[(rows, h_q)](partial, lse, out, splits, GROUP=group, GROUP_PAD=group_pad, D=d,
-                         SPLITS_PAD=triton.next_power_of_2(splits))
+    # Triton launches on the current CUDA device: make it the tensors' (a no-op for "cuda", index None)
+    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
+        attend_split[(rows, h_kv, splits)](
+            q, slab_layer, table, positions, partial, lse, scale * math.log2(math.e),
+            q.stride(0), q.stride(1), *slab_layer.stride()[:4], table.stride(0), positions.stride(0), per_split,
+            PAGE=page, GROUP=group, GROUP_PAD=group_pad, D=d, BLOCK_N=min(MAX_BLOCK_N, page), UPCAST=upcast)
+        combine[(rows, h_q)](partial, lse, out, splits, GROUP=group, GROUP_PAD=group_pad, D=d,
+                             SPLITS_PAD=triton.next_power_of_2(splits))
     return out
 
 

@@ -110,12 +110,14 @@ def test_chunked_prompt_on_the_fused_prompt_path_matches_transformers(checkpoint
 
 
 @pytest.mark.parametrize("arch,dtype,lengths", [("qwen3", "fp32", (3, 17, 9)), ("llama", "fp32", (3, 17, 9)),
-                                                ("qwen3", "bf16", (3, 17, 9)), ("qwen3", "fp32", (70,))])
+                                                ("qwen3", "bf16", (3, 17, 9)), ("qwen3", "fp16", (3, 17, 9)),
+                                                ("qwen3", "fp32", (70,))])
 def test_paged_decode_kernels_give_transformers_tokens(checkpoint, arch, dtype, lengths, static_steps, monkeypatch):
     """HELM_PAGED_DECODE=1: decode attention by executor/paged_decode.py's kernels over the slab's
     pages (here under Triton's interpreter), with padded rows (3 sequences in a bucket of 4) and
     pages partly written, or one long sequence whose keys split in two; the tokens of
-    transformers (bf16: of the SDPA step)."""
+    transformers (bf16 and fp16: of the SDPA step; fp16 blocks multiply in half precision, as on
+    a GPU)."""
     from executor import paged_decode
 
     if paged_decode.unsupported(16, 16, 1, torch.device("cpu")):
