@@ -206,6 +206,8 @@ def _generate(args) -> int:
             if decoder is not None and event.token_id is not None:
                 sys.stdout.write(decoder.push(event.token_id))
                 sys.stdout.flush()
+    if decoder is not None:
+        sys.stdout.write(decoder.flush())
 
     tokenizer = tokenizer or _maybe_tokenizer(args.model)
     text = tokenizer.decode(seq.output_ids) if tokenizer else None

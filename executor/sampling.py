@@ -152,18 +152,24 @@ def candidates(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tens
     """(token ids, probabilities) a sampled token is drawn from: softmax(logits / temperature)
     restricted to the top_k most likely tokens (all tokens tied with the k-th included) and then to
     the smallest set of them, most likely first, whose mass reaches top_p (the most likely always
-    stays); probabilities not renormalised. ids None: every token, in id order; otherwise in an
+    stays); probabilities not renormalised. ids None: every token, in id order (those a top_k over
+    BATCHED_TOP_K leaves out with probability 0); otherwise in an
     order fixed by the logits alone (most likely first, ties by id, but for a large nucleus: by
     bucket of probability, then id), and of tokens tied at a cut the lowest ids stay: so neither
     the device nor another topk's order of ties changes a seeded draw. ValueError where the
     logits are not finite (NaN, +inf)."""
     vocab = logits.shape[-1]
-    if 0 < params.top_k < vocab:
+    if 0 < params.top_k <= min(BATCHED_TOP_K, vocab - 1):
         values, ids = torch.topk(logits, params.top_k + 1)
         return _top_k(values, ids, params.top_k, lambda: logits, params)
     best = logits.max()
     _check_finite(best)
     scores = _scores(logits, best, params.temperature)
+    if BATCHED_TOP_K < params.top_k < vocab:
+        # a large top-k: a mask at the k-th largest logit (found in linear time; its ties stay),
+        # where sorting k of them would cost a whole-vocabulary sort a token
+        kth = torch.kthvalue(logits, vocab - params.top_k + 1).values
+        scores = scores.masked_fill(logits < kth, float("-inf"))
     probs = torch.exp(scores)
     if params.top_p >= 1.0:
         return None, probs

@@ -32,6 +32,7 @@ BATCH = 16
 PARAMS = {
     "temperature 0.7": SamplingParams(temperature=0.7, seed=0),
     "top-k 50": SamplingParams(temperature=0.7, top_k=50, seed=0),
+    "top-k 30000": SamplingParams(temperature=0.7, top_k=30000, seed=0),  # past BATCHED_TOP_K: a mask, no sort
     "top-p 0.9": SamplingParams(temperature=0.7, top_p=0.9, seed=0),
     "Qwen3's (T 0.6, top-k 20, top-p 0.95)": SamplingParams(temperature=0.6, top_k=20, top_p=0.95, seed=0),
 }

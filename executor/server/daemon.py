@@ -224,6 +224,7 @@ class Daemon:
             raise RequestError("stop_strings need the model's tokenizer.json, which this model lacks")
         if any(t >= self.config.vocab_size for t in spec.stop.stop_token_ids):
             raise RequestError(f"stop token ids must be in [0, {self.config.vocab_size})")
+        self._refuse_if_full()  # before tokenizing: a full daemon refuses at no cost (checked again below)
         prompt = self._prompt_ids(spec)
         with self._lock:
             serving = self._serving   # checked against the plan it is submitted to, even across a LoadPlan
@@ -233,9 +234,7 @@ class Daemon:
                     f"plan's context of {serving.context_tokens} tokens")
             if self.state == "draining":
                 raise ShuttingDownError("the daemon is shutting down: not accepting new requests")
-            if len(self._active) >= self.max_batch + self.max_queue:
-                raise OverloadedError(f"the daemon is full: {len(self._active)} requests in flight "
-                                      f"(max batch {self.max_batch} + max queue {self.max_queue}); retry later")
+            self._refuse_if_full()
             request_id = spec.request_id or f"req-{uuid.uuid4().hex[:16]}"
             if request_id in self._client_ids:
                 raise RequestError(f"request_id {request_id!r} is already in flight")
@@ -244,6 +243,11 @@ class Daemon:
             self._active[key] = serving.worker
             self._client_ids[request_id] = key
         return RequestHandle(self, serving, request_id, key, spec, len(prompt), events)
+
+    def _refuse_if_full(self) -> None:
+        if len(self._active) >= self.max_batch + self.max_queue:
+            raise OverloadedError(f"the daemon is full: {len(self._active)} requests in flight "
+                                  f"(max batch {self.max_batch} + max queue {self.max_queue}); retry later")
 
     def _prompt_ids(self, spec: GenerateSpec) -> tuple[int, ...]:
         if spec.prompt_ids is not None:

@@ -40,6 +40,9 @@ class TextStream:
         return 0
 
     def finish(self) -> str:
-        """Text still held back when the generation ends without a stop string."""
-        out, self._pending = self._pending, ""
+        """Text still held back when the generation ends without a stop string, with the
+        decoder's last incomplete bytes (as U+FFFD)."""
+        if self._decoder is None or self.stopped_by is not None:
+            return ""
+        out, self._pending = self._pending + self._decoder.flush(), ""
         return out

@@ -192,7 +192,7 @@ def test_rows_share_a_topk_only_up_to_its_bound_and_take_the_global_generator_wi
     logits = torch.stack([_logits("flat", seed=s) for s in range(len(ROW_PARAMS))])
     sample_rows(logits, ROW_PARAMS, [make_generator(p) for p in ROW_PARAMS])
     assert calls[0] == ((3, 20000), 301)      # the three rows of k <= BATCHED_TOP_K, at the largest of them
-    assert ((20000,), 5001) in calls          # the row past it, alone
+    assert all(k <= 1024 for _, k in calls)   # the row past it: a mask at its k-th logit, never a topk of k
     torch.manual_seed(3)
     first = sample_rows(logits[1:2], [ROW_PARAMS[1]], [None])
     torch.manual_seed(3)

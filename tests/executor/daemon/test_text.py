@@ -2,7 +2,7 @@
 import pytest
 
 from executor.server.text import TextStream
-from executor.tokenizer import Tokenizer
+from executor.tokenizer import IncrementalDecoder, Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -46,3 +46,37 @@ def test_text_that_may_begin_a_stop_string_is_held_back(tok):
 def test_without_a_tokenizer_there_is_no_text():
     ts = TextStream(None)
     assert ts.push(5) == "" and ts.finish() == ""
+
+
+def test_characters_split_across_byte_tokens_stream_whole(tok):
+    ids = tok.encode("héllo wörld 😀 日本語 €")
+    assert max(tok.encode("😀")) < 256 and len(tok.encode("😀")) == 4  # one token a byte: split characters
+    pieces, ts = stream_all(tok, ids)
+    assert not any("\ufffd" in p for p in pieces)
+    assert "".join(pieces) + ts.finish() == tok.decode(ids) == "héllo wörld 😀 日本語 €"
+
+
+def test_bytes_that_never_make_a_character_are_sent_not_held(tok):
+    """A model may emit byte tokens that are no UTF-8 (here 0xBC, a continuation byte, 3000
+    times, then a whole character): they go out as U+FFFD once MAX_HELD are held, the decoder's
+    window stays short (it was the whole run, decoded again at every token), and the character
+    that follows still arrives whole."""
+    decoded = []
+    real_decode = tok.decode
+    tok.decode = lambda ids: (decoded.append(len(ids)), real_decode(ids))[1]
+    try:
+        ids = [0xBC] * 3000 + tok.encode("é!")
+        pieces, ts = stream_all(tok, ids)
+    finally:
+        del tok.decode
+    sent = "".join(pieces)
+    held = IncrementalDecoder.MAX_HELD
+    assert sent.count("\ufffd") >= 3000 - held and sent.endswith("é!")
+    assert max(decoded) <= 2 * held
+    assert sent + ts.finish() == tok.decode(ids)
+
+
+def test_finish_sends_the_bytes_of_a_character_that_never_completed(tok):
+    ids = tok.encode("ab") + tok.encode("€")[:2]
+    pieces, ts = stream_all(tok, ids)
+    assert "".join(pieces) == "ab" and ts.finish() == "\ufffd" == tok.decode(ids)[2:]
