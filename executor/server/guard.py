@@ -1,5 +1,5 @@
 """What every RPC passes before the servicer sees it: a credential, a decodable request, and a
-bounded number of open Generate streams.
+lane: a bounded number of calls of its kind at once.
 
 - **Roles.** With a token file, every call but health checking carries `authorization: Bearer
   TOKEN`. A `client` token may Generate, Info and use reflection; an `admin` token may also
@@ -8,16 +8,22 @@ bounded number of open Generate streams.
   balancers' probes send no credentials.
 - **Undecodable requests** (random bytes, a string field that is not UTF-8) are INVALID_ARGUMENT,
   not gRPC's INTERNAL "Exception deserializing request!" with an error-level traceback.
-- **Lanes.** A stream holds a thread for as long as it is open, so streams get bounded lanes:
-  Generate its own (`generate_streams`), health Watch (open to anyone) and reflection one each
-  (`WATCH_STREAMS`); the pool has `CONTROL_THREADS` more, so Info, health Check and LoadPlan
-  answer while the lanes are full, and a stream beyond its lane is refused at once
-  (RESOURCE_EXHAUSTED) instead of queueing behind the others.
-- **Request bodies.** gRPC reads a call's request on a pool thread; a client that opens calls
-  and never sends the body would hold them all. Requests are read here, and a call whose body
-  has not arrived within `BODY_TIMEOUT_S` is cancelled; refusals do not read the body at all,
-  and the methods open to anyone (health) read theirs in a lane of `OPEN_READERS`, within
-  `OPEN_BODY_TIMEOUT_S`. (A server on grpc.aio would read bodies without threads at all.)
+- **Lanes.** gRPC runs each call on a thread of one pool, from its start, while it waits for its
+  request message, to its end; a stream holds its thread for as long as it is open. So every
+  call runs in a lane for its whole life, the lanes together are the pool (`pool_threads`), and
+  a call beyond its lane is refused at once (RESOURCE_EXHAUSTED) instead of queueing for a
+  thread: Generate streams (`generate_streams`); health Watch and reflection streams
+  (`WATCH_STREAMS` each); unary calls of admin callers (`ADMIN_CALLS`: LoadPlan, GetPlan,
+  GetReport, and their Info) apart from those of client callers (`CLIENT_CALLS`), so a client
+  flooding Info cannot hold LoadPlan off; and health Check (`OPEN_READERS`). A Check beyond its
+  lane is not refused: it is answered from the daemon's overall status without its request
+  being read, on one of `SPARE_THREADS` threads kept for what takes no time (refusals too). So
+  anyone may flood health with calls whose request never comes, and a probe is still answered.
+- **Request bodies.** A call whose request has not arrived within `BODY_TIMEOUT_S` is cancelled
+  (`OPEN_BODY_TIMEOUT_S` for health, open to anyone); refusals do not read the request at all.
+  (A server on grpc.aio would read requests without holding threads at all.)
+- **Refusals are logged** at most `REFUSALS_LOGGED` a minute, then counted: a flood of
+  unauthenticated calls cannot fill the log.
 """
 from __future__ import annotations
 
@@ -31,14 +37,19 @@ from executor.server.auth import ADMIN, CLIENT, RANK, Tokens, bearer_token
 
 log = logging.getLogger("helm.guard")
 
-CONTROL_THREADS = 8  # threads beyond the lanes, for unary calls (Info, LoadPlan, health Check...)
+CLIENT_CALLS = 6  # unary calls (Info...) of client callers at once, request read to answer
+ADMIN_CALLS = 4  # ... of admin callers (LoadPlan, GetPlan, GetReport, Info)
 WATCH_STREAMS = 8  # health Watch streams (open to anyone), and as many reflection streams
+OPEN_READERS = 4  # health Check calls at once whose request is read (one more: the overall status)
+SPARE_THREADS = 2  # beyond the lanes: refusals and health answers, which wait for nothing
 BODY_TIMEOUT_S = 10.0  # from a call's start to its request message (a 1 MiB plan at 100 KB/s)
-OPEN_READERS = 4  # requests of calls open to anyone (health) being read at once
-OPEN_BODY_TIMEOUT_S = 2.0  # ... and how long each may take
+OPEN_BODY_TIMEOUT_S = 2.0  # ... for health, open to anyone
+REFUSALS_LOGGED = 60  # refused calls logged a minute; the rest counted in the next minute's line
 
 _SERVICE = "/helm.executor.v1.ExecutorService/"
 GENERATE = _SERVICE + "Generate"
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+HEALTH_WATCH = "/grpc.health.v1.Health/Watch"
 REFLECTION = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
 METHOD_ROLES = {  # the role a method needs; None: open to anyone; a method not listed needs CLIENT
     GENERATE: CLIENT,
@@ -46,9 +57,14 @@ METHOD_ROLES = {  # the role a method needs; None: open to anyone; a method not 
     _SERVICE + "LoadPlan": ADMIN,
     _SERVICE + "GetPlan": ADMIN,
     _SERVICE + "GetReport": ADMIN,
-    "/grpc.health.v1.Health/Check": None,
-    "/grpc.health.v1.Health/Watch": None,
+    HEALTH_CHECK: None,
+    HEALTH_WATCH: None,
 }
+
+
+def pool_threads(generate_streams: int) -> int:
+    """The gRPC pool's threads: every lane's calls, and the spare ones."""
+    return generate_streams + 2 * WATCH_STREAMS + OPEN_READERS + CLIENT_CALLS + ADMIN_CALLS + SPARE_THREADS
 
 
 class _Undecodable:
@@ -66,11 +82,16 @@ class _Lane:
         self._slots = threading.BoundedSemaphore(size)
         self.open = 0  # calls in the lane now
 
-    def enter(self, context) -> None:
+    def try_enter(self) -> bool:
         if not self._slots.acquire(blocking=False):
+            return False
+        self.open += 1
+        return True
+
+    def enter(self, context) -> None:
+        if not self.try_enter():
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"{self.size} {self.what} are open, the most this daemon serves at once; retry later")
-        self.open += 1
 
     def leave(self) -> None:
         self.open -= 1
@@ -114,17 +135,46 @@ class _BodyDeadlines:
 NO_MESSAGE = object()
 
 
+class _RefusalLog:
+    """Refused calls, logged at most `per_minute` a minute; those beyond are counted and the count
+    logged with the first refusal of a later minute."""
+
+    def __init__(self, per_minute: int = REFUSALS_LOGGED):
+        self.per_minute = per_minute
+        self._lock = threading.Lock()
+        self._minute = 0
+        self._logged = self._dropped = 0
+
+    def __call__(self, fields: dict) -> None:
+        minute = int(time.monotonic() // 60)
+        with self._lock:
+            if minute != self._minute:
+                self._minute, self._logged = minute, 0
+            if self._logged >= self.per_minute:
+                self._dropped += 1
+                return
+            self._logged += 1
+            dropped, self._dropped = self._dropped, 0
+        if dropped:
+            fields = {**fields, "not_logged_before": dropped}
+        log.info("rpc refused", extra={"fields": fields})
+
+
 class RpcGuard(grpc.ServerInterceptor):
     def __init__(self, tokens: Tokens | None, generate_streams: int, body_timeout_s: float = BODY_TIMEOUT_S):
         self.tokens = tokens
         self.generate = _Lane(generate_streams, "Generate streams")
-        self.lanes = {"/grpc.health.v1.Health/Watch": _Lane(WATCH_STREAMS, "health Watch streams"),
-                      REFLECTION: _Lane(WATCH_STREAMS, "reflection streams"), GENERATE: self.generate}
-        # Methods open to anyone read their request in a small lane, with a short deadline: an
-        # unauthenticated caller holds at most OPEN_READERS threads, each for OPEN_BODY_TIMEOUT_S.
-        self.open_readers = _Lane(OPEN_READERS, "requests of unauthenticated calls being read")
+        self.lanes = {HEALTH_WATCH: _Lane(WATCH_STREAMS, "health Watch streams"),
+                      REFLECTION: _Lane(WATCH_STREAMS, "reflection streams"), GENERATE: self.generate,
+                      HEALTH_CHECK: _Lane(OPEN_READERS, "health checks being read")}
+        self.client_calls = _Lane(CLIENT_CALLS, "calls of client callers")
+        self.admin_calls = _Lane(ADMIN_CALLS, "calls of admin callers")
         self.body_timeout_s = body_timeout_s
         self.bodies = _BodyDeadlines()
+        self.refused = _RefusalLog()
+        # The daemon's overall health (a grpc.health.v1 ServingStatus), set by whoever serves it:
+        # the answer to a Check beyond its lane. None: no answer yet, such a Check is refused.
+        self.health_status: int | None = None
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
@@ -132,23 +182,25 @@ class RpcGuard(grpc.ServerInterceptor):
             return None
         method = details.method
         required = METHOD_ROLES.get(method, CLIENT)
+        role = None
         if self.tokens is not None and required is not None:
             role = self.tokens.role_of(bearer_token(details.invocation_metadata))
             if role is None:
-                return _refusal(handler, method, grpc.StatusCode.UNAUTHENTICATED,
-                                "this daemon needs a token: send 'authorization: Bearer TOKEN' metadata")
+                return self._refusal(handler, method, grpc.StatusCode.UNAUTHENTICATED,
+                                     "this daemon needs a token: send 'authorization: Bearer TOKEN' metadata")
             if RANK[role] < RANK[required]:
-                return _refusal(handler, method, grpc.StatusCode.PERMISSION_DENIED,
-                                f"{method.rsplit('/', 1)[-1]} needs an {required} token")
-        return self._checked(handler, method, open_to_anyone=required is None)
-
-    def _checked(self, handler, method: str, open_to_anyone: bool):
-        """`handler` with its request read here (under a deadline, decoded safely) and, when it
-        streams, in its lane (a stream holds a thread for as long as it is open)."""
+                return self._refusal(handler, method, grpc.StatusCode.PERMISSION_DENIED,
+                                     f"{method.rsplit('/', 1)[-1]} needs an {required} token")
         lane = self.lanes.get(method)
+        if lane is None:  # a unary call: by its caller's role (without tokens, by what it needs)
+            lane = self.admin_calls if (role or required) == ADMIN else self.client_calls
+        return self._checked(handler, method, lane, open_to_anyone=required is None)
 
+    def _checked(self, handler, method: str, lane: _Lane, open_to_anyone: bool):
+        """`handler` run in its lane from its start, with its request read here (under a deadline,
+        decoded safely)."""
         if handler.request_streaming:  # reflection: its messages are decoded one by one, as they come
-            if handler.stream_stream is None or lane is None:
+            if handler.stream_stream is None or method not in self.lanes:
                 return handler  # client streaming, or a stream we do not know: none in our services
             duplex = handler.stream_stream
 
@@ -172,67 +224,66 @@ class RpcGuard(grpc.ServerInterceptor):
 
         timeout_s = OPEN_BODY_TIMEOUT_S if open_to_anyone else self.body_timeout_s
 
-        def read(requests, context):
-            if not open_to_anyone:
-                return self.bodies.first_message(requests, context, timeout_s)
-            self.open_readers.enter(context)
-            try:
-                return self.bodies.first_message(requests, context, timeout_s)
-            finally:
-                self.open_readers.leave()
-
         def request_of(requests, context):
-            request = read(requests, context)
+            request = self.bodies.first_message(requests, context, timeout_s)
             if request is NO_MESSAGE:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call carried no request message")
             if request is None:  # the client is gone, or we cut it off: the status it sees is CANCELLED
                 context.abort(grpc.StatusCode.CANCELLED, f"no request message arrived within {timeout_s:g} s")
             if request is _UNDECODABLE:
-                log.info("rpc refused", extra={"fields": {"rpc": method, "code": "INVALID_ARGUMENT",
-                                                          "message": "undecodable request"}})
+                self.refused({"rpc": method, "code": "INVALID_ARGUMENT", "message": "undecodable request",
+                              "peer": context.peer()})
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               "the request is not a valid message: malformed protobuf, or a string field that is "
                               "not valid UTF-8")
             return request
 
         # Registered as request-streaming (the wire format is the same) so that the request is read
-        # here, under BODY_TIMEOUT_S, instead of by gRPC for as long as the client takes.
+        # here, under a deadline and in the call's lane, instead of by gRPC for as long as the
+        # client takes.
         if handler.unary_unary is not None:
             inner = handler.unary_unary
 
             def unary(requests, context):
-                return inner(request_of(requests, context), context)
+                if not lane.try_enter():
+                    if method == HEALTH_CHECK and self.health_status is not None:
+                        return self._overall_health()
+                    lane.enter(context)  # refused: RESOURCE_EXHAUSTED
+                try:
+                    return inner(request_of(requests, context), context)
+                finally:
+                    lane.leave()
 
             return grpc.stream_unary_rpc_method_handler(unary, safe_decode, handler.response_serializer)
 
         inner_stream = handler.unary_stream
 
         def stream(requests, context):
-            request = request_of(requests, context)
-            if lane is None:
-                yield from inner_stream(request, context)
-                return
             lane.enter(context)
             try:
-                yield from inner_stream(request, context)
+                yield from inner_stream(request_of(requests, context), context)
             finally:
                 lane.leave()
 
         return grpc.stream_stream_rpc_method_handler(stream, safe_decode, handler.response_serializer)
 
+    def _overall_health(self):
+        from grpc_health.v1 import health_pb2
 
-def _refusal(handler, method: str, code: grpc.StatusCode, message: str):
-    """A handler that refuses without reading the request (registered as request-streaming: an
-    unauthenticated caller cannot hold a thread by sending its request slowly)."""
+        return health_pb2.HealthCheckResponse(status=self.health_status)
 
-    def refuse(requests, context):
-        log.info("rpc refused", extra={"fields": {"rpc": method, "code": code.name, "peer": context.peer()}})
-        context.abort(code, message)
+    def _refusal(self, handler, method: str, code: grpc.StatusCode, message: str):
+        """A handler that refuses without reading the request (registered as request-streaming: an
+        unauthenticated caller cannot hold a thread by sending its request slowly)."""
 
-    def refuse_stream(requests, context):
-        refuse(requests, context)
-        yield  # a generator, as a streaming handler must be
+        def refuse(requests, context):
+            self.refused({"rpc": method, "code": code.name, "peer": context.peer()})
+            context.abort(code, message)
 
-    if handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse_stream)
-    return grpc.stream_unary_rpc_method_handler(refuse)
+        def refuse_stream(requests, context):
+            refuse(requests, context)
+            yield  # a generator, as a streaming handler must be
+
+        if handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(refuse_stream)
+        return grpc.stream_unary_rpc_method_handler(refuse)

@@ -23,7 +23,7 @@ from executor.errors import HelmError, PlacementError, PlanNotFoundError
 from executor.pb import executor_pb2_grpc as pb_grpc
 from executor.server.auth import Tokens, is_loopback, server_credentials
 from executor.server.daemon import Daemon
-from executor.server.guard import BODY_TIMEOUT_S, CONTROL_THREADS, OPEN_READERS, WATCH_STREAMS, RpcGuard
+from executor.server.guard import BODY_TIMEOUT_S, RpcGuard, pool_threads
 from executor.server.messages import PlanSource
 from executor.server.service import SERVICE_NAME, ExecutorServicer
 from planner.errors import PlanError
@@ -81,7 +81,7 @@ def start_server(daemon, host: str, port: int, tokens=None, credentials=None, st
     # Twice the admission slots: a stream whose client stopped reading keeps its thread (not its
     # slot) until the stall timeout cuts it off, and must not starve the streams being admitted.
     generate_streams = 2 * (daemon.max_batch + daemon.max_queue)
-    threads = generate_streams + 2 * WATCH_STREAMS + OPEN_READERS + CONTROL_THREADS
+    threads = pool_threads(generate_streams)
     guard = RpcGuard(tokens, generate_streams, body_timeout_s)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rpc"),
@@ -98,11 +98,13 @@ def start_server(daemon, host: str, port: int, tokens=None, credentials=None, st
     def on_state(state: str) -> None:
         if state == "draining":
             health_servicer.enter_graceful_shutdown()  # NOT_SERVING for good
+            guard.health_status = health_pb2.HealthCheckResponse.NOT_SERVING
             return
         status = health_pb2.HealthCheckResponse.SERVING if state == "serving" \
             else health_pb2.HealthCheckResponse.NOT_SERVING
         for service in ("", SERVICE_NAME):
             health_servicer.set(service, status)
+        guard.health_status = status  # the answer to a health check beyond its lane
 
     on_state(daemon.state)
     daemon.on_state_change = on_state

@@ -20,7 +20,7 @@ from executor.server.auth import ClientAuth, Tokens, is_loopback, server_credent
 from executor.server.client import ExecutorClient
 from executor.server.daemon import Daemon
 from executor.errors import CredentialError
-from executor.server.guard import OPEN_READERS
+from executor.server.guard import CLIENT_CALLS, OPEN_READERS
 from executor.server.messages import PlanSource
 from executor.server.serve import security_of, start_server
 from tests.executor.daemon.certs import make_certs
@@ -168,9 +168,11 @@ def test_client_credential_mistakes_are_one_line_errors(tmp_path, capsys, flags,
 
 
 def test_calls_whose_request_never_arrives_cannot_hold_the_pool(served, token_files):
-    """Open calls and never send their request: unauthenticated ones are refused without reading,
-    silent health calls beyond OPEN_READERS at once and the rest after OPEN_BODY_TIMEOUT_S,
-    authenticated ones after the body timeout; meanwhile the pool still answers a real call."""
+    """Open calls and never send their request: unauthenticated ones are refused without reading;
+    silent health checks beyond OPEN_READERS are answered from the overall status without reading,
+    the rest cut off after OPEN_BODY_TIMEOUT_S; authenticated ones beyond their lane refused at
+    once, the rest cut off after the body timeout; meanwhile a real call, a health probe and an
+    admin call are answered at once."""
     _, daemon = served
     server, port = start_server(daemon, "127.0.0.1", 0, Tokens.from_file(token_files / "tokens"), body_timeout_s=5.0)
     never = threading.Event()
@@ -189,15 +191,27 @@ def test_calls_whose_request_never_arrives_cannot_hold_the_pool(served, token_fi
             health = [check.future(silent(), timeout=30) for _ in range(40)]
             signed = [info.future(silent(), timeout=30, metadata=token) for _ in range(20)]
             time.sleep(0.5)
-            t0 = time.perf_counter()
-            assert client.info(timeout_s=10).plan.split_k == 2
-            assert time.perf_counter() - t0 < 1.0  # far below either body timeout
-            codes = lambda calls: [c.exception(timeout=15).code() for c in calls]  # noqa: E731
+            with ExecutorClient(f"127.0.0.1:{port}", ClientAuth(token=ADMIN_TOKEN)) as admin:
+                for call, answered in ((admin.info, True), (client.health_status, True),
+                                       (client.info, False)):  # the client's own lane is full
+                    t0 = time.perf_counter()
+                    if answered:
+                        assert call(timeout_s=10)
+                    else:
+                        with pytest.raises(grpc.RpcError) as refused:
+                            call(timeout_s=10)
+                        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    assert time.perf_counter() - t0 < 1.0  # far below either body timeout
+            codes = lambda calls: [c.exception(timeout=15) and c.exception().code() for c in calls]  # noqa: E731
             assert codes(anonymous) == [grpc.StatusCode.UNAUTHENTICATED] * 40
             health_codes = codes(health)
-            assert health_codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 40 - OPEN_READERS
             assert health_codes.count(grpc.StatusCode.CANCELLED) == OPEN_READERS
-            assert codes(signed) == [grpc.StatusCode.CANCELLED] * 20
+            assert [health_pb2.HealthCheckResponse.FromString(h.result()).status for h in health if not h.exception()] == \
+                [health_pb2.HealthCheckResponse.SERVING] * (40 - OPEN_READERS)
+            signed_codes = codes(signed)
+            assert signed_codes.count(grpc.StatusCode.CANCELLED) == CLIENT_CALLS
+            assert signed_codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 20 - CLIENT_CALLS
+            assert client.info(timeout_s=10).plan.split_k == 2  # the lane is free again
             assert client.health_status(timeout_s=5) == health_pb2.HealthCheckResponse.SERVING
     finally:
         never.set()
@@ -233,3 +247,21 @@ def test_a_token_is_never_sent_in_plaintext_beyond_loopback():
     with pytest.raises(CredentialError, match="not sending a token in plaintext"):
         ExecutorClient("10.1.2.3:50051", ClientAuth(token=CLIENT_TOKEN))
     ExecutorClient("127.0.0.1:50051", ClientAuth(token=CLIENT_TOKEN)).close()
+
+
+def test_refused_calls_cannot_fill_the_log(caplog, monkeypatch):
+    """A flood of refused calls logs REFUSALS_LOGGED lines a minute; the next minute's first line
+    counts the rest."""
+    from executor.server import guard
+
+    now = [600.0]
+    monkeypatch.setattr(guard.time, "monotonic", lambda: now[0])
+    refused = guard._RefusalLog()
+    with caplog.at_level("INFO", logger="helm.guard"):
+        for _ in range(guard.REFUSALS_LOGGED + 140):
+            refused({"rpc": "Info", "code": "UNAUTHENTICATED"})
+        assert len(caplog.records) == guard.REFUSALS_LOGGED
+        now[0] += 60
+        refused({"rpc": "Info", "code": "UNAUTHENTICATED"})
+    assert len(caplog.records) == guard.REFUSALS_LOGGED + 1
+    assert caplog.records[-1].fields["not_logged_before"] == 140
