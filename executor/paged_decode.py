@@ -32,6 +32,9 @@ import torch
 
 MIN_BLOCK = 16  # tl.dot's smallest side: query heads are padded to it, a page must hold it
 MAX_BLOCK_N = 64  # keys per inner block
+# Elements of a K (or V) block a program holds at once: compiled for sm_90, a block of 64 keys at
+# D = 128 in fp32 (the widened path) took all 255 registers and spilled; these budgets do not
+BLOCK_ELEMENTS = {"half": 64 * 128, "fp32": 16 * 128}
 
 try:
     import triton
@@ -83,13 +86,21 @@ def first_launch_error(q_heads: int, kv_heads: int, head_dim: int, page_size: in
 
 def splits_for(rows: int, kv_heads: int, keys: int, processors: int) -> tuple[int, int]:
     """(keys per split, splits): enough programs for about two per streaming processor, each over
-    whole blocks of min(MAX_BLOCK_N, keys) keys (a multiple of the kernel's block of
-    min(MAX_BLOCK_N, page), since a row's keys are whole pages)."""
+    whole blocks of min(MAX_BLOCK_N, keys) keys (a multiple of the kernel's block, `block_n`: a
+    power of two no larger, since a row's keys are whole pages)."""
     block = min(MAX_BLOCK_N, keys)
     blocks = -(-keys // block)
     want = max(1, min(blocks, -(-2 * processors // max(1, rows * kv_heads))))
     per_split = -(-blocks // want) * block
     return per_split, -(-keys // per_split)
+
+
+def block_n(page: int, head_dim: int, fp32_blocks: bool) -> int:
+    """Keys per inner block: as many as the register budget for the blocks' width allows, from
+    MIN_BLOCK to min(MAX_BLOCK_N, page) (powers of two, so a block never spans two pages and
+    divides a split's keys)."""
+    budget = BLOCK_ELEMENTS["fp32" if fp32_blocks else "half"] // head_dim
+    return max(MIN_BLOCK, min(MAX_BLOCK_N, page, triton.next_power_of_2(budget + 1) // 2))
 
 
 def paged_decode_attention(q: torch.Tensor, slab_layer: torch.Tensor, table: torch.Tensor, positions: torch.Tensor,
@@ -116,7 +127,7 @@ def paged_decode_attention(q: torch.Tensor, slab_layer: torch.Tensor, table: tor
         attend_split[(rows, h_kv, splits)](
             q, slab_layer, table, positions, partial, lse, scale * math.log2(math.e),
             q.stride(0), q.stride(1), *slab_layer.stride()[:4], table.stride(0), positions.stride(0), per_split,
-            PAGE=page, GROUP=group, GROUP_PAD=group_pad, D=d, BLOCK_N=min(MAX_BLOCK_N, page), UPCAST=upcast)
+            PAGE=page, GROUP=group, GROUP_PAD=group_pad, D=d, BLOCK_N=block_n(page, d, upcast), UPCAST=upcast)
         combine[(rows, h_q)](partial, lse, out, splits, GROUP=group, GROUP_PAD=group_pad, D=d,
                              SPLITS_PAD=triton.next_power_of_2(splits))
     return out

@@ -95,6 +95,21 @@ def test_splits_cover_the_keys_in_whole_blocks():
         assert splits == 1 or rows * h_kv * (splits - 1) < 2 * sms  # no more splits than two programs an SM needs
 
 
+def test_blocks_stay_within_a_page_and_the_register_budget():
+    """A block never spans two pages and divides a split's keys; widened (fp32) blocks hold a
+    quarter of a half-precision block's elements (compiled for sm_90, 64 keys at D = 128 in fp32
+    spilled registers)."""
+    for page in (16, 32, 512):
+        for d in (16, 64, 128, 256):
+            for fp32 in (False, True):
+                n = paged_decode.block_n(page, d, fp32)
+                assert n >= paged_decode.MIN_BLOCK and page % n == 0 and n & (n - 1) == 0
+                per_split, _ = paged_decode.splits_for(1, 8, 4 * page, 132)
+                assert per_split % n == 0
+                assert n * d <= paged_decode.BLOCK_ELEMENTS["fp32" if fp32 else "half"] or n == paged_decode.MIN_BLOCK
+    assert paged_decode.block_n(512, 128, True) == 16 and paged_decode.block_n(512, 128, False) == 64
+
+
 def test_what_the_kernels_cannot_run_is_said():
     assert paged_decode.unsupported(128, 512, 4, DEVICE) is None
     assert "head_dim 80" in paged_decode.unsupported(80, 512, 4, DEVICE)
