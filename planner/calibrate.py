@@ -27,6 +27,7 @@ from planner.planning import replan
 from planner.provenance import DeviceFit, FitResidual, MeasurementSource, Recalibration
 from planner.units import round_sig
 
+MIN_STEP_MS = 1e-6            # a row whose steps took less (a nanosecond) measured nothing
 MIN_ROW_SAMPLES = 5           # decode steps a report row needs to enter the fit
 MIN_STAGE_SAMPLES = 20        # decode steps (in usable rows) every stage needs: fewer is "too few samples"
 # A prompt chunk is a long step (tens of ms to seconds), so one is a measurement in itself: a
@@ -101,7 +102,7 @@ def usable_rows(plan: Plan, report, min_samples: int = MIN_STAGE_SAMPLES, label:
     out = {}
     for i, stage in enumerate(plan.partition.stages):
         decode = [r for r in report.rows if r.stage == i and r.phase == "decode"]
-        rows = [r for r in decode if r.samples >= MIN_ROW_SAMPLES and r.measured_mean_ms > 0]
+        rows = [r for r in decode if r.samples >= MIN_ROW_SAMPLES and r.measured_mean_ms >= MIN_STEP_MS]
         steps = sum(r.samples for r in rows)
         if not rows or steps < min_samples:
             raise PlanError(
@@ -116,7 +117,7 @@ def usable_rows(plan: Plan, report, min_samples: int = MIN_STAGE_SAMPLES, label:
 def _prefill_rows(report, device: str) -> tuple[list, str]:
     """A device's prefill rows that enter the prefill fit, or none and why."""
     rows = [r for r in report.rows if r.device == device and r.phase == "prefill"
-            and r.samples >= MIN_PREFILL_ROW_SAMPLES and r.measured_mean_ms > 0]
+            and r.samples >= MIN_PREFILL_ROW_SAMPLES and r.measured_mean_ms >= MIN_STEP_MS]
     steps = sum(r.samples for r in rows)
     if steps >= MIN_PREFILL_STEPS:
         return rows, ""

@@ -129,6 +129,9 @@ def make_plan(model: str | Path | dict, machine: MachineProfile | None = None, *
         raise PlanError(f"--watermark must be in (0, 1], got {watermark}")
     gpu_budget, host_budget = _budgets(machine, gpu_memory_bytes, host_memory_bytes)
     recalibration = None
+    if parent is not None and parent.model.config_digest != config_digest(data):
+        raise PlanError(f"--parent is a plan for another model ({parent.model.architecture}, config "
+                        f"{parent.model.config_digest}): its calibration and lineage are that model's")
     if calibration is None:
         if parent is not None:
             calibration, recalibration = carry_calibration(parent, machine)
@@ -266,6 +269,9 @@ def _assemble(identity: ModelIdentity, ir: IRSummary, machine: MachineProfile, w
         chosen = costs[split_k]
         if not chosen.feasible and not allow_infeasible:
             raise InfeasibleError(f"--split {split_k} is infeasible on {machine.name}: {chosen.reason}", chosen.reason)
+        if not math.isfinite(chosen.ms):  # a stage without rates (a GPU stage on a profile without one)
+            raise InfeasibleError(f"--split {split_k} cannot be priced on {machine.name} ({chosen.reason}): a plan "
+                                  "predicts every stage's time, --allow-infeasible or not", chosen.reason)
     elif best is None:
         raise _infeasible(units, shared, costs, machine, model_name)
     else:

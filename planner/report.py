@@ -174,6 +174,10 @@ def context_bucket(context: int) -> tuple[int, int]:
     return lo, 2 * lo
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON has (a measurement is finite)")
+
+
 def read_report(path: str | Path):
     """A report JSON file (helm-executor report -o ...) as a Report; PlanError when missing,
     empty, not JSON or not valid against schemas/report.schema.json."""
@@ -182,15 +186,20 @@ def read_report(path: str | Path):
     if not text.strip():
         raise PlanError(f"report {path} is empty (write one with `helm-executor report --addr HOST:PORT -o {path}`)")
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as e:
         raise PlanError(f"report {path} is not JSON: {e}") from None
+    except ValueError as e:  # NaN or Infinity, which Python's json reads but JSON has not
+        raise PlanError(f"report {path}: {e}") from None
     if data in ({}, [], None):
         raise PlanError(f"report {path} is empty (write one with `helm-executor report --addr HOST:PORT -o {path}`)")
     if not isinstance(data, dict):
         raise PlanError(f"report {path}: expected a JSON object, got {type(data).__name__}")
     validate(data, "report", f"report {path}")
-    created = datetime.fromisoformat(data["created_at"].replace("Z", "+00:00"))
+    try:
+        created = datetime.fromisoformat(data["created_at"].replace("Z", "+00:00"))
+    except ValueError:
+        raise PlanError(f"report {path}: field 'created_at' is not an ISO 8601 time") from None
     if created.tzinfo is None:
         created = created.replace(tzinfo=timezone.utc)
     return Report(PlanSummary(**data["plan"]), data["architecture"], data["kernel_isa"], data["steps"],

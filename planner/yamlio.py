@@ -11,6 +11,7 @@ column, never the text around them.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import stat
@@ -135,7 +136,7 @@ def parse_yaml(text: str, label: str, max_bytes: int = MAX_FILE_BYTES) -> Any:
     if len(text.encode("utf-8")) > max_bytes:
         raise PlanError(f"{label}: more than the limit of {max_bytes} bytes")
     try:
-        return yaml.load(text, Loader=_SafeLoader)  # noqa: S506 — a SafeLoader subclass
+        data = yaml.load(text, Loader=_SafeLoader)  # noqa: S506 — a SafeLoader subclass
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -149,6 +150,28 @@ def parse_yaml(text: str, label: str, max_bytes: int = MAX_FILE_BYTES) -> Any:
         raise PlanError(f"{label}: malformed YAML: nested too deeply") from None
     except ValueError:  # e.g. an integer with more digits than Python converts
         raise PlanError(f"{label}: malformed YAML: a value cannot be converted") from None
+    where = _non_finite(data)
+    if where is not None:
+        raise PlanError(f"{label}: field '{where}': must be a finite number, not .nan or .inf")
+    return data
+
+
+def _non_finite(data: Any, path: str = "") -> str | None:
+    """The dotted path of the first NaN or infinity in parsed YAML; None if there is none."""
+    if isinstance(data, float):
+        return None if math.isfinite(data) else (path or "(top)")
+    if isinstance(data, dict):
+        items = data.items()
+    elif isinstance(data, list):
+        items = ((f"[{i}]", v) for i, v in enumerate(data))
+    else:
+        return None
+    for key, value in items:
+        key = str(key)
+        where = _non_finite(value, key if not path else (path + key if key.startswith("[") else f"{path}.{key}"))
+        if where is not None:
+            return where
+    return None
 
 
 def read_yaml(path_or_text: str | Path, kind: str) -> tuple[Any, str]:

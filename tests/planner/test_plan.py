@@ -10,6 +10,7 @@ import yaml
 from planner import cli
 from planner.config import config_digest
 from planner.errors import PlanError
+from planner.machine import load_machine
 from planner.plan import Plan, load_plan, plan_digest, plan_from_dict, save_plan
 from planner.planning import make_plan, plan_for_split, workload_for
 from planner.predict import predict
@@ -223,7 +224,6 @@ def test_ttft_is_priced_chunk_by_chunk_like_the_executor():
     one-shot prefill."""
     from dataclasses import replace
 
-    from planner.machine import load_machine
     from planner.predict import predict_ttft_ms
     from tests.planner.conftest import DEV
 
@@ -239,3 +239,32 @@ def test_ttft_is_priced_chunk_by_chunk_like_the_executor():
     assert predict_ttft_ms(plan, 1300) == pytest.approx(expected)
     # the head (Qwen3-0.6B's tied 311 MB output projection) is read once, not per chunk
     assert chunk(512, 0, True) - chunk(512, 0, False) > 1.0
+
+
+def test_a_forced_split_that_cannot_be_priced_is_refused_even_when_infeasible_is_allowed():
+    """A GPU stage on a profile without a GPU has no rates: the plan would have said 0 ms/token,
+    and the executor's report would have predicted infinity for it."""
+    from tests.planner.conftest import DEV
+
+    with pytest.raises(PlanError, match="--split 10 cannot be priced on .*machine profile has no GPU"):
+        make_plan(config_path("qwen3-0.6b"), load_machine(DEV), split_k=10, allow_infeasible=True)
+    all_cpu = make_plan(config_path("qwen3-0.6b"), load_machine(DEV), split_k=30, allow_infeasible=True)
+    assert all_cpu.prediction.ms_per_token > 0
+
+
+def test_a_parent_of_another_model_is_refused():
+    parent = load_plan(REPO / "plans" / "qwen3-0.6b.helm-dev-2core.yaml")
+    with pytest.raises(PlanError, match="--parent is a plan for another model"):
+        make_plan(config_path("qwen3-8b"), load_machine(REPO / "plans" / "machines" / "helm-dev-2core.yaml"),
+                  parent=parent)
+
+
+@pytest.mark.parametrize("field,edit", [("kv.watermark", ("watermark: 0.8", "watermark: .nan")),
+                                        ("machine.cpu.dram_read_gibps", ("dram_read_gibps: ", "dram_read_gibps: -.inf #"))])
+def test_a_number_that_is_not_finite_is_a_plan_error_naming_its_field(field, edit, tmp_path):
+    text = (REPO / "plans" / "qwen3-0.6b.helm-dev-2core.yaml").read_text()
+    assert edit[0] in text
+    path = tmp_path / "plan.yaml"
+    path.write_text(text.replace(edit[0], edit[1], 1))
+    with pytest.raises(PlanError, match=f"field '{field}': must be a finite number"):
+        load_plan(path)

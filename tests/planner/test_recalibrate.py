@@ -386,6 +386,17 @@ def _mutate(data: dict, how: str):
         data["rows"] = []
     elif how == "edited partition":
         data["plan"]["split_k"] = 29
+    elif how == "not a time":
+        data["created_at"] = "yesterday"
+    elif how == "an infinite time":  # Python's json writes and reads Infinity; JSON has no such number
+        data["rows"][0]["measured_mean_ms"] = float("inf")
+    elif how == "a NaN context":
+        data["rows"][0]["context_mean"] = float("nan")
+    elif how == "an astronomical time":
+        data["rows"][0]["measured_mean_ms"] = 1e300
+    elif how == "vanishing times":  # below a nanosecond: no row is a measurement
+        for row in data["rows"]:
+            row["measured_mean_ms"] = 1e-300
     return json.dumps(data)
 
 
@@ -399,6 +410,11 @@ BAD_REPORTS = {
     "empty file": "is empty",
     "empty object": "is empty",
     "not JSON": "is not JSON",
+    "not a time": "field 'created_at' is not an ISO 8601 time",
+    "an infinite time": "Infinity is not a number JSON has",
+    "a NaN context": "NaN is not a number JSON has",
+    "an astronomical time": "violation at field 'rows\\[0\\].measured_mean_ms': must be <= 1000000000",
+    "vanishing times": "too few samples in report",
 }
 
 
