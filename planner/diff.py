@@ -2,7 +2,7 @@
 
 Plans are compared as data (so key order and number formatting never show up). Lists with an
 identity are matched by it — stages and per-stage predictions by device, search rows by k, IR
-units by index — so a plan for another machine reads as "split 21 → 38, cpu stage +17 units,
+units by index, a profile's kernel rates by dtype and rows — so a plan for another machine reads as "split 21 → 38, cpu stage +17 units,
 DRAM 45 → 5.2 GiB/s", not as shifted lines. The digest is derived, so it is not compared.
 """
 from __future__ import annotations
@@ -18,7 +18,8 @@ SECTIONS = ("partition", "kv", "prediction", "longest_context", "machine", "cali
             "plan_version", "parent_digest", "tool_version", "schema_version", "kind", "search", "ir")
 _KEYED = {"partition.stages": "device", "prediction.stages": "device", "search.candidates": "split_k",
           "ir.units": "index", "ir.shared_weights": "name", "recalibration.devices": "device",
-          "machine.datasheet.rates": "field"}
+          "machine.datasheet.rates": "field", "machine.cpu.kernels.dtypes": "dtype"}
+_KEYED_LEAVES = {"prompt_gflops": "rows"}  # lists keyed wherever they are (under a keyed row's path)
 _SUMMARIZED = ("search.candidates", "ir.units", "recalibration.residuals")  # many rows: counted in the text output
 
 
@@ -45,7 +46,7 @@ def _walk(a, b, path: str, out: list[Change]) -> None:
                 continue
             _walk(a.get(k, _MISSING), b.get(k, _MISSING), f"{path}.{k}" if path else k, out)
         return
-    key = _KEYED.get(path)
+    key = _KEYED.get(path) or _KEYED_LEAVES.get(path.rsplit(".", 1)[-1])
     if key and isinstance(a, list) and isinstance(b, list):
         am = {x.get(key): x for x in a if isinstance(x, dict)}
         bm = {x.get(key): x for x in b if isinstance(x, dict)}

@@ -150,8 +150,10 @@ def make_plan(model: str | Path | dict, machine: MachineProfile | None = None, *
                    shared_weights=traced.shared_weights)
     limits = Limits(gpu_memory_bytes=gpu_memory_bytes, host_memory_bytes=host_memory_bytes,
                     gpu_budget_bytes=gpu_budget, host_budget_bytes=host_budget)
-    kv_settings = KVPlan(page_size_tokens=page_size_tokens, watermark=watermark, offload=kv_offload)
     model_max = model_max_tokens(data)
+    if model_max and page_size_tokens > model_max:  # no sequence holds more: the executor cuts it too
+        page_size_tokens = model_max
+    kv_settings = KVPlan(page_size_tokens=page_size_tokens, watermark=watermark, offload=kv_offload)
     if model_max and workload.context_tokens > model_max:
         raise PlanError(f"--context {workload.context_tokens} is longer than the model's max_position_embeddings "
                         f"({model_max}): no sequence can grow that long")
@@ -276,6 +278,9 @@ def _assemble(identity: ModelIdentity, ir: IRSummary, machine: MachineProfile, w
         raise _infeasible(units, shared, costs, machine, model_name)
     else:
         chosen = best
+        if not math.isfinite(chosen.ms):  # every rate so small that no split's time is a number
+            raise PlanError(f"no split of {model_name} can be priced on {machine.name}: its rates are too small "
+                            "for a step's time to be a number")
 
     stages = tuple(StagePlan(device=s.device, unit_start=s.unit_start, unit_end=s.unit_end,
                              num_blocks=s.num_blocks, weight_bytes=s.weight_bytes,

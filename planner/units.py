@@ -27,12 +27,24 @@ _RATE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z
 _FLOPS_SCALE = {"": 1.0, "MFLOPS": 1e-3, "GFLOPS": 1.0, "TFLOPS": 1e3, "PFLOPS": 1e6}
 
 
+def _in_bits(unit: str) -> bool:
+    """A unit of bits: a lowercase b ('Gb', 'Gbps', 'mb'), which upper-casing would read as bytes."""
+    unit = unit[:-2] if unit.lower().endswith("ps") else unit
+    return unit.endswith("b")
+
+
 def parse_bytes(text: str | int, what: str = "size") -> int:
     """'8GiB' -> 8589934592; '16GB' -> 16000000000; '1024' -> 1024. Raises PlanError."""
+    if isinstance(text, bool):
+        raise PlanError(f"{what}: {text!r} is not a size")
     if isinstance(text, int):
+        if text >= 2**63:
+            raise PlanError(f"{what}: {text!r} is too large")
         value = text
     else:
         m = _SIZE_RE.match(str(text))
+        if m and _in_bits(m.group(2)):
+            raise PlanError(f"{what}: {text!r} is in bits (a lowercase b): give bytes, e.g. 16GB or 8GiB")
         if not m or m.group(2).upper() not in _SUFFIX_BYTES:
             raise PlanError(f"{what}: cannot read {text!r} as a size (use e.g. 8GiB, 16GB, 512MiB)")
         number = float(m.group(1)) * _SUFFIX_BYTES[m.group(2).upper()]
@@ -50,6 +62,8 @@ def _per_second(text, what: str, noun: str, example: str, scale_of) -> float:
         value = float(text)
     else:
         m = _RATE_RE.match(str(text))
+        if m and scale_of is _bandwidth_scale and _in_bits(m.group(2)):
+            raise PlanError(f"{what}: {text!r} is in bits (a lowercase b): give bytes, e.g. 12.5GB/s for 100Gb/s")
         scale = scale_of(m.group(2).upper(), bool(m.group(3))) if m else None
         if scale is None:
             raise PlanError(f"{what}: cannot read {text!r} as a {noun} (use e.g. {example})")

@@ -71,3 +71,21 @@ def test_format_lists_calibration_changes():
     text = format_diff(a, b, diff_plans(a, b))
     assert "calibration.cuda.delta_ms_per_block: 0 -> 0.14" in text
     assert "calibration.provenance: default -> recalibrated" in text and "plan_version: 1 -> 2" in text
+
+
+def test_a_profiles_kernel_rates_are_matched_by_dtype_and_rows():
+    """A profile without bf16 kernels: that one row gone, not every dtype's rates shifted by one."""
+    from planner.plan import plan_from_dict
+
+    a = load_plan(REPO / "plans" / "qwen3-0.6b.helm-dev-2core-avx2.yaml")
+    data = a.to_dict()
+    dtypes = data["machine"]["cpu"]["kernels"]["dtypes"]
+    assert [d["dtype"] for d in dtypes][:2] == ["bfloat16", "float16"]
+    del dtypes[0]
+    del dtypes[0]["prompt_gflops"][0]   # float16's first row
+    changes = {c.path: c for c in diff_plans(a, plan_from_dict(data, verify_digest=False))}
+    gone = changes.pop("machine.cpu.kernels.dtypes[bfloat16]")
+    assert gone.a["dtype"] == "bfloat16" and not gone.b_present
+    rows = a.machine.cpu.kernels.dtypes[1].prompt_gflops[0].rows
+    assert not changes.pop(f"machine.cpu.kernels.dtypes[float16].prompt_gflops[{rows}]").b_present
+    assert changes == {}

@@ -268,3 +268,23 @@ def test_a_number_that_is_not_finite_is_a_plan_error_naming_its_field(field, edi
     path.write_text(text.replace(edit[0], edit[1], 1))
     with pytest.raises(PlanError, match=f"field '{field}': must be a finite number"):
         load_plan(path)
+
+
+def test_no_split_is_priced_on_rates_too_small_to_give_a_time(tmp_path):
+    from tests.planner.conftest import DEV
+
+    text = DEV.read_text()
+    tiny = tmp_path / "tiny.yaml"
+    tiny.write_text("\n".join(line.split(":")[0] + ": 1e-320" if line.strip().startswith("dram_read_gibps:") else line
+                              for line in text.splitlines()) + "\n")
+    with pytest.raises(PlanError, match="no split of .* can be priced on"):
+        make_plan(config_path("qwen3-0.6b"), load_machine(tiny))
+
+
+def test_a_page_longer_than_the_models_context_is_cut_to_it_as_the_executor_does():
+    """Planned at its full length, a page of 100000 tokens did not fit the laptop at all."""
+    from tests.planner.conftest import LAPTOP
+
+    plan = make_plan(config_path("qwen3-0.6b"), load_machine(LAPTOP), page_size_tokens=100_000,
+                     workload=workload_for(300, 300))
+    assert plan.kv.page_size_tokens == 40960

@@ -50,10 +50,18 @@ def test_a_rate_that_is_not_one_is_refused(text):
         parse_rate(text, "bandwidth")
 
 
-@pytest.mark.parametrize("text", ["1e30 GB", "8 GiB/s", "-1GB", "0"])
+@pytest.mark.parametrize("text", ["1e30 GB", "8 GiB/s", "-1GB", "0", 2**65, True, 0])
 def test_a_size_that_is_not_one_is_refused(text):
     with pytest.raises(PlanError):
         parse_bytes(text)
+
+
+@pytest.mark.parametrize("text,parse", [("100 Gb/s", parse_rate), ("100Gbps", parse_rate), ("800 mb/s", parse_rate),
+                                        ("16Gb", parse_bytes), ("8 gib", parse_bytes)])
+def test_bits_are_refused_not_read_as_bytes(text, parse):
+    """A lowercase b is a bit: upper-cased, 100 Gb/s read as 100 GB/s, 8x the link."""
+    with pytest.raises(PlanError, match="is in bits"):
+        parse(text)
 
 
 def test_a_profile_written_with_units_loads_to_the_canonical_one_and_round_trips():
