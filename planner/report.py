@@ -7,6 +7,7 @@ The executor's Recorder (executor.report) fills it.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -178,6 +179,13 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not a number JSON has (a measurement is finite)")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: JSON, but no double
+        raise ValueError(f"{text[:20]} is beyond any double (a measurement is finite)")
+    return value
+
+
 def read_report(path: str | Path):
     """A report JSON file (helm-executor report -o ...) as a Report; PlanError when missing,
     empty, not JSON or not valid against schemas/report.schema.json."""
@@ -186,7 +194,7 @@ def read_report(path: str | Path):
     if not text.strip():
         raise PlanError(f"report {path} is empty (write one with `helm-executor report --addr HOST:PORT -o {path}`)")
     try:
-        data = json.loads(text, parse_constant=_no_constant)
+        data = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
     except json.JSONDecodeError as e:
         raise PlanError(f"report {path} is not JSON: {e}") from None
     except ValueError as e:  # NaN or Infinity, which Python's json reads but JSON has not

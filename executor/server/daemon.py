@@ -224,7 +224,6 @@ class Daemon:
             raise RequestError("stop_strings need the model's tokenizer.json, which this model lacks")
         if any(t >= self.config.vocab_size for t in spec.stop.stop_token_ids):
             raise RequestError(f"stop token ids must be in [0, {self.config.vocab_size})")
-        self._refuse_if_full()  # before tokenizing: a full daemon refuses at no cost (checked again below)
         prompt = self._prompt_ids(spec)
         with self._lock:
             serving = self._serving   # checked against the plan it is submitted to, even across a LoadPlan
@@ -260,6 +259,7 @@ class Daemon:
         if len(spec.prompt_text) > limit or len(spec.prompt_text.encode("utf-8")) > limit:  # before tokenizing
             raise RequestError(f"the prompt text is more than {limit} bytes ({MAX_PROMPT_BYTES_PER_TOKEN} per token "
                                f"of the {self.context_tokens}-token context)")
+        self._refuse_if_full()  # before tokenizing: a full daemon refuses at no cost (checked again on submit)
         ids = tuple(self.tokenizer.encode(spec.prompt_text))
         if not ids:
             raise RequestError("the prompt text is empty: give some text")

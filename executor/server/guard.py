@@ -75,17 +75,20 @@ _UNDECODABLE = _Undecodable()
 
 
 class _Lane:
-    """At most `size` calls of a kind at once; one more is refused at once (RESOURCE_EXHAUSTED)."""
+    """At most `size` calls of a kind at once; one more is refused at once (RESOURCE_EXHAUSTED).
+    `open`: calls in the lane now; `serving`: those of them whose request has arrived."""
 
     def __init__(self, size: int, what: str):
         self.size, self.what = size, what
         self._slots = threading.BoundedSemaphore(size)
-        self.open = 0  # calls in the lane now
+        self._lock = threading.Lock()
+        self.open = self.serving = 0
 
     def try_enter(self) -> bool:
         if not self._slots.acquire(blocking=False):
             return False
-        self.open += 1
+        with self._lock:
+            self.open += 1
         return True
 
     def enter(self, context) -> None:
@@ -93,8 +96,13 @@ class _Lane:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"{self.size} {self.what} are open, the most this daemon serves at once; retry later")
 
+    def count_serving(self, delta: int) -> None:
+        with self._lock:
+            self.serving += delta
+
     def leave(self) -> None:
-        self.open -= 1
+        with self._lock:
+            self.open -= 1
         self._slots.release()
 
 
@@ -261,7 +269,12 @@ class RpcGuard(grpc.ServerInterceptor):
         def stream(requests, context):
             lane.enter(context)
             try:
-                yield from inner_stream(request_of(requests, context), context)
+                request = request_of(requests, context)
+                lane.count_serving(1)  # a drain waits for these, not for calls whose request never came
+                try:
+                    yield from inner_stream(request, context)
+                finally:
+                    lane.count_serving(-1)
             finally:
                 lane.leave()
 

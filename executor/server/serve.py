@@ -207,7 +207,7 @@ def serve(args) -> int:
     # The engine is done (or aborted what was left); Generate streams still being read get the
     # rest of the drain time. Not server.stop(grace): it would wait as long for health Watch and
     # reflection streams, which never end on their own.
-    while server.helm_guard.generate.open and time.monotonic() < drain_started + args.drain_timeout:
+    while server.helm_guard.generate.serving and time.monotonic() < drain_started + args.drain_timeout:
         time.sleep(0.1)
     server.stop(grace=2.0).wait(7.0)
     daemon.close()

@@ -394,10 +394,14 @@ def _mutate(data: dict, how: str):
         data["rows"][0]["context_mean"] = float("nan")
     elif how == "an astronomical time":
         data["rows"][0]["measured_mean_ms"] = 1e300
+    elif how == "a float beyond any double":
+        data["rows"][0]["measured_p99_ms"] = "__1e400__"
+    elif how == "countless samples":
+        data["rows"][0]["samples"] = 10**400
     elif how == "vanishing times":  # below a nanosecond: no row is a measurement
         for row in data["rows"]:
             row["measured_mean_ms"] = 1e-300
-    return json.dumps(data)
+    return json.dumps(data).replace('"__1e400__"', "1e400")
 
 
 BAD_REPORTS = {
@@ -415,6 +419,8 @@ BAD_REPORTS = {
     "a NaN context": "NaN is not a number JSON has",
     "an astronomical time": "violation at field 'rows\\[0\\].measured_mean_ms': must be <= 1000000000",
     "vanishing times": "too few samples in report",
+    "a float beyond any double": "1e400 is beyond any double",
+    "countless samples": "violation at field 'rows\\[0\\].samples': must be <= 1000000000000",
 }
 
 

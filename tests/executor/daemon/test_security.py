@@ -265,3 +265,91 @@ def test_refused_calls_cannot_fill_the_log(caplog, monkeypatch):
         refused({"rpc": "Info", "code": "UNAUTHENTICATED"})
     assert len(caplog.records) == guard.REFUSALS_LOGGED + 1
     assert caplog.records[-1].fields["not_logged_before"] == 140
+
+
+def test_a_drain_waits_for_generate_streams_not_for_calls_whose_request_never_came():
+    """serve's drain watches the Generate lane's `serving`: calls that never send their request
+    (anyone may open them on a daemon without tokens) would otherwise hold shutdown for the whole
+    drain timeout. A guarded server whose Generate streams until told to stop."""
+    from concurrent import futures
+
+    from executor.server.guard import RpcGuard
+
+    release, never = threading.Event(), threading.Event()
+
+    def generate(request, context):
+        yield request
+        release.wait(30)
+
+    guard = RpcGuard(None, generate_streams=4)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), interceptors=(guard,))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("helm.executor.v1.ExecutorService", {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            generate, pb.GenerateRequest.FromString, pb.GenerateRequest.SerializeToString)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+
+    def silent():
+        never.wait(30)
+        return
+        yield
+
+    lane = guard.generate
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        raw = channel.stream_stream("/helm.executor.v1.ExecutorService/Generate")
+        calls = [raw(silent(), timeout=30) for _ in range(2)]
+        stream = channel.unary_stream("/helm.executor.v1.ExecutorService/Generate",
+                                      request_serializer=pb.GenerateRequest.SerializeToString)(
+            request_of_tokens(5), timeout=30)
+        next(stream)  # being served, until released
+        deadline = time.monotonic() + 5
+        while lane.open < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert (lane.open, lane.serving) == (3, 1)
+        release.set()
+        never.set()
+        list(stream)
+        for call in calls:
+            with pytest.raises(grpc.RpcError):
+                list(call)
+        while (lane.open or lane.serving) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert (lane.open, lane.serving) == (0, 0)
+    finally:
+        release.set()
+        never.set()
+        server.stop(0).wait(5)
+
+
+def request_of_tokens(n: int):
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), stopping=pb.StoppingCriteria(
+        max_new_tokens=n, ignore_eos=True))
+
+
+def test_a_full_daemon_still_names_what_is_wrong_with_a_request(served):
+    """The cheap refusal of a full daemon (before tokenizing) comes after the checks that make a
+    request invalid however long the client waits: those are INVALID_ARGUMENT, not a retryable
+    RESOURCE_EXHAUSTED."""
+    from executor.errors import OverloadedError, RequestError
+    from executor.sampling import SamplingParams, StopCriteria
+    from executor.server.messages import GenerateSpec
+
+    _, daemon = served
+    spec = lambda **kw: GenerateSpec(prompt_text=kw.get("text"), prompt_ids=kw.get("ids"),  # noqa: E731
+                                     sampling=SamplingParams(), stop=StopCriteria(max_new_tokens=4))
+    fillers = [f"filler-{i}" for i in range(daemon.max_batch + daemon.max_queue)]
+    try:
+        for key in fillers:
+            daemon._active[key] = None
+        with pytest.raises(RequestError, match="token_ids is empty"):
+            daemon.submit(spec(ids=()))
+        with pytest.raises(RequestError, match="exceeds the plan's context"):
+            daemon.submit(spec(ids=(1,) * 100_000))
+        with pytest.raises(RequestError, match="more than .* bytes"):
+            daemon.submit(spec(text="x" * (daemon.max_prompt_bytes + 1)))
+        with pytest.raises(OverloadedError):
+            daemon.submit(spec(text="hello"))
+    finally:
+        for key in fillers:
+            daemon._active.pop(key, None)
