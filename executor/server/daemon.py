@@ -82,6 +82,7 @@ class Daemon:
         self.on_state_change = lambda state: None  # health checking hooks in here
         self.on_step = lambda phase, devices, stage_ms: None  # metrics hook in here (engine threads)
         self._serving: _Serving | None = None
+        self._stopped: str | None = None  # why the serving engine stopped, until a plan loads again
         self._retired: list[EngineWorker] = []
         self._active: dict[str, EngineWorker] = {}  # engine key of each admitted request → its worker
         self._client_ids: dict[str, str] = {}  # request_id in flight → its engine key
@@ -141,7 +142,8 @@ class Daemon:
         devices = tuple(s.planned_device for s in stages)
         worker = EngineWorker(engine, recorder, name=f"engine-v{plan.plan_version}-{plan.digest[7:15]}",
                               on_end=self._release,
-                              on_step=lambda phase, stage_ms: self.on_step(phase, devices, stage_ms))
+                              on_step=lambda phase, stage_ms: self.on_step(phase, devices, stage_ms),
+                              on_exit=self._worker_exited)
         worker.start()
         with self._lock:
             if self.state == "draining":  # shutdown began while the plan loaded
@@ -149,6 +151,7 @@ class Daemon:
                 raise ShuttingDownError("the daemon is shutting down; the plan was loaded but not swapped in")
             previous = self._serving
             self._serving = _Serving(plan, summary, worker, stages, isa, engine.context_limit, engine.max_running)
+            self._stopped = None
             if previous is not None:
                 previous.worker.retire()
                 self._retired.append(previous.worker)
@@ -204,8 +207,23 @@ class Daemon:
     def _require_plan(self) -> _Serving:
         serving = self._serving
         if serving is None:
-            raise NotReadyError("no plan is loaded yet: call LoadPlan (or start the daemon with --plan)")
+            raise NotReadyError(self._stopped or "no plan is loaded yet: call LoadPlan (or start the daemon with --plan)")
         return serving
+
+    def _worker_exited(self, worker: EngineWorker) -> None:
+        """A worker's engine thread ended. Where a fault ended the serving one, nothing serves
+        until a plan loads again: health says NOT_SERVING, requests are refused saying why (its
+        requests in flight have already failed)."""
+        if worker.crashed is None:
+            return
+        with self._lock:
+            if self._serving is None or self._serving.worker is not worker or self.state != "serving":
+                return
+            self._serving = None
+            self._stopped = f"the engine stopped ({worker.crashed}): LoadPlan to serve again"
+            self._set_state("loading")
+        log.error("the serving engine stopped: not serving until LoadPlan",
+                  extra={"fields": {"worker": worker.name, "error": worker.crashed}})
 
     # -- requests -------------------------------------------------------------------------
     def submit(self, spec: GenerateSpec) -> "RequestHandle":
@@ -226,7 +244,7 @@ class Daemon:
             raise RequestError(f"stop token ids must be in [0, {self.config.vocab_size})")
         prompt = self._prompt_ids(spec)
         with self._lock:
-            serving = self._serving   # checked against the plan it is submitted to, even across a LoadPlan
+            serving = self._require_plan()  # checked against the plan it is submitted to, even across a LoadPlan
             if len(prompt) + spec.stop.max_new_tokens > serving.context_tokens:
                 raise RequestError(
                     f"prompt ({len(prompt)} tokens) + max_new_tokens ({spec.stop.max_new_tokens}) exceeds the "

@@ -80,12 +80,14 @@ class EngineWorker:
     IDLE_POLL_S = 1.0
 
     def __init__(self, engine: Engine, recorder: Recorder, name: str, on_end=lambda request_id: None,
-                 on_step=lambda phase, stage_ms: None):
+                 on_step=lambda phase, stage_ms: None, on_exit=lambda worker: None):
         self.engine = engine
         self.recorder = recorder
         self.name = name
         self._on_end = on_end  # called on the engine thread when a request is over for the engine
         self._on_step = on_step  # called on the engine thread with each step's (measured, predicted) ms
+        self._on_exit = on_exit  # called on the engine thread as it ends (`crashed` says whether by a fault)
+        self.crashed: str | None = None  # what stopped the engine thread, where a fault did
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._retired = False
@@ -136,10 +138,15 @@ class EngineWorker:
                 self.snapshot = self._snapshot()
         except BaseException as e:  # noqa: BLE001 — a bug here must end requests, not hang them
             log.exception("engine worker %s stopped", self.name)
+            self.crashed = f"{type(e).__name__}: {str(e)[:200]}"
             self._fail_all(e)
         finally:
             log.info("engine worker %s exits", self.name)
             self.engine = None  # drop the model (its weights and KV pages)
+            try:
+                self._on_exit(self)
+            except Exception:  # noqa: BLE001 — the thread is ending either way
+                log.exception("engine worker %s: its exit hook failed", self.name)
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id, stream in list(self._streams.items()):

@@ -61,3 +61,43 @@ def test_a_failing_request_fails_alone(checkpoint, tmp_path, monkeypatch):
         daemon.drain(5)
         server.stop(0).wait(5)
         daemon.close()
+
+
+def test_a_stopped_engine_is_not_serving_until_a_plan_loads(checkpoint, tmp_path):
+    """A fault outside any request (here in the engine thread's command loop) ends the engine
+    thread: its requests fail, health turns NOT_SERVING at once (a probe routes traffic away) and
+    a request is refused saying why; LoadPlan serves again."""
+    from grpc_health.v1 import health_pb2
+
+    model = checkpoint("qwen3", "fp32")
+    plan = write_plan(model, 2, tmp_path / "plan.yaml").read_text()
+    daemon = Daemon(model, max_batch=4, max_queue=4)
+    daemon.load_plan(PlanSource(yaml=plan))
+    worker = daemon._serving.worker
+    server, port = start_server(daemon, "127.0.0.1", 0)
+    try:
+        with ExecutorClient(f"127.0.0.1:{port}") as client:
+            assert client.health_status() == health_pb2.HealthCheckResponse.SERVING
+
+            def broken(block):
+                raise RuntimeError("simulated fault in the engine loop")
+
+            worker._take_commands = broken
+            worker.abort("nothing")  # wakes the thread, which then meets the fault
+            worker.join(10)
+            assert not worker.alive and "simulated fault" in worker.crashed
+            assert client.health_status() == health_pb2.HealthCheckResponse.NOT_SERVING
+            try:
+                collect(client.stub.Generate(request([1, 2, 3], 4, "after"), timeout=30))
+                raise AssertionError("a stopped engine served a request")
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert "the engine stopped (RuntimeError: simulated fault" in e.details()
+            client.load_plan(yaml=plan, timeout_s=60)
+            assert client.health_status() == health_pb2.HealthCheckResponse.SERVING
+            ids, _, _ = collect(client.stub.Generate(request([1, 2, 3], 4, "again"), timeout=60))
+            assert len(ids) == 4
+    finally:
+        daemon.drain(5)
+        server.stop(0).wait(5)
+        daemon.close()
