@@ -14,6 +14,7 @@ import torch
 
 from executor.backends import make_backend, resolve_backend
 from executor.device_step import ResidentDecode
+from executor.errors import WeightsError
 from executor.kv_cache import KVCache
 from executor.model_config import ModelConfig
 from executor.placement import Placement, StageSpec, resolve_device
@@ -68,6 +69,7 @@ def load_model(model_dir: str | Path, placement: Placement, config: ModelConfig 
     reader = CheckpointReader(model_dir)
     try:
         stages = [_load_stage(reader, config, spec, placement, backend, choice, kv_slab) for spec in placement.stages]
+        _check_every_tensor_used(reader, config)
     finally:
         reader.close()
     for stage in stages:
@@ -107,6 +109,24 @@ def _kernel_choice(placement: Placement, config: ModelConfig, backend: str) -> t
     log.info("%s: measured at load: prompt GEMM routes %s, attention kernel up to %d queries", why,
              {str(d).removeprefix("torch."): r for d, r in routes.items()} or "gemv", max_queries)
     return routes, max_queries
+
+
+def _check_every_tensor_used(reader: CheckpointReader, cfg: ModelConfig) -> None:
+    """A checkpoint tensor the model did not read is a weight its computation would leave out
+    (a bias this config did not say, a layer beyond num_hidden_layers): refused, not run without
+    it. Rotary tables are derived, and a tied lm_head.weight may be stored as the embedding's
+    copy (transformers unties the two where they differ, so a different one is refused too)."""
+    unread = [n for n in reader.names() if n not in reader.read and not n.endswith("rotary_emb.inv_freq")]
+    if cfg.tie_word_embeddings and "lm_head.weight" in unread:
+        if not reader.same_bytes("lm_head.weight", "model.embed_tokens.weight"):
+            raise WeightsError("config.json ties the output projection to the embedding (tie_word_embeddings), "
+                               "but the checkpoint's lm_head.weight differs from it: transformers would use "
+                               "lm_head.weight; set tie_word_embeddings to false")
+        unread.remove("lm_head.weight")
+    if unread:
+        more = f" and {len(unread) - 5} more" if len(unread) > 5 else ""
+        raise WeightsError(f"the checkpoint holds tensors this config does not use: {', '.join(unread[:5])}{more}; "
+                           "the model would run without them (config.json and the weights disagree)")
 
 
 def _load_stage(reader: CheckpointReader, cfg: ModelConfig, spec: StageSpec, placement: Placement,

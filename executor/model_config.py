@@ -83,6 +83,8 @@ class ModelConfig:
         except PlanError as e:
             raise ConfigError(str(e)) from None
         eos = _read_eos(path.parent, raw)
+        if not (raw.get("dtype") or raw.get("torch_dtype")):  # as transformers: the weights' own dtype
+            raw = {**raw, "dtype": _checkpoint_dtype(path.parent)}
         return cls.from_dict(raw, source=str(path), eos_token_ids=eos)
 
     @classmethod
@@ -108,17 +110,23 @@ class ModelConfig:
             raise ConfigError(f"{source}: hidden_act={act!r} is not supported (SwiGLU with silu only)")
         if raw.get("mlp_bias"):
             raise ConfigError(f"{source}: mlp_bias=true is not supported")
+        if raw.get("attention_bias") and model_type in ("llama", "qwen3"):
+            # transformers gives these families' o_proj a bias too, which HELM's blocks do not add
+            raise ConfigError(f"{source}: attention_bias=true on {model_type} (biases on q/k/v and o_proj) is not "
+                              "supported")
 
         hidden = need("hidden_size")
         heads = need("num_attention_heads")
-        kv_heads = raw.get("num_key_value_heads") or heads
-        head_dim = raw.get("head_dim") or hidden // heads
+        kv_heads = need("num_key_value_heads") if raw.get("num_key_value_heads") is not None else heads
+        head_dim = need("head_dim") if raw.get("head_dim") is not None else hidden // heads
         if heads % kv_heads:
             raise ConfigError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         max_pos = need("max_position_embeddings")
         _check_sliding_window(raw, source, max_pos)
 
-        dtype_name = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+        # transformers 5 writes `dtype` (and prefers it); 4.x wrote `torch_dtype`. The planner reads
+        # them in the same order (planner.config.config_dtype); from_dir fills in the weights' own.
+        dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
         if dtype_name not in DTYPES:
             raise ConfigError(f"{source}: torch_dtype={dtype_name!r} is not supported ({sorted(DTYPES)})")
         if eos_token_ids is None:
@@ -147,12 +155,27 @@ class ModelConfig:
         )
 
 
+def _checkpoint_dtype(model_dir: Path) -> str:
+    """The dtype of the checkpoint's floating-point weights (a config that names none), from its
+    first shard's header; float32 where that cannot be read (loading then says why)."""
+    from executor.weights import floating_dtype_of
+
+    try:
+        dtype = floating_dtype_of(model_dir)
+    except Exception:  # noqa: BLE001 — no readable weights: the loader names the problem
+        return "float32"
+    return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32")
+
+
 def _read_rope(raw: dict, source: str) -> RopeConfig:
     # transformers 4.x checkpoints carry rope_theta + rope_scaling; 5.x writes rope_parameters.
-    params = dict(raw.get("rope_parameters") or {})
-    scaling = raw.get("rope_scaling") or {}
+    params, scaling = raw.get("rope_parameters") or {}, raw.get("rope_scaling") or {}
+    if not isinstance(params, dict) or not isinstance(scaling, dict):
+        raise ConfigError(f"{source}: rope_parameters and rope_scaling must be objects")
     params = {**scaling, **params}
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise ConfigError(f"{source}: rope_theta must be a positive number, got {theta!r}")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return RopeConfig(theta=float(theta))

@@ -84,6 +84,17 @@ class _Shard:
                 raise WeightsError(f"cannot read {self.path}: tensor {name!r} ({info['dtype']} {list(shape)}) "
                                    f"has data offsets [{begin}, {end}] outside or inconsistent with the file")
             entries[name] = _Entry(dtype, shape, start + begin, nbytes)
+        # As the safetensors library checks: the tensors tile the data exactly, so none reads
+        # another's bytes (a damaged header could point two tensors at the same data)
+        end = start
+        for name, entry in sorted(entries.items(), key=lambda item: (item[1].offset, item[1].nbytes)):
+            if entry.offset != end:
+                raise WeightsError(f"cannot read {self.path}: tensor {name!r} starts at byte {entry.offset - start} of "
+                                   f"the data, where the tensor before it ended at {end - start} (overlapping or "
+                                   "missing bytes)")
+            end += entry.nbytes
+        if end != size:
+            raise WeightsError(f"cannot read {self.path}: its tensors end at byte {end} of the {size}-byte file")
         return entries
 
     def read_into(self, entry: _Entry, out: torch.Tensor, name: str) -> None:
@@ -100,6 +111,20 @@ class _Shard:
         self.file.close()
 
 
+def floating_dtype_of(model_dir: str | Path) -> torch.dtype | None:
+    """The dtype of the first floating-point tensor in the checkpoint (its first shard in name
+    order), from the header alone; None if it holds none."""
+    reader = CheckpointReader(model_dir)
+    try:
+        for path in sorted(set(reader._where.values())):
+            for entry in reader._open(path).entries.values():
+                if entry.dtype.is_floating_point:
+                    return entry.dtype
+        return None
+    finally:
+        reader.close()
+
+
 class CheckpointReader:
     """Name → tensor access over the safetensors files of a checkpoint directory."""
 
@@ -107,6 +132,7 @@ class CheckpointReader:
         self.model_dir = Path(model_dir)
         self._shards: dict[Path, _Shard] = {}
         self._where = self._index()
+        self.read: set[str] = set()  # names of the tensors read so far
 
     def _index(self) -> dict[str, Path]:
         index = self.model_dir / "model.safetensors.index.json"
@@ -116,6 +142,10 @@ class CheckpointReader:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise WeightsError(f"{index} is not a valid safetensors index: {e!r}") from None
+            if not isinstance(weight_map, dict) or not all(
+                    isinstance(f, str) and f and Path(f).name == f for f in weight_map.values()):
+                raise WeightsError(f"{index} is not a valid safetensors index: its weight_map must map tensor "
+                                   "names to file names in the checkpoint's directory")
             return {name: self.model_dir / fname for name, fname in weight_map.items()}
         if single.is_file():
             return {name: single for name in self._open(single).entries}
@@ -153,6 +183,7 @@ class CheckpointReader:
             raise WeightsError(f"tensor {name!r} has shape {entry.shape}, but config.json implies {tuple(shape)}")
         if not entry.dtype.is_floating_point:
             raise WeightsError(f"tensor {name!r} has non-float dtype {entry.dtype}")
+        self.read.add(name)
         if out is not None and out.dtype == entry.dtype:
             shard.read_into(entry, out, name)
             return out
@@ -161,6 +192,18 @@ class CheckpointReader:
         if out is not None:
             return out.copy_(raw)
         return raw.to(device=device, dtype=dtype)
+
+    def same_bytes(self, a: str, b: str, chunk: int = 64 << 20) -> bool:
+        """Whether tensors a and b hold the same dtype, shape and bytes (read a chunk at a time)."""
+        ea, eb = (self._open(self._where[n]).entries.get(n) for n in (a, b))
+        if ea is None or eb is None or (ea.dtype, ea.shape) != (eb.dtype, eb.shape):
+            return False
+        sa, sb = self._open(self._where[a]), self._open(self._where[b])
+        for at in range(0, ea.nbytes, chunk):
+            n = min(chunk, ea.nbytes - at)
+            if os.pread(sa.file.fileno(), n, ea.offset + at) != os.pread(sb.file.fileno(), n, eb.offset + at):
+                return False
+        return True
 
     def close(self) -> None:
         for shard in self._shards.values():

@@ -59,6 +59,12 @@ def test_eos_from_generation_config(tmp_path):
     (dict(hidden_size=0), "hidden_size"),
     (dict(num_key_value_heads=3), "multiple"),
     (dict(torch_dtype="int8"), "torch_dtype"),
+    (dict(attention_bias=True), "attention_bias=true on qwen3"),
+    (dict(rope_scaling="yarn"), "must be objects"),
+    (dict(rope_theta="abc"), "rope_theta must be a positive number"),
+    (dict(num_key_value_heads="2"), "num_key_value_heads' must be a positive integer"),
+    (dict(num_key_value_heads=-2), "num_key_value_heads' must be a positive integer"),
+    (dict(head_dim="32"), "head_dim' must be a positive integer"),
 ])
 def test_rejections_name_the_problem(tmp_path, change, message):
     with pytest.raises(ConfigError, match=message):
@@ -88,3 +94,17 @@ def test_missing_and_corrupt_config(tmp_path):
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(ConfigError, match="JSON object"):
         ModelConfig.from_dir(tmp_path)
+
+
+def test_dtype_is_read_as_transformers_5_reads_it(tmp_path):
+    """`dtype` (transformers 5) before `torch_dtype` (4.x), as the planner reads them; with
+    neither, the weights' own dtype (the planner, config-only, assumes bfloat16)."""
+    cfg = base(torch_dtype="float32", dtype="bfloat16")
+    assert ModelConfig.from_dir(write(tmp_path, cfg)).dtype == torch.bfloat16
+    from tools.make_model import make_model
+
+    out = make_model("qwen3", "tiny", "fp16", 0, tmp_path / "ckpt")
+    raw = json.loads((out / "config.json").read_text())
+    raw.pop("dtype", None), raw.pop("torch_dtype", None)
+    (out / "config.json").write_text(json.dumps(raw))
+    assert ModelConfig.from_dir(out).dtype == torch.float16
