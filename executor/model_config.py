@@ -194,13 +194,23 @@ def _read_rope(raw: dict, source: str) -> RopeConfig:
     raise ConfigError(f"{source}: rope_type={rope_type!r} is not supported (default, llama3)")
 
 
+QWEN_MAX_WINDOW_LAYERS = 28  # transformers' default for Qwen2/Qwen3 configs
+
+
 def _check_sliding_window(raw: dict, source: str, max_pos: int) -> None:
     window = raw.get("sliding_window")
     if window is None:
         return
-    # Qwen2/Qwen3 declare a window but switch it off with use_sliding_window=false.
-    if raw.get("use_sliding_window") is False:
-        return
+    layer_types = raw.get("layer_types")
+    if isinstance(layer_types, list):  # transformers 5 spells out each layer's attention
+        if "sliding_attention" not in layer_types:
+            return
+    elif raw.get("model_type") in ("qwen2", "qwen3"):
+        # as transformers reads them: a window only with use_sliding_window (default off), and
+        # only on the layers from max_window_layers on
+        layers = raw.get("num_hidden_layers") or 0
+        if not raw.get("use_sliding_window", False) or raw.get("max_window_layers", QWEN_MAX_WINDOW_LAYERS) >= layers:
+            return
     if window < max_pos:
         raise ConfigError(
             f"{source}: sliding-window attention (sliding_window={window} < "

@@ -54,7 +54,8 @@ def test_eos_from_generation_config(tmp_path):
 @pytest.mark.parametrize("change,message", [
     (dict(model_type="gpt2", architectures=["GPT2LMHeadModel"]), "unsupported architecture"),
     (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_type='yarn'"),
-    (dict(sliding_window=4096, use_sliding_window=True), "sliding-window"),
+    (dict(sliding_window=4096, use_sliding_window=True, max_window_layers=0), "sliding-window"),
+    (dict(sliding_window=4096, layer_types=["full_attention"] * 27 + ["sliding_attention"]), "sliding-window"),
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(hidden_size=0), "hidden_size"),
     (dict(num_key_value_heads=3), "multiple"),
@@ -108,3 +109,15 @@ def test_dtype_is_read_as_transformers_5_reads_it(tmp_path):
     raw.pop("dtype", None), raw.pop("torch_dtype", None)
     (out / "config.json").write_text(json.dumps(raw))
     assert ModelConfig.from_dir(out).dtype == torch.float16
+
+
+@pytest.mark.parametrize("change", [dict(sliding_window=4096, use_sliding_window=None),
+                                    dict(sliding_window=4096, use_sliding_window=True, max_window_layers=28),
+                                    dict(sliding_window=4096, layer_types=["full_attention"] * 28)])
+def test_a_qwen_window_that_no_layer_uses_is_full_attention(tmp_path, change):
+    """As transformers reads a Qwen config: use_sliding_window off by default, and only the layers
+    from max_window_layers on slide (Qwen3-0.6B has 28)."""
+    cfg = base(**change)
+    if cfg.get("use_sliding_window") is None:
+        cfg.pop("use_sliding_window")
+    assert ModelConfig.from_dir(write(tmp_path, cfg)).num_layers == 28
