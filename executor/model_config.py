@@ -110,10 +110,6 @@ class ModelConfig:
             raise ConfigError(f"{source}: hidden_act={act!r} is not supported (SwiGLU with silu only)")
         if raw.get("mlp_bias"):
             raise ConfigError(f"{source}: mlp_bias=true is not supported")
-        if raw.get("attention_bias") and model_type in ("llama", "qwen3"):
-            # transformers gives these families' o_proj a bias too, which HELM's blocks do not add
-            raise ConfigError(f"{source}: attention_bias=true on {model_type} (biases on q/k/v and o_proj) is not "
-                              "supported")
 
         hidden = need("hidden_size")
         heads = need("num_attention_heads")
@@ -194,24 +190,32 @@ def _read_rope(raw: dict, source: str) -> RopeConfig:
     raise ConfigError(f"{source}: rope_type={rope_type!r} is not supported (default, llama3)")
 
 
-QWEN_MAX_WINDOW_LAYERS = 28  # transformers' default for Qwen2/Qwen3 configs
+QWEN_MAX_WINDOW_LAYERS = 28  # transformers' defaults for Qwen2/Qwen3 configs
+QWEN_SLIDING_WINDOW = 4096
 
 
 def _check_sliding_window(raw: dict, source: str, max_pos: int) -> None:
     window = raw.get("sliding_window")
+    if raw.get("model_type") in ("qwen2", "qwen3"):
+        # as transformers reads them: a window only with use_sliding_window (default off), on
+        # the layers layer_types names or else those from max_window_layers on
+        if not raw.get("use_sliding_window", False):
+            return
+        window = QWEN_SLIDING_WINDOW if window is None else window
+        layer_types = raw.get("layer_types")
+        if isinstance(layer_types, list):
+            if "sliding_attention" not in layer_types:
+                return
+        else:
+            first = raw.get("max_window_layers")
+            first = QWEN_MAX_WINDOW_LAYERS if first is None else first
+            if isinstance(first, bool) or not isinstance(first, int):
+                raise ConfigError(f"{source}: max_window_layers must be an integer, got {first!r}")
+            if first >= (raw.get("num_hidden_layers") or 0):
+                return
     if window is None:
         return
-    layer_types = raw.get("layer_types")
-    if isinstance(layer_types, list):  # transformers 5 spells out each layer's attention
-        if "sliding_attention" not in layer_types:
-            return
-    elif raw.get("model_type") in ("qwen2", "qwen3"):
-        # as transformers reads them: a window only with use_sliding_window (default off), and
-        # only on the layers from max_window_layers on
-        layers = raw.get("num_hidden_layers") or 0
-        if not raw.get("use_sliding_window", False) or raw.get("max_window_layers", QWEN_MAX_WINDOW_LAYERS) >= layers:
-            return
-    if window < max_pos:
+    if not isinstance(window, int) or window < max_pos:
         raise ConfigError(
             f"{source}: sliding-window attention (sliding_window={window} < "
             f"max_position_embeddings={max_pos}) is not supported; HELM computes full attention"

@@ -112,14 +112,16 @@ class _Shard:
 
 
 def floating_dtype_of(model_dir: str | Path) -> torch.dtype | None:
-    """The dtype of the first floating-point tensor in the checkpoint (its first shard in name
-    order), from the header alone; None if it holds none."""
+    """The dtype of the checkpoint's first floating-point tensor by name, in its first shard by
+    file name, from the header alone (as transformers picks a checkpoint's dtype: where norms are
+    kept in fp32 beside bf16 linears, the first name, an embedding or a layer's linear, is bf16;
+    in header order, which safetensors sorts by dtype, fp32 came first); None if it holds none."""
     reader = CheckpointReader(model_dir)
     try:
-        for path in sorted(set(reader._where.values())):
-            for entry in reader._open(path).entries.values():
-                if entry.dtype.is_floating_point:
-                    return entry.dtype
+        shard = reader._open(min(set(reader._where.values())))
+        for name in sorted(shard.entries):
+            if shard.entries[name].dtype.is_floating_point:
+                return shard.entries[name].dtype
         return None
     finally:
         reader.close()

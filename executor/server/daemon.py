@@ -149,6 +149,9 @@ class Daemon:
             if self.state == "draining":  # shutdown began while the plan loaded
                 worker.retire()
                 raise ShuttingDownError("the daemon is shutting down; the plan was loaded but not swapped in")
+            if worker.crashed is not None:  # its engine stopped before it served (set before its exit hook)
+                raise PlanLoadError(f"the plan's engine stopped as it started ({worker.crashed}); the previous "
+                                    "plan still serves")
             previous = self._serving
             self._serving = _Serving(plan, summary, worker, stages, isa, engine.context_limit, engine.max_running)
             self._stopped = None

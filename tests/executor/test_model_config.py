@@ -55,12 +55,14 @@ def test_eos_from_generation_config(tmp_path):
     (dict(model_type="gpt2", architectures=["GPT2LMHeadModel"]), "unsupported architecture"),
     (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_type='yarn'"),
     (dict(sliding_window=4096, use_sliding_window=True, max_window_layers=0), "sliding-window"),
-    (dict(sliding_window=4096, layer_types=["full_attention"] * 27 + ["sliding_attention"]), "sliding-window"),
+    (dict(sliding_window=4096, use_sliding_window=True, layer_types=["full_attention"] * 27 + ["sliding_attention"]),
+     "sliding-window"),
+    (dict(sliding_window=None, use_sliding_window=True, max_window_layers=0), "sliding_window=4096"),
+    (dict(use_sliding_window=True, max_window_layers=None, num_hidden_layers=40), "sliding-window"),
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(hidden_size=0), "hidden_size"),
     (dict(num_key_value_heads=3), "multiple"),
     (dict(torch_dtype="int8"), "torch_dtype"),
-    (dict(attention_bias=True), "attention_bias=true on qwen3"),
     (dict(rope_scaling="yarn"), "must be objects"),
     (dict(rope_theta="abc"), "rope_theta must be a positive number"),
     (dict(num_key_value_heads="2"), "num_key_value_heads' must be a positive integer"),
@@ -70,6 +72,11 @@ def test_eos_from_generation_config(tmp_path):
 def test_rejections_name_the_problem(tmp_path, change, message):
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_dir(write(tmp_path, base(**change)))
+
+
+def test_mistral_window_is_every_layers_whatever_layer_types_says():
+    with pytest.raises(ConfigError, match="sliding-window"):
+        ModelConfig.from_dict(base("mistral-7b-v0.3", sliding_window=4096, layer_types=["full_attention"] * 32))
 
 
 def test_mistral_window_is_rejected_only_when_used():
@@ -104,16 +111,23 @@ def test_dtype_is_read_as_transformers_5_reads_it(tmp_path):
     assert ModelConfig.from_dir(write(tmp_path, cfg)).dtype == torch.bfloat16
     from tools.make_model import make_model
 
+    from safetensors.torch import load_file, save_file
+
     out = make_model("qwen3", "tiny", "fp16", 0, tmp_path / "ckpt")
     raw = json.loads((out / "config.json").read_text())
     raw.pop("dtype", None), raw.pop("torch_dtype", None)
     (out / "config.json").write_text(json.dumps(raw))
     assert ModelConfig.from_dir(out).dtype == torch.float16
+    # norms kept in fp32 beside fp16 linears: safetensors writes the fp32 tensors first
+    tensors = {n: t.float() if "norm" in n else t for n, t in load_file(out / "model.safetensors").items()}
+    save_file(tensors, out / "model.safetensors")
+    assert ModelConfig.from_dir(out).dtype == torch.float16
 
 
 @pytest.mark.parametrize("change", [dict(sliding_window=4096, use_sliding_window=None),
                                     dict(sliding_window=4096, use_sliding_window=True, max_window_layers=28),
-                                    dict(sliding_window=4096, layer_types=["full_attention"] * 28)])
+                                    dict(sliding_window=4096, use_sliding_window=True, max_window_layers=0,
+                                         layer_types=["full_attention"] * 28)])
 def test_a_qwen_window_that_no_layer_uses_is_full_attention(tmp_path, change):
     """As transformers reads a Qwen config: use_sliding_window off by default, and only the layers
     from max_window_layers on slide (Qwen3-0.6B has 28)."""

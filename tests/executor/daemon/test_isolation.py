@@ -101,3 +101,36 @@ def test_a_stopped_engine_is_not_serving_until_a_plan_loads(checkpoint, tmp_path
         daemon.drain(5)
         server.stop(0).wait(5)
         daemon.close()
+
+
+def test_a_plan_whose_engine_stops_as_it_starts_is_refused(checkpoint, tmp_path, monkeypatch):
+    """The new plan's engine thread starts before the swap; one that has already stopped is not
+    swapped in (it would say SERVING and fail every request): the previous plan serves on."""
+    import pytest
+
+    from executor.errors import PlanLoadError
+    from executor.server.worker import EngineWorker
+
+    model = checkpoint("qwen3", "fp32")
+    plan = write_plan(model, 2, tmp_path / "plan.yaml").read_text()
+    daemon = Daemon(model, max_batch=4, max_queue=4)
+    daemon.load_plan(PlanSource(yaml=plan))
+    serving = daemon._serving
+    real_start = EngineWorker.start
+
+    def start_and_stop(worker):
+        def broken(block):
+            raise RuntimeError("simulated fault as the engine starts")
+
+        worker._take_commands = broken
+        real_start(worker)
+        worker.join(10)
+
+    monkeypatch.setattr(EngineWorker, "start", start_and_stop)
+    try:
+        with pytest.raises(PlanLoadError, match="engine stopped as it started .*simulated fault"):
+            daemon.load_plan(PlanSource(yaml=plan))
+        assert daemon._serving is serving and daemon.state == "serving" and serving.worker.alive
+    finally:
+        daemon.drain(5)
+        daemon.close()
