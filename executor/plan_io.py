@@ -48,7 +48,8 @@ def check_plan_fits(plan: Plan, model_dir: str | Path, config: ModelConfig) -> P
         )
     weights_dtype = _DTYPE_NAMES[str(config.dtype)]
     if plan.model.dtype != weights_dtype:
-        raise PlacementError(f"the plan assumes {plan.model.dtype} weights; the checkpoint holds {weights_dtype}")
+        raise PlacementError(f"the plan assumes {plan.model.dtype} weights; the checkpoint holds {weights_dtype}: "
+                             f"plan again with `--dtype {weights_dtype}`")
     return plan
 
 
