@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (needs tokenizer.json)")
     prompt.add_argument("--prompt-ids", type=_parse_ids, help="prompt token ids, comma-separated")
+    gen.add_argument("--raw-text", action="store_true",
+                     help="tokenize --prompt as it is, without the tokenizer's special tokens (e.g. Llama's BOS): "
+                          "for text already formatted by a chat template")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily (default)")
     gen.add_argument("--top-k", type=int, default=0)
@@ -185,7 +188,7 @@ def _generate(args) -> int:
     sampling, stop = _sampling_and_stop(args)
     tokenizer = Tokenizer(args.model) if args.prompt is not None or not args.json else None
     if args.prompt is not None:
-        prompt_ids = tokenizer.encode(args.prompt)
+        prompt_ids = tokenizer.encode(args.prompt, special_tokens=not args.raw_text)
         if not prompt_ids:
             raise RequestError("the prompt is empty: give some text")
     else:
@@ -281,7 +284,7 @@ def _generate_remote(args) -> int:
                            "model and plan decide")
     sampling, stop = _sampling_and_stop(args)
     spec = GenerateSpec(prompt_text=args.prompt, prompt_ids=None if args.prompt_ids is None else tuple(args.prompt_ids),
-                        sampling=sampling, stop=stop, stop_strings=tuple(args.stop))
+                        sampling=sampling, stop=stop, stop_strings=tuple(args.stop), raw_text=args.raw_text)
     ids, pieces, request_id, result = [], [], "", None
     with _client(args) as client:
         try:

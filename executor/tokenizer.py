@@ -22,8 +22,10 @@ class Tokenizer:
         except Exception as e:
             raise ConfigError(f"cannot load {path}: {e}") from None
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; with special_tokens, those the tokenizer's post-processor adds (a
+        BOS for Llama and Mistral, none for Qwen), as transformers' tokenizer(text) does."""
+        return self._tok.encode(text, add_special_tokens=special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)

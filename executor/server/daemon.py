@@ -281,7 +281,7 @@ class Daemon:
             raise RequestError(f"the prompt text is more than {limit} bytes ({MAX_PROMPT_BYTES_PER_TOKEN} per token "
                                f"of the {self.context_tokens}-token context)")
         self._refuse_if_full()  # before tokenizing: a full daemon refuses at no cost (checked again on submit)
-        ids = tuple(self.tokenizer.encode(spec.prompt_text))
+        ids = tuple(self.tokenizer.encode(spec.prompt_text, special_tokens=not spec.raw_text))
         if not ids:
             raise RequestError("the prompt text is empty: give some text")
         return ids

@@ -46,6 +46,7 @@ class GenerateSpec:
     stop: StopCriteria
     stop_strings: tuple[str, ...] = ()
     request_id: str = ""  # "": the daemon assigns one
+    raw_text: bool = False  # the text as it is: no special tokens added
 
     @classmethod
     def from_pb(cls, msg) -> "GenerateSpec":
@@ -67,7 +68,7 @@ class GenerateSpec:
         return cls(prompt_text=msg.text if which == "text" else None,
                    prompt_ids=tuple(msg.token_ids.ids) if which == "token_ids" else None,
                    sampling=SamplingParams.from_pb(msg.sampling), stop=StopCriteria.from_pb(msg.stopping),
-                   stop_strings=stops, request_id=request_id)
+                   stop_strings=stops, request_id=request_id, raw_text=msg.raw_text)
 
     def to_pb(self, pb):
         s, st = self.sampling, self.stop
@@ -76,7 +77,8 @@ class GenerateSpec:
             sampling.seed = s.seed
         stopping = pb.StoppingCriteria(max_new_tokens=st.max_new_tokens, stop_token_ids=st.stop_token_ids,
                                        stop_strings=self.stop_strings, ignore_eos=st.ignore_eos)
-        msg = pb.GenerateRequest(request_id=self.request_id, sampling=sampling, stopping=stopping)
+        msg = pb.GenerateRequest(request_id=self.request_id, sampling=sampling, stopping=stopping,
+                                 raw_text=self.raw_text)
         if self.prompt_text is not None:
             msg.text = self.prompt_text
         else:

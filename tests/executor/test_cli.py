@@ -39,6 +39,26 @@ def test_text_prompt_streams_text(checkpoint, capsys):
     assert out.strip() and "tok/s" in err or "TTFT" in err
 
 
+@pytest.mark.parametrize("raw", [False, True])
+def test_a_text_prompt_is_tokenized_as_transformers_tokenizes_it(checkpoint, capsys, raw):
+    """A Llama's tokenizer.json adds its BOS (id 1000 here), as transformers' tokenizer(text)
+    does; --raw-text (text a chat template already formatted) adds nothing. Greedy tokens equal
+    transformers' on the ids its own tokenizer gives."""
+    from transformers import AutoTokenizer
+
+    from tests.executor.helpers import hf_greedy
+
+    path = checkpoint("llama", "fp32")
+    text = "Once upon a time"
+    ids = AutoTokenizer.from_pretrained(path)(text, add_special_tokens=not raw).input_ids
+    assert (ids[0] == 1000) != raw
+    code, out, err = run(capsys, "--model", str(path), "--prompt", text, "--max-new-tokens", "6", "--ignore-eos",
+                         "--json", *(["--raw-text"] if raw else []))
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["prompt_tokens"] == len(ids) and result["token_ids"] == hf_greedy(path, ids, 6)
+
+
 def test_console_script_end_to_end(checkpoint):
     path = checkpoint("mistral", "fp16")
     proc = subprocess.run([sys.executable, "-m", "executor.cli", "generate", "--model", str(path), "--split", "3",

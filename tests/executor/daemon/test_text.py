@@ -80,3 +80,24 @@ def test_finish_sends_the_bytes_of_a_character_that_never_completed(tok):
     ids = tok.encode("ab") + tok.encode("€")[:2]
     pieces, ts = stream_all(tok, ids)
     assert "".join(pieces) == "ab" and ts.finish() == "\ufffd" == tok.decode(ids)[2:]
+
+
+def test_a_daemon_adds_the_tokenizers_special_tokens_unless_the_text_is_raw(checkpoint):
+    """GenerateRequest.raw_text crosses the wire, and the daemon tokenizes as the offline CLI does:
+    a Llama's BOS first, or nothing added for raw text."""
+    from executor.pb import executor_pb2 as pb
+    from executor.sampling import SamplingParams, StopCriteria
+    from executor.server.daemon import Daemon
+    from executor.server.messages import GenerateSpec
+
+    path = checkpoint("llama", "fp32")
+    daemon = Daemon(path, max_batch=1, max_queue=1)
+    llama = Tokenizer(path)
+    for raw in (False, True):
+        spec = GenerateSpec(prompt_text="Once upon a time", prompt_ids=None, sampling=SamplingParams(),
+                            stop=StopCriteria(), raw_text=raw)
+        received = GenerateSpec.from_pb(pb.GenerateRequest.FromString(spec.to_pb(pb).SerializeToString()))
+        assert received.raw_text == raw
+        ids = daemon._prompt_ids(received)
+        assert list(ids) == llama.encode("Once upon a time", special_tokens=not raw) and (ids[0] == 1000) != raw
+    daemon.close()
