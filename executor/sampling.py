@@ -105,7 +105,7 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     tokens = [0] * len(params)
     vocab = logits.shape[-1]
     greedy = [r for r, p in enumerate(params) if p.greedy]
-    top_k = [r for r, p in enumerate(params) if not p.greedy and 0 < p.top_k < vocab and p.top_k <= BATCHED_TOP_K]
+    top_k = [r for r, p in enumerate(params) if not p.greedy and _shares_a_topk(p, vocab)]
     rest = [r for r, p in enumerate(params) if not p.greedy and r not in top_k]
     # launched together, then copied
     best = _rows(logits, greedy, len(params)).max(-1) if greedy else None
@@ -135,6 +135,11 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     return tokens
 
 
+def _shares_a_topk(params: SamplingParams, vocab: int) -> bool:
+    """A top-k that filters, small enough for a topk of k + 1 (a larger one is a mask at its k-th logit)."""
+    return 0 < params.top_k < vocab and params.top_k <= BATCHED_TOP_K
+
+
 def _rows(logits: torch.Tensor, rows: list[int], count: int) -> torch.Tensor:
     return logits if len(rows) == count else logits[torch.tensor(rows, device=logits.device)]
 
@@ -159,7 +164,7 @@ def candidates(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tens
     the device nor another topk's order of ties changes a seeded draw. ValueError where the
     logits are not finite (NaN, +inf)."""
     vocab = logits.shape[-1]
-    if 0 < params.top_k <= min(BATCHED_TOP_K, vocab - 1):
+    if _shares_a_topk(params, vocab):
         values, ids = torch.topk(logits, params.top_k + 1)
         return _top_k(values, ids, params.top_k, lambda: logits, params)
     best = logits.max()

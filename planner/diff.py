@@ -2,8 +2,9 @@
 
 Plans are compared as data (so key order and number formatting never show up). Lists with an
 identity are matched by it — stages and per-stage predictions by device, search rows by k, IR
-units by index, a profile's kernel rates by dtype and rows — so a plan for another machine reads as "split 21 → 38, cpu stage +17 units,
-DRAM 45 → 5.2 GiB/s", not as shifted lines. The digest is derived, so it is not compared.
+units by index, a profile's kernel rates by dtype and rows — so a plan for another machine reads
+as "split 21 → 38, cpu stage +17 units, DRAM 45 → 5.2 GiB/s", not as shifted lines. The digest
+is derived, so it is not compared.
 """
 from __future__ import annotations
 

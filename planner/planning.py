@@ -129,7 +129,8 @@ def make_plan(model: str | Path | dict, machine: MachineProfile | None = None, *
         raise PlanError(f"--watermark must be in (0, 1], got {watermark}")
     gpu_budget, host_budget = _budgets(machine, gpu_memory_bytes, host_memory_bytes)
     recalibration = None
-    if parent is not None and parent.model.config_digest != config_digest(data):
+    digest = config_digest(data)
+    if parent is not None and parent.model.config_digest != digest:
         raise PlanError(f"--parent is a plan for another model ({parent.model.architecture}, config "
                         f"{parent.model.config_digest}): its calibration and lineage are that model's")
     if calibration is None:
@@ -143,7 +144,7 @@ def make_plan(model: str | Path | dict, machine: MachineProfile | None = None, *
 
     traced = trace_model(data, dtype)
     identity = ModelIdentity(architecture=traced.architecture, model_type=traced.model_type,
-                             config_digest=config_digest(data), dtype=dtype, source=source or given_source,
+                             config_digest=digest, dtype=dtype, source=source or given_source,
                              num_blocks=traced.num_blocks, num_params=traced.num_params,
                              weight_bytes=traced.weight_bytes)
     ir = IRSummary(trace_context_tokens=traced.trace_context_tokens, units=traced.units,
