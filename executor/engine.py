@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from executor.batch import StepBatch
-from executor.errors import RequestError
+from executor.errors import DeviceLostError, HelmError, RequestError
 from executor.loader import LoadedModel
 from executor.sampling import SamplingParams, StopCriteria, make_generator, sample_rows
 from planner.step_shape import MAX_RUNNING_SEQUENCES, MAX_STEP_TOKENS, PREFILL_CHUNK_TOKENS, step_tokens
@@ -209,6 +209,7 @@ class Engine:
         try:
             events = self._execute(scheduled)
         except Exception as batch_error:  # noqa: BLE001 — isolate, then report per request
+            self._check_devices(batch_error)
             if len(scheduled) == 1:
                 events = [self._fail(scheduled[0][0], batch_error)]
             else:
@@ -219,8 +220,20 @@ class Engine:
                     try:
                         events += self._execute([item])
                     except Exception as e:  # noqa: BLE001
+                        self._check_devices(e)
                         events.append(self._fail(item[0], e))
         return events
+
+    def _check_devices(self, error: Exception) -> None:
+        """After a step failed: raise DeviceLostError if a stage's GPU can run nothing more.
+        Failing the step's requests one by one would then fail every later request the same
+        way, with the daemon still saying it serves."""
+        if isinstance(error, HelmError):
+            return
+        fault = lost_device(stage.device for stage in self.model.stages)
+        if fault is not None:
+            raise DeviceLostError(f"the GPU can run nothing more in this process ({fault}); the step failed with "
+                                  f"{type(error).__name__}: {str(error)[:200]}") from error
 
     def _execute(self, scheduled: list[tuple[Sequence, int, int]]) -> list[TokenEvent]:
         parts, rows, emitting, offset = [], [], [], 0
@@ -335,3 +348,20 @@ class Engine:
         while self.has_work():
             self.step()
         return seqs
+
+
+def lost_device(devices) -> str | None:
+    """What makes one of these CUDA devices unusable for this process, or None if each still runs
+    a kernel. A sticky error (an illegal address, a device-side assert) fails every later call on
+    the context, synchronize included; an out-of-memory or a bad launch does not."""
+    for device in dict.fromkeys(devices):
+        if device.type != "cuda":
+            continue
+        try:
+            with torch.cuda.device(device):
+                torch.cuda.synchronize(device)
+                torch.ones(1, device=device).add_(1).item()
+        except Exception as e:  # noqa: BLE001 — any failure here is the answer
+            first_line = (str(e).strip().splitlines() or [""])[0]
+            return f"{device}: {type(e).__name__}: {first_line[:200]}"
+    return None

@@ -54,5 +54,10 @@ class RequestFailedError(HelmError):
     """A request failed while it ran; the other requests carry on."""
 
 
+class DeviceLostError(HelmError):
+    """A GPU this process runs on can run nothing more (a sticky CUDA error: an illegal address,
+    a device-side assert): only a new process can use it again."""
+
+
 class CredentialError(HelmError, ValueError):
     """A token file, certificate or key that is missing, unreadable or malformed."""

@@ -15,11 +15,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 class DaemonProcess:
     def __init__(self, args: list[str], log_path: Path, start_timeout_s: float = 120.0,
-                 env: dict[str, str] | None = None):
-        """`args`: what follows `helm-executor serve --port 0`."""
+                 env: dict[str, str] | None = None, program: tuple[str, ...] = ("-m", "executor.cli")):
+        """`args`: what follows `helm-executor serve --port 0`; `program`: what python runs to be
+        helm-executor (a test's script that wraps executor.cli.main)."""
         self.log_path = Path(log_path)
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "executor.cli", "serve", "--port", "0", *args],
+            self.proc = subprocess.Popen([sys.executable, *program, "serve", "--port", "0", *args],
                                          stdout=subprocess.DEVNULL, stderr=log, cwd=REPO, env=env)
         self.port = self._wait_for_port(start_timeout_s)
         self.addr = f"127.0.0.1:{self.port}"

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from executor.engine import Engine
-from executor.errors import (HelmError, LoadInProgressError, NotReadyError, OverloadedError, PlanLoadError,
-                             PlanNotFoundError, RequestError, RequestFailedError, ShuttingDownError)
+from executor.errors import (DeviceLostError, HelmError, LoadInProgressError, NotReadyError, OverloadedError,
+                             PlanLoadError, PlanNotFoundError, RequestError, RequestFailedError, ShuttingDownError)
 from executor.loader import load_model
 from executor.model_config import ModelConfig
 from executor.plan_io import check_host_kv_fits, check_plan_fits, load_checked_plan, placement_for
@@ -81,6 +81,8 @@ class Daemon:
         self.state = "loading"  # loading | serving | draining
         self.on_state_change = lambda state: None  # health checking hooks in here
         self.on_step = lambda phase, devices, stage_ms: None  # metrics hook in here (engine threads)
+        self.on_device_lost = lambda: None  # serve hooks in here: it exits, for a supervisor to restart it
+        self.device_lost: str | None = None  # why a GPU can run nothing more in this process
         self._serving: _Serving | None = None
         self._stopped: str | None = None  # why the serving engine stopped, until a plan loads again
         self._retired: list[EngineWorker] = []
@@ -107,6 +109,8 @@ class Daemon:
     def _load(self, source: PlanSource) -> LoadResult:
         if self.state == "draining":
             raise ShuttingDownError("the daemon is shutting down; not loading a plan")
+        if self.device_lost is not None:
+            raise DeviceLostError(f"{self.device_lost}: restart the daemon to load a plan")
         t0 = time.perf_counter()
         plan = check_plan_fits(source.plan, self.model_dir, self.config) if source.plan is not None else \
             load_checked_plan("plan", self.model_dir, self.config, text=self._plan_text(source))
@@ -130,7 +134,7 @@ class Daemon:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             raise PlanLoadError(f"the plan cannot serve on this machine: its load or warm-up generation failed "
-                                f"({failure}); the previous plan still serves")
+                                f"({failure}); {self._what_serves()}")
         t2 = time.perf_counter()
 
         summary = PlanSummary.of(plan, source.label)
@@ -150,8 +154,8 @@ class Daemon:
                 worker.retire()
                 raise ShuttingDownError("the daemon is shutting down; the plan was loaded but not swapped in")
             if worker.crashed is not None:  # its engine stopped before it served (set before its exit hook)
-                raise PlanLoadError(f"the plan's engine stopped as it started ({worker.crashed}); the previous "
-                                    "plan still serves")
+                raise PlanLoadError(f"the plan's engine stopped as it started ({worker.crashed}); "
+                                    f"{self._what_serves()}")
             previous = self._serving
             self._serving = _Serving(plan, summary, worker, stages, isa, engine.context_limit, engine.max_running)
             self._stopped = None
@@ -170,6 +174,9 @@ class Daemon:
                          f"({placement.kv_budget_pages} pages of {placement.page_size_tokens})", "load_s": round(t1 - t0, 3), "warmup_s": round(t2 - t1, 3),
             "previous_digest": previous.summary.digest if previous else None}})
         return LoadResult(summary, previous.summary.digest if previous else None, t1 - t0, t2 - t1)
+
+    def _what_serves(self) -> str:
+        return "the previous plan still serves" if self._serving is not None else "no plan serves"
 
     def _plan_text(self, source: PlanSource) -> str:
         """The plan's YAML text. A path is only read inside --plan-dir (symlinks resolved first),
@@ -218,6 +225,17 @@ class Daemon:
         until a plan loads again: health says NOT_SERVING, requests are refused saying why (its
         requests in flight have already failed)."""
         if worker.crashed is None:
+            return
+        if worker.device_lost:  # whichever plan it served: no plan can run on that GPU in this process
+            with self._lock:
+                self.device_lost = worker.crashed
+                if self._serving is not None and self.state == "serving":
+                    self._serving = None
+                    self._stopped = f"{worker.crashed}: the daemon must restart"
+                    self._set_state("loading")
+            log.error("a GPU was lost: nothing serves until the daemon restarts",
+                      extra={"fields": {"worker": worker.name, "error": worker.crashed}})
+            self.on_device_lost()
             return
         with self._lock:
             if self._serving is None or self._serving.worker is not worker or self.state != "serving":

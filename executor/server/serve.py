@@ -4,7 +4,9 @@ Binds the gRPC server (loopback unless told otherwise) with the executor service
 health checking (NOT_SERVING until a plan is loaded and warm) and server reflection; logs one
 JSON object per line to stderr; loads the plan given on the command line. SIGTERM or SIGINT
 drains: new requests get UNAVAILABLE, requests in flight finish within --drain-timeout (then
-are aborted), and the process exits 0. A second signal exits at once.
+are aborted), and the process exits 0. A second signal exits at once. A GPU that can run nothing
+more (a sticky CUDA error) drains it the same way, and it exits EXIT_DEVICE_LOST for a supervisor
+to restart it: no plan can run on that GPU again in this process.
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ from planner.plan import Plan, parse_plan
 from planner.yamlio import MAX_FILE_BYTES, read_text_file
 
 log = logging.getLogger("helm.serve")
+
+EXIT_DEVICE_LOST = 3
 
 
 class JsonLogFormatter(logging.Formatter):
@@ -190,6 +194,7 @@ def serve(args) -> int:
         "threads": args.threads or "per plan", "tls": credentials is not None,
         "mutual_tls": bool(args.tls_client_ca), "auth": "tokens" if tokens else "none",
         "plan_dir": args.plan_dir}})
+    daemon.on_device_lost = stop.set  # drain (its requests have failed) and exit non-zero: restart it
     if args.plan:
         try:
             daemon.load_plan(PlanSource(plan=startup_plan, name=args.plan))
@@ -213,5 +218,8 @@ def serve(args) -> int:
     daemon.close()
     if metrics is not None:
         metrics.close()
+    if daemon.device_lost is not None:
+        log.error("stopped: a GPU was lost, restart the daemon", extra={"fields": {"error": daemon.device_lost}})
+        return EXIT_DEVICE_LOST
     log.info("stopped", extra={"fields": {"drained": clean}})
     return 0

@@ -14,7 +14,7 @@ import time
 
 import grpc
 
-from executor.errors import (ConfigError, HelmError, LoadInProgressError, NotReadyError, OverloadedError,
+from executor.errors import (ConfigError, DeviceLostError, HelmError, LoadInProgressError, NotReadyError, OverloadedError,
                              PlacementError, PlanNotFoundError, RequestError, RequestFailedError, ShuttingDownError,
                              WeightsError)
 from executor.pb import executor_pb2 as pb
@@ -33,6 +33,7 @@ _STATUS = (  # the first matching class wins: subclasses before their bases
     (LoadInProgressError, grpc.StatusCode.ABORTED),
     (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ShuttingDownError, grpc.StatusCode.UNAVAILABLE),
+    (DeviceLostError, grpc.StatusCode.UNAVAILABLE),     # the daemon exits; a restarted one serves
     (RequestFailedError, grpc.StatusCode.INTERNAL),
     (RequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (PlacementError, grpc.StatusCode.INVALID_ARGUMENT),   # a bad plan (the message names the field)

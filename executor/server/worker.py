@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 
 from executor.engine import Engine
-from executor.errors import HelmError, RequestFailedError
+from executor.errors import DeviceLostError, HelmError, RequestFailedError
 from executor.kv_cache import KVStats
 from executor.report import Recorder
 from executor.sampling import SamplingParams, StopCriteria
@@ -88,6 +88,7 @@ class EngineWorker:
         self._on_step = on_step  # called on the engine thread with each step's (measured, predicted) ms
         self._on_exit = on_exit  # called on the engine thread as it ends (`crashed` says whether by a fault)
         self.crashed: str | None = None  # what stopped the engine thread, where a fault did
+        self.device_lost = False  # that fault left a GPU unusable for this process (DeviceLostError)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._retired = False
@@ -132,13 +133,16 @@ class EngineWorker:
                 if self.engine.has_work():
                     try:
                         self._step()
+                    except DeviceLostError:
+                        raise  # nothing more can run here: end the thread (below)
                     except Exception as e:  # noqa: BLE001 — the engine isolates request failures; this is not one
                         log.exception("engine step failed on %s; ending its requests", self.name)
                         self._fail_all(e)
                 self.snapshot = self._snapshot()
         except BaseException as e:  # noqa: BLE001 — a bug here must end requests, not hang them
             log.exception("engine worker %s stopped", self.name)
-            self.crashed = f"{type(e).__name__}: {str(e)[:200]}"
+            self.device_lost = isinstance(e, DeviceLostError)
+            self.crashed = str(e)[:400] if self.device_lost else f"{type(e).__name__}: {str(e)[:200]}"
             self._fail_all(e)
         finally:
             log.info("engine worker %s exits", self.name)

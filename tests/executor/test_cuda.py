@@ -486,3 +486,58 @@ def test_pinned_staging_never_overwrites_a_copy_in_flight():
     staging.to_device(torch.full((3000,), -1.0), out=into)
     torch.cuda.synchronize()
     assert all(torch.equal(g.cpu(), s) for g, s in zip(got, sent)) and bool((into == -1).all())
+
+
+# Run in a child process: a device-side assert poisons the CUDA context of the process it hits.
+LOSES_THE_GPU = '''
+import sys
+import torch
+from executor.engine import Engine, lost_device
+from executor.errors import DeviceLostError
+from executor.loader import load_model
+from executor.model_config import ModelConfig
+from executor.placement import Placement
+from executor.sampling import StopCriteria
+
+gpu = torch.device("cuda")
+try:
+    torch.empty(1 << 50, dtype=torch.uint8, device=gpu)  # a PiB: out of memory, which is not sticky
+except torch.OutOfMemoryError:
+    pass
+print("after an OOM:", lost_device([gpu]))
+
+cfg = ModelConfig.from_dir(sys.argv[1])
+engine = Engine(load_model(sys.argv[1], Placement.from_split(cfg.num_units, 1), cfg))
+stage = engine.model.stages[1]
+real_forward = stage.forward
+
+def forward(x, batch):
+    if any(s.start + s.count > 5 for s in batch.slices):
+        x.new_zeros(4).index_select(0, torch.tensor([1 << 20], device=x.device))  # a device-side assert
+    return real_forward(x, batch)
+
+stage.forward = forward
+engine.add_request([11, 12, 13], stop=StopCriteria(max_new_tokens=8, ignore_eos=True))
+try:
+    while engine.has_work():
+        engine.step()
+    print("no error")
+except DeviceLostError as e:
+    print("lost:", e)
+'''
+
+
+def test_a_sticky_cuda_error_is_a_lost_device_and_an_oom_is_not(checkpoint, tmp_path):
+    """A real device-side assert in a CUDA stage: the engine's device check after the failed step
+    finds the context unusable and raises DeviceLostError (the daemon then drains and exits for a
+    restart: tests/executor/daemon/test_lifecycle.py), where an out-of-memory left it working."""
+    import subprocess
+    import sys
+
+    path = checkpoint("qwen3", "fp32")
+    script = tmp_path / "loses_the_gpu.py"
+    script.write_text(LOSES_THE_GPU)
+    out = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True, timeout=300)
+    print(out.stdout, out.stderr[-2000:])
+    assert "after an OOM: None" in out.stdout
+    assert "lost: the GPU can run nothing more in this process (cuda:0:" in out.stdout

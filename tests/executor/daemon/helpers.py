@@ -27,8 +27,9 @@ def write_plan(model_dir: Path, split_k: int, out: Path) -> Path:
 class DaemonProcess(daemon_process.DaemonProcess):
     """The daemon as the tests run it: one CPU thread (OpenMP and the CPU stage)."""
 
-    def __init__(self, args: list[str], log_path: Path):
-        super().__init__(["--threads", "1", *args], log_path, START_TIMEOUT_S, {**os.environ, "OMP_NUM_THREADS": "1"})
+    def __init__(self, args: list[str], log_path: Path, program: tuple[str, ...] = ("-m", "executor.cli")):
+        super().__init__(["--threads", "1", *args], log_path, START_TIMEOUT_S, {**os.environ, "OMP_NUM_THREADS": "1"},
+                         program)
 
 
 @contextlib.contextmanager

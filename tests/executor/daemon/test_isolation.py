@@ -4,11 +4,14 @@ server, so that a stage can be made to fail for one request.)"""
 import threading
 
 import grpc
+import pytest
 
 from executor.pb import executor_pb2 as pb
 from executor.server.client import ExecutorClient
 from executor.server.daemon import Daemon
-from executor.server.messages import PlanSource
+from executor.errors import RequestFailedError
+from executor.sampling import SamplingParams, StopCriteria
+from executor.server.messages import GenerateSpec, PlanSource
 from executor.server.serve import start_server
 from tests.executor.daemon.helpers import PAGE_SIZE, collect, wait_until, write_plan
 from tests.executor.helpers import helm_generate, prompt_ids
@@ -106,8 +109,6 @@ def test_a_stopped_engine_is_not_serving_until_a_plan_loads(checkpoint, tmp_path
 def test_a_plan_whose_engine_stops_as_it_starts_is_refused(checkpoint, tmp_path, monkeypatch):
     """The new plan's engine thread starts before the swap; one that has already stopped is not
     swapped in (it would say SERVING and fail every request): the previous plan serves on."""
-    import pytest
-
     from executor.errors import PlanLoadError
     from executor.server.worker import EngineWorker
 
@@ -131,6 +132,91 @@ def test_a_plan_whose_engine_stops_as_it_starts_is_refused(checkpoint, tmp_path,
         with pytest.raises(PlanLoadError, match="engine stopped as it started .*simulated fault"):
             daemon.load_plan(PlanSource(yaml=plan))
         assert daemon._serving is serving and daemon.state == "serving" and serving.worker.alive
+    finally:
+        daemon.drain(5)
+        daemon.close()
+
+
+def lose_the_gpu_on(stage, request_prefix: str, monkeypatch):
+    """The stage fails every step that carries a `request_prefix` request, and the device check
+    after a failed step says the GPU is gone (on the CPU, as a sticky CUDA error would on a GPU:
+    tests/executor/test_cuda.py provokes a real one)."""
+    real_forward = stage.forward
+
+    def forward(x, batch):
+        if any(str(s.seq_id).startswith(f"{request_prefix}#") for s in batch.slices):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")
+        return real_forward(x, batch)
+
+    monkeypatch.setattr(stage, "forward", forward)
+    monkeypatch.setattr("executor.engine.lost_device",
+                        lambda devices: "cuda:0: AcceleratorError: CUDA error: an illegal memory access (simulated)")
+
+
+def test_a_lost_gpu_stops_the_daemon_serving_for_good(checkpoint, tmp_path, monkeypatch):
+    """A sticky device error fails every request, the batch's innocent ones too (nothing can run),
+    turns health NOT_SERVING, refuses requests and LoadPlan saying to restart, and calls the hook
+    serve exits by. Before, each step failed its requests and the daemon said it served."""
+    from grpc_health.v1 import health_pb2
+
+    model = checkpoint("qwen3", "fp32")
+    plan = write_plan(model, 2, tmp_path / "plan.yaml").read_text()
+    daemon = Daemon(model, max_batch=4, max_queue=4)
+    daemon.load_plan(PlanSource(yaml=plan))
+    worker = daemon._serving.worker
+    lose_the_gpu_on(worker.engine.model.stages[1], "doomed", monkeypatch)
+    lost = threading.Event()
+    daemon.on_device_lost = lost.set
+    server, port = start_server(daemon, "127.0.0.1", 0)
+    try:
+        with ExecutorClient(f"127.0.0.1:{port}") as client:
+            bystander = client.stub.Generate(request(prompt_ids(7, 256, seed=51), 200, "bystander"), timeout=60)
+            next(bystander)  # it runs
+            try:
+                collect(client.stub.Generate(request([11, 12, 13], 8, "doomed"), timeout=60))
+                raise AssertionError("a request ran on a lost GPU")
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.INTERNAL and "illegal memory access" in e.details()
+            try:
+                collect(bystander)
+                raise AssertionError("a request went on after the GPU was lost")
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.INTERNAL and "the GPU can run nothing more" in e.details()
+            assert lost.wait(10) and worker.join(10) and worker.device_lost
+            assert client.health_status() == health_pb2.HealthCheckResponse.NOT_SERVING
+            try:
+                collect(client.stub.Generate(request([1, 2, 3], 4, "after"), timeout=30))
+                raise AssertionError("a request was admitted after the GPU was lost")
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and "the daemon must restart" in e.details()
+            try:
+                client.load_plan(yaml=plan, timeout_s=60)
+                raise AssertionError("a plan was loaded after the GPU was lost")
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.UNAVAILABLE and "restart the daemon" in e.details()
+    finally:
+        daemon.drain(5)
+        server.stop(0).wait(5)
+        daemon.close()
+
+
+def test_a_failed_step_on_a_working_device_does_not_stop_the_daemon(checkpoint, tmp_path, monkeypatch):
+    """The device check runs after any failed step; where it finds the device working (an OOM, a
+    bad request), only the failing request ends."""
+    checked = []
+    model = checkpoint("qwen3", "fp32")
+    daemon = Daemon(model, max_batch=4, max_queue=4)
+    daemon.load_plan(PlanSource(yaml=write_plan(model, 2, tmp_path / "plan.yaml").read_text()))
+    stage = daemon._serving.worker.engine.model.stages[1]
+    lose_the_gpu_on(stage, "poison", monkeypatch)
+    monkeypatch.setattr("executor.engine.lost_device", lambda devices: checked.append(list(devices)))
+    try:
+        spec = GenerateSpec(prompt_text=None, prompt_ids=(5, 6, 7), sampling=SamplingParams(),
+                            stop=StopCriteria(max_new_tokens=3, ignore_eos=True), request_id="poison")
+        with pytest.raises(RequestFailedError, match="illegal memory access"):
+            list(daemon.submit(spec))
+        assert checked and checked[0] == [s.device for s in daemon._serving.worker.engine.model.stages]
+        assert daemon.state == "serving" and daemon.device_lost is None
     finally:
         daemon.drain(5)
         daemon.close()

@@ -116,3 +116,48 @@ def test_second_signal_exits_at_once(plan, tmp_path):
             stream.cancel()
     finally:
         daemon.kill()
+
+
+# helm-executor with a GPU that is lost at a "doomed" request's first step (simulated on the CPU:
+# the stage raises what CUDA raises, and the device check after it finds the device gone).
+LOSES_ITS_GPU = '''
+import sys
+from executor import engine
+from executor.cli import main
+from executor.stage import Stage
+
+real_forward = Stage.forward
+
+def forward(self, x, batch):
+    if any(str(s.seq_id).startswith("doomed#") for s in batch.slices):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")
+    return real_forward(self, x, batch)
+
+Stage.forward = forward
+engine.lost_device = lambda devices: "cuda:0: AcceleratorError: CUDA error: an illegal memory access (simulated)"
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+def test_a_lost_gpu_drains_and_exits_for_a_supervisor_to_restart(plan, tmp_path):
+    """Nothing can run on a GPU after a sticky CUDA error, so the daemon does not sit there saying
+    NOT_SERVING: it fails what it runs, drains and exits EXIT_DEVICE_LOST (systemd's
+    Restart=on-failure, a Kubernetes restart policy), logging why."""
+    from executor.server.serve import EXIT_DEVICE_LOST
+
+    script = tmp_path / "loses_its_gpu.py"
+    script.write_text(LOSES_ITS_GPU)
+    daemon = DaemonProcess(["--plan", str(plan)], tmp_path / "daemon.log", program=(str(script),))
+    try:
+        with ExecutorClient(daemon.addr) as client:
+            client.wait_serving(timeout_s=120)
+            request = pb.GenerateRequest(request_id="doomed", token_ids=pb.TokenIds(ids=[11, 12, 13]),
+                                         stopping=pb.StoppingCriteria(max_new_tokens=4, ignore_eos=True))
+            with pytest.raises(grpc.RpcError) as err:
+                collect(client.stub.Generate(request, timeout=RPC_TIMEOUT_S))
+            assert "the GPU can run nothing more" in err.value.details()
+        assert daemon.wait(60) == EXIT_DEVICE_LOST
+        last = daemon.logs()[-1]
+        assert last["msg"] == "stopped: a GPU was lost, restart the daemon" and "illegal memory" in last["error"]
+    finally:
+        daemon.kill()
