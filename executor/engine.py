@@ -361,6 +361,8 @@ def lost_device(devices) -> str | None:
             with torch.cuda.device(device):
                 torch.cuda.synchronize(device)
                 torch.ones(1, device=device).add_(1).item()
+        except torch.OutOfMemoryError:  # the failed step's tensors may still be held: pressure, not loss
+            continue
         except Exception as e:  # noqa: BLE001 — any failure here is the answer
             first_line = (str(e).strip().splitlines() or [""])[0]
             return f"{device}: {type(e).__name__}: {first_line[:200]}"
