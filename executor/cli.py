@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds requests in flight may take to finish after SIGTERM (then aborted)")
     srv.add_argument("--stall-timeout", type=float, default=30.0, metavar="SECONDS",
                      help="cut off a Generate stream whose client has not read for this long (default 30)")
+    srv.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                     help="compute every prompt in full (default: a prompt that starts as an earlier request of the "
+                          "same caller did reuses its K/V, kept in the plan's KV budget while room allows)")
     sec = srv.add_argument_group("security", "beyond loopback, the daemon needs TLS and --tokens (or --insecure)")
     sec.add_argument("--tokens", metavar="FILE", help="bearer tokens, one 'client TOKEN' or 'admin TOKEN' per line; "
                      "clients may Generate and Info, admins also LoadPlan, GetPlan and GetReport")

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from executor.capture_gate import GATE
 from executor.kv_cache import holding_unlocks
 from executor.rope import inverse_frequencies
 from executor.staging import PinnedStaging
@@ -275,6 +276,7 @@ class ResidentDecode:
         # the warm-up compiled what the capture runs: a compile inside it (Triton's autotuning
         # synchronises) would break the capture, so one fails at once, saying so
         stance = torch.compiler.set_stance("fail_on_recompile") if self.compiled else contextlib.nullcontext()
-        with stance, torch.cuda.graph(graph, pool=self._mempool, stream=self._side, capture_error_mode="thread_local"):
+        with GATE.capture(), stance, \
+                torch.cuda.graph(graph, pool=self._mempool, stream=self._side, capture_error_mode="thread_local"):
             out = self.step(x, index)
         return _Graph(graph, x, index, out)

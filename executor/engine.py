@@ -25,8 +25,10 @@ from typing import Callable
 import torch
 
 from executor.batch import StepBatch
+from executor.capture_gate import GATE
 from executor.errors import DeviceLostError, HelmError, RequestError
 from executor.loader import LoadedModel
+from executor.prefix_cache import Match, PrefixCache
 from executor.sampling import SamplingParams, StopCriteria, make_generator, sample_rows
 from planner.step_shape import MAX_RUNNING_SEQUENCES, MAX_STEP_TOKENS, PREFILL_CHUNK_TOKENS, step_tokens
 
@@ -47,6 +49,9 @@ class Sequence:
     finish_s: float | None = None
     finish_reason: str | None = None  # "stop" | "length" | "context" | "aborted" | "error"
     error: str | None = None  # what went wrong, when finish_reason is "error"
+    scope: bytes = b""  # whose kept prompt prefixes it may reuse (executor/prefix_cache.py)
+    reused: Match = Match()  # the kept prefix it started on
+    reused_tokens: int = 0  # prompt tokens whose K/V it took from that prefix, not computed
 
     @property
     def num_tokens(self) -> int:
@@ -112,7 +117,10 @@ class StepRecord:
 class Engine:
     def __init__(self, model: LoadedModel, eos_token_ids: tuple[int, ...] = (),
                  context_limit: int | None = None, max_step_tokens: int | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK_TOKENS, max_running: int = MAX_RUNNING_SEQUENCES):
+                 prefill_chunk: int = PREFILL_CHUNK_TOKENS, max_running: int = MAX_RUNNING_SEQUENCES,
+                 prefix_cache: bool = True):
+        """prefix_cache: keep ended requests' K/V pages for later prompts that start the same way
+        (executor/prefix_cache.py); only within a plan's KV budget, which bounds what is kept."""
         self.model = model
         self.config = model.config
         self.eos_token_ids = tuple(eos_token_ids or model.config.eos_token_ids)
@@ -140,6 +148,8 @@ class Engine:
                      "batch allows %d), the rest wait", priced, max_running)
             max_running = priced
         self.max_running = max_running
+        kvs = [stage.kv for stage in model.stages if stage.kv is not None]
+        self.prefix = PrefixCache(kvs, self.page_size) if prefix_cache and self.kv_budget_pages and kvs else None
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self._by_id: dict[object, Sequence] = {}
@@ -148,7 +158,9 @@ class Engine:
 
     # -- request lifecycle ----------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
-                    stop: StopCriteria | None = None, request_id=None) -> Sequence:
+                    stop: StopCriteria | None = None, request_id=None, scope: bytes = b"") -> Sequence:
+        """Queue a request. scope: requests reuse kept prompt prefixes of their own scope only
+        (the daemon's: the caller's credential)."""
         sampling = sampling or SamplingParams()
         stop = stop or StopCriteria()
         sampling.validate()
@@ -158,7 +170,8 @@ class Engine:
             request_id = f"req-{next(self._ids)}"
         if request_id in self._by_id:
             raise RequestError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, list(prompt_ids), sampling, stop, make_generator(sampling), time.perf_counter())
+        seq = Sequence(request_id, list(prompt_ids), sampling, stop, make_generator(sampling), time.perf_counter(),
+                       scope=scope)
         self.waiting.append(seq)
         self._by_id[request_id] = seq
         return seq
@@ -182,14 +195,16 @@ class Engine:
 
     @property
     def kv_pages_reserved(self) -> int:
-        return sum(self._kv_pages.values())
+        """Pages held for started sequences: each one's own, and the kept pages they share, once."""
+        return sum(self._kv_pages.values()) + (self.prefix.pages_in_use() if self.prefix else 0)
 
     def abort(self, request_id) -> bool:
         """Stop a request now and free its KV pages. False if it was not active."""
         seq = self._by_id.get(request_id)
         if seq is None:
             return False
-        self._finish(seq, "aborted")
+        with GATE.step():  # its pages are freed (a device synchronise)
+            self._finish(seq, "aborted")
         return True
 
     def has_work(self) -> bool:
@@ -203,6 +218,10 @@ class Engine:
         positions again is harmless), so a failure caused by one request ends only that request
         (finish_reason "error") and the others carry on.
         """
+        with GATE.step():  # no CUDA graph capture (a plan loading beside this one) while it runs
+            return self._step()
+
+    def _step(self) -> list[TokenEvent]:
         scheduled = self._schedule()
         if not scheduled:
             return []
@@ -276,11 +295,19 @@ class Engine:
         return schedule
 
     def _reserve_kv(self, seq: Sequence) -> bool:
-        """Hold the pages `seq` may grow to, if the plan's budget has them free."""
-        need = self._pages_needed(len(seq.prompt_ids), seq.stop)
-        if self.kv_budget_pages is not None and self.kv_pages_reserved + need > self.kv_budget_pages:
+        """Hold the pages `seq` may grow to, if the plan's budget has them free, and start it on
+        the longest kept prefix of its prompt (pages it shares are counted once, not per sharer)."""
+        match = self.prefix.match(seq.prompt_ids, seq.scope) if self.prefix else Match()
+        need = self._pages_needed(len(seq.prompt_ids), seq.stop) - len(match.full)
+        shared_anew = sum(1 for entry in match.full if not entry.users)
+        if self.kv_budget_pages is not None and \
+                self.kv_pages_reserved + shared_anew + need > self.kv_budget_pages:
             return False
         self._kv_pages[seq.request_id] = need
+        if match.full or match.tail:
+            self.prefix.start(seq.request_id, match)
+            seq.reused = match
+            seq.num_computed = seq.reused_tokens = match.tokens(self.page_size)
         return True
 
     def _run_stages(self, ids: torch.Tensor, batch: StepBatch) -> torch.Tensor:
@@ -337,7 +364,10 @@ class Engine:
             if seq in queue:
                 queue.remove(seq)
         self._by_id.pop(seq.request_id, None)
-        self._kv_pages.pop(seq.request_id, None)
+        started = self._kv_pages.pop(seq.request_id, None) is not None
+        if started and self.prefix is not None:
+            written = [seq.token(i) for i in range(seq.num_computed)] if reason != "error" else None
+            self.prefix.finish(seq.request_id, written, seq.reused, seq.scope)
         self.model.free_sequence(seq.request_id)
 
     # -- convenience ----------------------------------------------------------------------
@@ -357,6 +387,8 @@ def lost_device(devices) -> str | None:
     for device in dict.fromkeys(devices):
         if device.type != "cuda":
             continue
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         try:
             with torch.cuda.device(device):
                 torch.cuda.synchronize(device)

@@ -186,6 +186,8 @@ def unlock(tensors: list[torch.Tensor]) -> None:
     except Exception:  # interpreter shutdown, or no CUDA here
         capturing = False
     fresh: list[torch.Tensor] = []  # made before the swap: an allocation there could run a finalizer
+    # Held to the end: a capture (holding_unlocks takes this lock) must not begin between the
+    # check and the synchronise.
     with _unlock_lock:
         if capturing or _captures:
             _unlock_later.extend(tensors)
@@ -193,33 +195,34 @@ def unlock(tensors: list[torch.Tensor]) -> None:
             return
         # one swap, allocating nothing: a finalizer run meanwhile appends to one list or the other
         pending, _unlock_later = _unlock_later, fresh
-    tensors.extend(pending)
-    if not tensors:
-        return
-    try:
-        torch.cuda.synchronize()
-    except Exception:  # interpreter shutdown, or no CUDA here
-        pass
-    for t in tensors:
-        if t.numel():
-            try:
-                err = torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
-            except Exception:  # interpreter shutdown: the driver is gone, and so is the memory's pinning
-                continue
-            if int(err) != 0:  # left pending, the next kernel launch would report it as its own
-                _clear_cuda_error()
-                log.warning("cudaHostUnregister of a %d-byte KV page failed (error %d)",
-                            t.numel() * t.element_size(), int(err))
-    tensors.clear()
+        tensors.extend(pending)
+        if not tensors:
+            return
+        try:
+            torch.cuda.synchronize()
+        except Exception:  # interpreter shutdown, or no CUDA here
+            pass
+        for t in tensors:
+            if t.numel():
+                try:
+                    err = torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+                except Exception:  # interpreter shutdown: the driver is gone, and so is the memory's pinning
+                    continue
+                if int(err) != 0:  # left pending, the next kernel launch would report it as its own
+                    _clear_cuda_error()
+                    log.warning("cudaHostUnregister of a %d-byte KV page failed (error %d)",
+                                t.numel() * t.element_size(), int(err))
+        tensors.clear()
 
 
-@dataclass
+@dataclass(eq=False)
 class Page:
     data: torch.Tensor  # [num_layers, 2, H_kv, page_size, D]
     on_device: bool
     serial: int  # allocation order: lower is older
     num_tokens: int = 0
     slot: int | None = None  # its slot in the device pool's slab (None: on the host, or no slab)
+    refs: int = 1  # its holders: sequences, and the prefix cache (`retain`); released at 0
 
 
 @dataclass
@@ -236,6 +239,7 @@ class KVStats:
     host_pages_used: int
     evictions: int
     sequences: int
+    cached_pages: int = 0  # of those used, pages only the prefix cache holds (given up when a pool needs room)
 
 
 class KVCache:
@@ -258,6 +262,10 @@ class KVCache:
         self.host_pool = PagePool(torch.device("cpu"), shape, dtype, host_pages, pin_memory=True) \
             if device_pages is not None and host_pages != 0 else None
         self._seqs: dict[object, SequencePages] = {}
+        self._retained: dict[int, Page] = {}  # pages the prefix cache holds, by id
+        # Called when both pools are full: drops a prefix-cache entry no sequence uses (freeing a
+        # page here), True if it did (executor/prefix_cache.py sets it).
+        self.reclaim = lambda: False
         self._serial = itertools.count()
         self.evictions = 0
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -275,15 +283,62 @@ class KVCache:
             seq.table = None
 
     def free(self, seq_id) -> None:
-        """Return every page of a finished or cancelled sequence at once."""
-        seq = self._seqs.pop(seq_id, None)
-        if seq is None:
-            return
-        if self._copy_stream is not None:
+        """Let go of every page of a finished or cancelled sequence at once (a page the prefix
+        cache or another sequence still holds stays)."""
+        seq = self._seqs.get(seq_id)
+        if seq is not None:
+            self._unref(seq.pages)  # first: a synchronise that raises leaves the sequence whole
+            del self._seqs[seq_id]
+
+    def _unref(self, pages: list[Page]) -> None:
+        done = [page for page in pages if page.refs == 1]
+        if done and self._copy_stream is not None:
             # Pinned host pages go back to the free list: no async copy may still read them.
             torch.cuda.synchronize(self.device)
-        for page in seq.pages:
+        for page in pages:
+            page.refs -= 1
+        for page in done:
             (self.device_pool if page.on_device else self.host_pool).release(page.data)
+
+    # -- sharing (executor/prefix_cache.py) -----------------------------------------------
+    def pages_of(self, seq_id) -> list[Page]:
+        return list(self._seqs[seq_id].pages)
+
+    def retain(self, page: Page) -> None:
+        """The prefix cache holds `page` (full or not, no longer written) beyond its sequence."""
+        page.refs += 1
+        self._retained[id(page)] = page
+
+    def drop(self, page: Page) -> None:
+        """The prefix cache lets go of `page`."""
+        del self._retained[id(page)]
+        self._unref([page])
+
+    def adopt(self, seq_id, pages: list[Page]) -> None:
+        """Start a sequence on full pages it shares (read only: its own writes come after them)."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} already has pages")
+        for page in pages:
+            page.refs += 1
+        self._seqs[seq_id] = SequencePages(list(pages), len(pages) * self.page_size)
+
+    def copy_tokens(self, seq_id, src: Page, n: int) -> None:
+        """Append the K/V of `src`'s first n tokens to the sequence (which ends on a page boundary):
+        a prefix that ends inside a cached page is copied, never shared, since the sequence goes on
+        writing that page."""
+        seq = self._seqs[seq_id]
+        start = seq.length
+        if start % self.page_size or not 0 < n <= src.num_tokens:
+            raise ValueError(f"cannot copy {n} tokens of a {src.num_tokens}-token page to position {start}")
+        self.reserve(seq_id, start + n)  # may evict `src` to the host
+        dst = seq.pages[-1]
+        if self._copy_stream is not None and not (src.on_device and dst.on_device):
+            # A strided copy from or to a host page goes through the host: the page must be as
+            # the streams left it (an eviction's copy into it, a prompt chunk's writes).
+            self._copy_stream.synchronize()
+            torch.cuda.current_stream(self.device).synchronize()
+        dst.data[:, :, :, :n].copy_(src.data[:, :, :, :n], non_blocking=src.on_device and dst.on_device)
+        self.mark_written(seq_id, start, n)
 
     def sequences(self) -> list:
         return list(self._seqs)
@@ -331,6 +386,8 @@ class KVCache:
         seq = self._seqs[seq_id]
         for i in range(start // self.page_size, -(-(start + n) // self.page_size)):
             page = seq.pages[i]
+            if page.refs > 1:  # shared pages are read only: their other holders read what they hold
+                raise RuntimeError(f"K/V written into a shared page (sequence {seq_id!r}, page {i})")
             page.num_tokens = max(page.num_tokens, min(self.page_size, start + n - i * self.page_size))
         seq.length = max(seq.length, start + n)
 
@@ -406,6 +463,16 @@ class KVCache:
 
     # -- placement policy -----------------------------------------------------------------
     def _new_page(self) -> Page:
+        while True:
+            page = self._try_new_page()
+            if page is not None:
+                return page
+            if not self.reclaim():  # pages the prefix cache holds for no one give way first
+                raise MemoryError(f"out of KV pages: the device pool holds {self.device_pool.used_pages} and the "
+                                  f"host pool {self.host_pool.used_pages if self.host_pool else 0} (the plan's "
+                                  "budget)")
+
+    def _try_new_page(self) -> Page | None:
         buf = self.device_pool.allocate()
         if buf is None and self._evict_oldest():
             buf = self.device_pool.allocate()
@@ -414,21 +481,19 @@ class KVCache:
             return Page(buf, on_device=True, serial=next(self._serial), slot=slot)
         # Device full of partial pages: the new page lives on the host from the start.
         host = self.host_pool.allocate() if self.host_pool is not None else None
-        if host is None:
-            raise MemoryError(f"out of KV pages: the device pool holds {self.device_pool.used_pages} and the host "
-                              f"pool {self.host_pool.used_pages if self.host_pool else 0} (the plan's budget)")
-        return Page(host, on_device=False, serial=next(self._serial))
+        return Page(host, on_device=False, serial=next(self._serial)) if host is not None else None
 
     def _evict_oldest(self) -> bool:
+        """Move a full device page to the host: one only the prefix cache holds where there is one
+        (no step reads it), else the oldest."""
         if self.host_pool is None or self.host_pool.full:
             return False
-        candidates = [
-            p for seq in self._seqs.values() for p in seq.pages
-            if p.on_device and p.num_tokens == self.page_size
-        ]
+        held = {id(p): p for seq in self._seqs.values() for p in seq.pages}
+        candidates = [p for p in (*held.values(), *self._retained.values())
+                      if p.on_device and p.num_tokens == self.page_size]
         if not candidates:
             return False
-        page = min(candidates, key=lambda p: p.serial)
+        page = min(candidates, key=lambda p: (id(p) in held, p.serial))
         for seq in self._seqs.values():  # the page's buffer moves: page tables are stale
             seq.table = None
         host = self.host_pool.allocate()
@@ -458,4 +523,5 @@ class KVCache:
             host_pages_used=self.host_pool.used_pages if self.host_pool else 0,
             evictions=self.evictions,
             sequences=len(self._seqs),
+            cached_pages=sum(1 for p in self._retained.values() if p.refs == 1),
         )

@@ -170,7 +170,7 @@ def run_helm(model_dir: Path, plan, config: ModelConfig, ids: list[int], new_tok
     model = load_model(model_dir, placement, config, **({"backend": "torch", "kv_slab": True} if smoke else {}))
     load_s = time.perf_counter() - t0
     after_load = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
-    engine = Engine(model, eos_token_ids=())
+    engine = Engine(model, eos_token_ids=(), prefix_cache=False)  # each request computes its whole prompt
     _request(engine, None, ids, 2)  # warm-up: the request's prompt chunks and a decode step
     recorder = Recorder(plan, "bench", config.architecture, kernel_isa(model))
     recorded = _request(engine, recorder, ids, new_tokens)

@@ -51,7 +51,7 @@ def host_step_ms(model_dir: Path, steps: int) -> list[dict]:
     gpu.fused.graphs = False                    # on CUDA: the step itself, not its captured graph,
     gpu.fused.step = lambda x, index: x         # whose device work is gone
     gpu.head.lm_head = lambda x: logits.expand(x.shape[0], -1)            # and the output projection's
-    engine = Engine(model, eos_token_ids=())
+    engine = Engine(model, eos_token_ids=(), prefix_cache=False)  # every request prefills its prompt
     rows = []
     for name, params in SETTINGS.items():
         for recorded in (False, True):

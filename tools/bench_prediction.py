@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
           f"DRAM {machine.cpu.dram_read_gibps:g} GiB/s", file=sys.stderr)
 
     rng = random.Random(args.seed)
-    daemon = DaemonProcess(["--plan", str(v1_path), "--model", str(model), "--host", "127.0.0.1",
+    # every pass sends the same prompts: each must prefill in full, as the plan's TTFT prices it
+    daemon = DaemonProcess(["--plan", str(v1_path), "--model", str(model), "--host", "127.0.0.1", "--no-prefix-cache",
                             *(["--threads", str(args.threads)] if args.threads else [])], out / "daemon.log",
                            START_TIMEOUT_S)
     try:

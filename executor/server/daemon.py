@@ -66,7 +66,8 @@ class _Serving:
 
 class Daemon:
     def __init__(self, model_dir: str | Path, max_batch: int = MAX_RUNNING_SEQUENCES, max_queue: int = 64,
-                 backend: str = "auto", threads: int | None = None, plan_dir: str | Path | None = None):
+                 backend: str = "auto", threads: int | None = None, plan_dir: str | Path | None = None,
+                 prefix_cache: bool = True):
 
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")
@@ -75,6 +76,7 @@ class Daemon:
         self.tokenizer = Tokenizer(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None
         self.max_batch, self.max_queue, self.backend = max_batch, max_queue, backend
         self.threads = threads  # CPU-stage threads for every plan; None: each plan's profiled cores
+        self.prefix_cache = prefix_cache  # keep ended requests' K/V for prompts that start the same way
         self.plan_dir = Path(plan_dir) if plan_dir is not None else None  # LoadPlan paths; None: inline only
         if self.plan_dir is not None and not self.plan_dir.is_dir():
             raise ValueError(f"--plan-dir {plan_dir}: not a directory")
@@ -119,7 +121,7 @@ class Daemon:
         failure = None
         try:
             model = load_model(self.model_dir, placement, self.config, backend=self.backend)
-            engine = Engine(model, max_running=self.max_batch)
+            engine = Engine(model, max_running=self.max_batch, prefix_cache=self.prefix_cache)
             t1 = time.perf_counter()
             self._warm_up(engine)
         except HelmError:
@@ -209,6 +211,8 @@ class Daemon:
                                                                          ignore_eos=True))
         if seq.finish_reason == "error":  # the engine isolates a request's failure; here it fails the plan
             raise RuntimeError(seq.error)
+        if engine.prefix is not None:
+            engine.prefix.clear()  # its pages are nobody's prompt
 
     def plan(self) -> tuple[PlanSummary, str]:
         serving = self._require_plan()
@@ -247,7 +251,7 @@ class Daemon:
                   extra={"fields": {"worker": worker.name, "error": worker.crashed}})
 
     # -- requests -------------------------------------------------------------------------
-    def submit(self, spec: GenerateSpec) -> "RequestHandle":
+    def submit(self, spec: GenerateSpec, scope: bytes = b"") -> "RequestHandle":
         """Admit a request; iterate the handle for its events. Raises before admitting when the
         request is invalid, no plan is loaded, the queue is full or the daemon is draining.
 
@@ -277,7 +281,7 @@ class Daemon:
             if request_id in self._client_ids:
                 raise RequestError(f"request_id {request_id!r} is already in flight")
             key = f"{request_id}#{next(self._keys)}"  # the engine's id: unique even when a client reuses one
-            events = serving.worker.submit(Submission(key, prompt, spec.sampling, spec.stop))
+            events = serving.worker.submit(Submission(key, prompt, spec.sampling, spec.stop, scope))
             self._active[key] = serving.worker
             self._client_ids[request_id] = key
         return RequestHandle(self, serving, request_id, key, spec, len(prompt), events)
@@ -463,6 +467,7 @@ class RequestHandle:
                 result = GenerationResult(
                     finish_reason="stop_string" if stopped else event.reason, stop_string=text.stopped_by or "",
                     prompt_tokens=self._prompt_tokens, completion_tokens=count,
+                    cached_prompt_tokens=event.reused_tokens,
                     trailing_text="" if stopped else text.finish(),
                     ttft_s=(first_s - self._arrival_s) if first_s is not None else 0.0,
                     decode_tokens_per_s=(count - 1) / (last_s - first_s) if count > 1 and last_s > first_s else 0.0,
@@ -470,8 +475,8 @@ class RequestHandle:
                     stages=timing.result(self._serving.stages), plan=self._serving.summary)
                 log.info("request finished", extra={"fields": {
                     "request_id": self.request_id, "finish_reason": result.finish_reason,
-                    "prompt_tokens": self._prompt_tokens, "completion_tokens": count,
-                    "ttft_ms": round(result.ttft_s * 1e3, 3),
+                    "prompt_tokens": self._prompt_tokens, "cached_prompt_tokens": event.reused_tokens,
+                    "completion_tokens": count, "ttft_ms": round(result.ttft_s * 1e3, 3),
                     "decode_tokens_per_s": round(result.decode_tokens_per_s, 2)}})
                 yield result
                 return

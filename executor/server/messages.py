@@ -126,6 +126,7 @@ class GenerationResult:
     stop_string: str
     prompt_tokens: int
     completion_tokens: int
+    cached_prompt_tokens: int  # of prompt_tokens: K/V reused from an earlier request's, not computed
     trailing_text: str
     ttft_s: float
     decode_tokens_per_s: float
@@ -137,13 +138,13 @@ class GenerationResult:
         return pb.GenerateResponse(request_id=request_id, result=pb.GenerationResult(
             finish_reason=finish_reason_pb(self.finish_reason, pb), stop_string=self.stop_string,
             prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-            trailing_text=self.trailing_text, ttft_ns=_ns(self.ttft_s), decode_tokens_per_s=self.decode_tokens_per_s,
+            cached_prompt_tokens=self.cached_prompt_tokens, trailing_text=self.trailing_text, ttft_ns=_ns(self.ttft_s), decode_tokens_per_s=self.decode_tokens_per_s,
             total_ns=_ns(self.total_s), stages=[s.to_pb(pb) for s in self.stages], plan=self.plan.to_pb(pb)))
 
     @classmethod
     def from_pb(cls, msg, pb) -> "GenerationResult":
         return cls(finish_reason_name(msg.finish_reason, pb), msg.stop_string, msg.prompt_tokens,
-                   msg.completion_tokens, msg.trailing_text, msg.ttft_ns / 1e9, msg.decode_tokens_per_s,
+                   msg.completion_tokens, msg.cached_prompt_tokens, msg.trailing_text, msg.ttft_ns / 1e9, msg.decode_tokens_per_s,
                    msg.total_ns / 1e9, tuple(StageTiming.from_pb(s, pb) for s in msg.stages),
                    PlanSummary.from_pb(msg.plan))
 
@@ -168,7 +169,7 @@ class StageInfo:
             kv = self.kv
             msg.kv.CopyFrom(pb.KVPages(page_size_tokens=self.page_size_tokens, device_pages_used=kv.device_pages_used,
                                        host_pages_used=kv.host_pages_used, evictions=kv.evictions,
-                                       sequences=kv.sequences))
+                                       sequences=kv.sequences, cached_pages=kv.cached_pages))
             if kv.device_pages_capacity is not None:
                 msg.kv.device_pages_capacity = kv.device_pages_capacity
                 msg.kv.device_pages_free = max(0, kv.device_pages_capacity - kv.device_pages_used)

@@ -2,6 +2,7 @@
 
     helm_requests_total{outcome,code}                 Generate calls by how they ended
     helm_ttft_seconds, helm_decode_tokens_per_second  per finished request (histograms)
+    helm_prompt_tokens_total{kv}                      finished requests' prompt tokens: computed / reused
     helm_stage_step_seconds{stage,device,phase}       measured time of each stage per engine step
     helm_stage_predicted_step_seconds{...}            the plan's prediction for the same steps
     helm_queue_requests{state}                        waiting / running / in flight (all plans)
@@ -31,6 +32,8 @@ class DaemonMetrics:
                                 ("outcome", "code"), registry=self.registry)
         self.ttft = Histogram("helm_ttft_seconds", "Time from accepting a request to its first token",
                               buckets=TTFT_BUCKETS_S, registry=self.registry)
+        self.prompt_tokens = Counter("helm_prompt_tokens", "Prompt tokens of finished requests, by whether their "
+                                     "K/V were computed or reused from a kept prefix", ("kv",), registry=self.registry)
         self.decode_rate = Histogram("helm_decode_tokens_per_second", "Decode rate of a finished request "
                                      "(tokens after the first)", buckets=RATE_BUCKETS, registry=self.registry)
         labels = ("stage", "device", "phase")
@@ -48,8 +51,10 @@ class DaemonMetrics:
             self.predicted.labels(str(i), device, phase).observe(predicted / 1e3)
 
     def request_finished(self, finish_reason: str, ttft_s: float, decode_tokens_per_s: float,
-                         completion_tokens: int) -> None:
+                         completion_tokens: int, prompt_tokens: int = 0, cached_prompt_tokens: int = 0) -> None:
         self.requests.labels(finish_reason, "OK").inc()
+        self.prompt_tokens.labels("computed").inc(prompt_tokens - cached_prompt_tokens)
+        self.prompt_tokens.labels("reused").inc(cached_prompt_tokens)
         if completion_tokens:
             self.ttft.observe(ttft_s)
         if completion_tokens > 1:

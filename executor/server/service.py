@@ -8,6 +8,7 @@ streams are watched for clients that stopped reading (`StallWatch`) and counted 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import threading
 import time
@@ -19,6 +20,7 @@ from executor.errors import (ConfigError, DeviceLostError, HelmError, LoadInProg
                              WeightsError)
 from executor.pb import executor_pb2 as pb
 from executor.pb import executor_pb2_grpc as pb_grpc
+from executor.server.auth import bearer_token
 from executor.server.daemon import Daemon
 from executor.server.messages import GenerateSpec, PlanSource, finish_reason_name
 from executor.server.metrics import DaemonMetrics
@@ -74,6 +76,16 @@ def _unary(method):
     return wrapper
 
 
+def caller_scope(context) -> bytes:
+    """Who is calling, as far as the daemon can tell (a digest of its bearer token, else its client
+    certificate's identities under mutual TLS; b"" for everyone on an open daemon). Requests reuse
+    kept prompt prefixes of their own scope only: a shorter TTFT would tell one caller that
+    another sent the same prompt."""
+    token = bearer_token(context.invocation_metadata())
+    identity = token.encode() if token else b"\0".join(context.peer_identities() or ())
+    return hashlib.blake2b(identity, digest_size=16, person=b"helm-scope").digest() if identity else b""
+
+
 def _past_deadline(context) -> bool:
     remaining = context.time_remaining()
     return remaining is not None and remaining <= 0
@@ -94,7 +106,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                     outcome = finish_reason_name(r.finish_reason, pb)
                     if self.metrics:
                         self.metrics.request_finished(outcome, r.ttft_ns / 1e9, r.decode_tokens_per_s,
-                                                      r.completion_tokens)
+                                                      r.completion_tokens, r.prompt_tokens, r.cached_prompt_tokens)
                 yield message
         except GeneratorExit:  # gRPC stopped pulling: the client left or was cut off
             if self.metrics and outcome == "error":
@@ -107,7 +119,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             _abort(context, "Generate", e)
 
     def _generate(self, request, context):
-        handle = self.daemon.submit(GenerateSpec.from_pb(request))
+        handle = self.daemon.submit(GenerateSpec.from_pb(request), caller_scope(context))
         sending = self.stalls.watch(context, handle.request_id)
 
         def on_end():  # the RPC is over: a no-op if the request ended; else the client went away

@@ -32,6 +32,7 @@ class Submission:
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams
     stop: StopCriteria
+    scope: bytes = b""  # whose kept prompt prefixes it may reuse (the caller's credential)
 
 
 # -- what a request's queue receives: Accepted or Rejected, then Produced..., then Ended ----------
@@ -58,6 +59,7 @@ class Ended:
     reason: str  # stop | length | context | aborted | error
     error: str | None
     time_s: float
+    reused_tokens: int = 0  # prompt tokens whose K/V came from an earlier request's kept prefix
 
 
 @dataclass(frozen=True)
@@ -179,7 +181,8 @@ class EngineWorker:
         if kind == "submit":
             _, sub, events = command
             try:
-                seq = self.engine.add_request(list(sub.prompt_ids), sub.sampling, sub.stop, sub.request_id)
+                seq = self.engine.add_request(list(sub.prompt_ids), sub.sampling, sub.stop, sub.request_id,
+                                              sub.scope)
             except HelmError as e:
                 events.put(Rejected(e))
                 self._on_end(sub.request_id)
@@ -194,7 +197,7 @@ class EngineWorker:
             stream = self._streams.pop(command[1], None)
             if stream is not None:
                 self.engine.abort(command[1])
-                stream.events.put(Ended("aborted", None, time.perf_counter()))
+                stream.events.put(Ended("aborted", None, time.perf_counter(), stream.sequence.reused_tokens))
                 self._on_end(command[1])
         elif kind == "retire":
             self._retired = True
@@ -213,7 +216,7 @@ class EngineWorker:
                 stream.produced += 1
             if event.finished:
                 error = stream.sequence.error if event.finish_reason == "error" else None
-                stream.events.put(Ended(event.finish_reason, error, now))
+                stream.events.put(Ended(event.finish_reason, error, now, stream.sequence.reused_tokens))
                 del self._streams[event.request_id]
                 self._on_end(event.request_id)
 

@@ -36,6 +36,25 @@ def helm_generate(path, prompts, split=None, sampling=None, max_new_tokens=32, p
     return [s.output_ids for s in seqs], model
 
 
+def budget_engine(path, sequences, context, split=2, device_kv_pages=None, page_size=4, backend="auto", **kw):
+    """An engine whose placement carries a plan's KV budget (what plan_io.placement_for sets):
+    `sequences` of `context` tokens."""
+    from dataclasses import replace
+
+    cfg = ModelConfig.from_dir(path)
+    placement = replace(Placement.from_split(cfg.num_units, split, page_size_tokens=page_size,
+                                             device_kv_pages=device_kv_pages),
+                        kv_sequences=sequences, context_tokens=context)
+    placement.validate()
+    return Engine(load_model(path, placement, cfg, backend=backend), eos_token_ids=(), **kw)
+
+
+def pages_in_use(engine):
+    """Pages sequences hold (pages only the prefix cache keeps give way when a pool needs room)."""
+    stats = [s.kv.stats() for s in engine.model.stages if s.kv]
+    return sum(st.device_pages_used + st.host_pages_used - st.cached_pages for st in stats)
+
+
 def hf_model(path, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 

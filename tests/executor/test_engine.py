@@ -7,17 +7,13 @@ from executor.loader import load_model
 from executor.model_config import ModelConfig
 from executor.placement import Placement
 from executor.sampling import SamplingParams, StopCriteria
-from tests.executor.helpers import helm_generate, prompt_ids
+from tests.executor.helpers import budget_engine, helm_generate, pages_in_use, prompt_ids
 
 
 def engine_for(path, split=2, device_kv_pages=None, page_size=4, **kw):
     cfg = ModelConfig.from_dir(path)
     placement = Placement.from_split(cfg.num_units, split, page_size_tokens=page_size, device_kv_pages=device_kv_pages)
     return Engine(load_model(path, placement, cfg), **kw)
-
-
-def pages_in_use(engine):
-    return sum(s.kv.stats().device_pages_used + s.kv.stats().host_pages_used for s in engine.model.stages if s.kv)
 
 
 @pytest.fixture
@@ -183,19 +179,6 @@ def test_a_failing_request_ends_alone(path, monkeypatch):
     alone, _ = helm_generate(path, [good.prompt_ids], split=2, max_new_tokens=6, page_size=4)
     assert good.output_ids == alone[0]
     assert pages_in_use(eng) == 0
-
-
-def budget_engine(path, sequences, context, split=2, device_kv_pages=None, page_size=4, **kw):
-    """An engine whose placement carries a plan's KV budget (what plan_io.placement_for sets):
-    `sequences` of `context` tokens."""
-    from dataclasses import replace
-
-    cfg = ModelConfig.from_dir(path)
-    placement = replace(Placement.from_split(cfg.num_units, split, page_size_tokens=page_size,
-                                             device_kv_pages=device_kv_pages),
-                        kv_sequences=sequences, context_tokens=context)
-    placement.validate()
-    return Engine(load_model(path, placement, cfg), eos_token_ids=(), **kw)
 
 
 def test_admission_follows_the_plans_kv_budget(path):

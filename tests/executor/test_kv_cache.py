@@ -207,3 +207,24 @@ def test_a_failed_unregister_clears_the_runtime_error_and_says_so(monkeypatch, c
     with caplog.at_level("WARNING"):
         kv_cache.unlock(held)
     assert cleared == [1] and held == [] and "cudaHostUnregister of a 16-byte KV page failed" in caplog.text
+
+
+def test_a_free_whose_synchronise_fails_keeps_the_sequence_and_its_pages(monkeypatch):
+    """On CUDA `free` synchronises before pinned pages go back to the free list; where that raises
+    (a capture beside it, a lost device) the sequence keeps its pages, which a later free can
+    return, instead of pages counted as used that no sequence holds."""
+    kv = KVCache(2, 2, 4, torch.float32, torch.device("cpu"), page_size=4, device_pages=4)
+    kv.reserve("a", 6)
+    kv._copy_stream = object()  # as on CUDA
+
+    def synchronize(device=None):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    with pytest.raises(RuntimeError, match="capturing"):
+        kv.free("a")
+    assert kv.sequences() == ["a"] and kv.device_pool.used_pages == 2
+    monkeypatch.undo()
+    kv._copy_stream = None
+    kv.free("a")
+    assert kv.sequences() == [] and kv.device_pool.used_pages == 0

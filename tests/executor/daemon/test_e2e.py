@@ -50,8 +50,10 @@ def offline(model, prompt, max_new_tokens, split=2, sampling=None):
 
 
 def kv_in_use(client):
+    """Pages requests hold, and requests holding pages (kept prompt prefixes aside: no request holds them)."""
     info = client.info()
-    return sum(s.kv.device_pages_used + s.kv.host_pages_used + s.kv.sequences for s in info.stages if s.HasField("kv"))
+    return sum(s.kv.device_pages_used + s.kv.host_pages_used - s.kv.cached_pages + s.kv.sequences
+               for s in info.stages if s.HasField("kv"))
 
 
 def test_health_reflection_and_info(client, model, plans):

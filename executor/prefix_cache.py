@@ -1,0 +1,186 @@
+"""Prompt prefix reuse: the K/V pages of ended requests, kept for later requests that start with
+the same tokens.
+
+A chat's next turn resends the whole conversation, and a shared system prompt starts every
+request; on a CPU stage a prompt's prefill is seconds per thousand tokens, while reusing its K/V
+costs nothing (a shared page) or a page copy. When a request ends, its pages stay in the stages'
+KV pools, indexed here; a new request starts on the longest run of them its prompt begins with:
+
+- full pages are shared (the new sequence only writes past them), each keyed by a chain digest
+  of every token through it and of the request's `scope` (the daemon's caller, so one caller's
+  prompts are never another's to probe through their speed);
+- where the match goes on inside a page, its matching tokens' K/V are copied into the new
+  sequence's own page (it goes on writing that page).
+
+At least the prompt's last token is always computed, for the logits of the first new token.
+
+Kept pages cost nothing the plan did not reserve: they live in the plan's KV budget, and one no
+running sequence uses gives way (least recently used, leaves of the prefix tree first) whenever a
+pool needs its page. The engine's ledger counts a page shared by running sequences once.
+K/V computed in another batch can differ in the last bits (bf16), so a greedy token at a near tie
+may differ from a run that computed the prefix itself, as with any batch composition.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+from array import array
+from dataclasses import dataclass, field
+
+from executor.kv_cache import KVCache, Page
+
+
+@dataclass(eq=False)
+class Entry:
+    """One kept page (a Page per stage) of a prefix: a full page (shared), or the partial page a
+    prefix ends in (copied)."""
+    key: bytes | None  # the chain digest through this page; None: a partial page
+    scope: bytes
+    parent: "Entry | None"
+    tokens: tuple[int, ...]
+    pages: tuple[Page, ...]  # one per stage with KV, in stage order
+    users: int = 0  # running sequences sharing it (or copying from it, for the moment of the copy)
+    children: list["Entry"] = field(default_factory=list)  # the pages that follow it in kept prefixes
+    last_used: int = 0
+
+
+@dataclass(frozen=True)
+class Match:
+    """What a prompt reuses: shared full pages, then `tail_tokens` tokens copied from `tail`."""
+    full: tuple[Entry, ...] = ()
+    tail: Entry | None = None
+    tail_tokens: int = 0
+
+    def tokens(self, page_size: int) -> int:
+        return len(self.full) * page_size + self.tail_tokens
+
+
+def chain_key(parent: bytes, tokens, scope: bytes) -> bytes:
+    """A digest of every token of a prefix through this page, and of its scope."""
+    h = hashlib.blake2b(digest_size=16)
+    for part in (hashlib.blake2b(scope, digest_size=16).digest(), parent, array("q", tokens).tobytes()):
+        h.update(part)
+    return h.digest()
+
+
+def _common(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class PrefixCache:
+    def __init__(self, kvs: list[KVCache], page_size: int):
+        self.kvs = kvs
+        self.page_size = page_size
+        self._full: dict[bytes, Entry] = {}
+        self._roots: dict[bytes, list[Entry]] = {}  # each scope's entries for a prompt's first page
+        self._clock = itertools.count(1)
+        self.hit_tokens = 0  # prompt tokens whose K/V were reused, since the engine started
+        for kv in kvs:
+            kv.reclaim = self.reclaim
+
+    # -- a new request --------------------------------------------------------------------
+    def match(self, prompt: list[int], scope: bytes = b"") -> Match:
+        """The longest kept prefix of `prompt` short of its last token."""
+        limit, P = len(prompt) - 1, self.page_size
+        full, key, following = [], b"", self._roots.get(scope, [])
+        while (len(full) + 1) * P <= limit:
+            entry = self._full.get(chain_key(key, prompt[len(full) * P:(len(full) + 1) * P], scope))
+            if entry is None:
+                break
+            full.append(entry)
+            key, following = entry.key, entry.children
+        done = len(full) * P
+        tail, tail_tokens = None, 0
+        for entry in following:  # the page after the shared ones: its longest common run is copied
+            n = _common(entry.tokens, prompt[done:limit])
+            if n > tail_tokens:
+                tail, tail_tokens = entry, n
+        now = next(self._clock)
+        for entry in (*full, *((tail,) if tail else ())):
+            entry.last_used = now
+        return Match(tuple(full), tail, tail_tokens)
+
+    def pages_in_use(self) -> int:
+        """Kept full pages that running sequences share (the ledger counts each once)."""
+        return sum(1 for e in self._full.values() if e.users)
+
+    def start(self, seq_id, match: Match) -> None:
+        """Give a new sequence its matched K/V in every stage: the shared pages, then the copy."""
+        for entry in match.full:
+            entry.users += 1
+        for s, kv in enumerate(self.kvs):
+            kv.adopt(seq_id, [entry.pages[s] for entry in match.full])
+        if match.tail is not None:
+            match.tail.users += 1  # the copy's new page must not reclaim its source
+            try:
+                for s, kv in enumerate(self.kvs):
+                    kv.copy_tokens(seq_id, match.tail.pages[s], match.tail_tokens)
+            finally:
+                match.tail.users -= 1
+        self.hit_tokens += match.tokens(self.page_size)
+
+    # -- a request that ended -------------------------------------------------------------
+    def finish(self, seq_id, written: list[int] | None, match: Match, scope: bytes = b"") -> None:
+        """A sequence ended: keep its pages (`written`: the tokens whose K/V it wrote; None: keep
+        nothing, it failed), then let go of the pages it shared. The caller frees its pages."""
+        for entry in match.full:
+            entry.users -= 1
+        if not written:
+            return
+        pages = [kv.pages_of(seq_id) for kv in self.kvs]
+        P = self.page_size
+        parent, key, following = None, b"", self._roots.setdefault(scope, [])
+        now = next(self._clock)
+        for i in range(-(-len(written) // P)):
+            chunk = tuple(written[i * P:(i + 1) * P])
+            if len(chunk) < P:  # the partial page at the end, unless a kept page starts the same way
+                if not any(e.tokens[:len(chunk)] == chunk for e in following):
+                    self._keep(None, scope, parent, chunk, [p[i] for p in pages], following).last_used = now
+                break
+            key = chain_key(key, chunk, scope)
+            entry = self._full.get(key)
+            if entry is None:
+                entry = self._full[key] = self._keep(key, scope, parent, chunk, [p[i] for p in pages], following)
+            entry.last_used = now
+            parent, following = entry, entry.children
+
+    def _keep(self, key, scope, parent, tokens, pages, following) -> Entry:
+        for kv, page in zip(self.kvs, pages):
+            kv.retain(page)
+        entry = Entry(key, scope, parent, tokens, tuple(pages))
+        following.append(entry)
+        return entry
+
+    # -- memory ---------------------------------------------------------------------------
+    def reclaim(self) -> bool:
+        """Drop the least recently used entry that no sequence uses and no other entry extends;
+        True if there was one (its pages are freed in every stage)."""
+        leaves = [e for e in self._entries() if not e.users and not e.children]
+        if not leaves:
+            return False
+        entry = min(leaves, key=lambda e: e.last_used)
+        (entry.parent.children if entry.parent else self._roots[entry.scope]).remove(entry)
+        if entry.key is not None:
+            del self._full[entry.key]
+        for kv, page in zip(self.kvs, entry.pages):
+            kv.drop(page)
+        return True
+
+    def clear(self) -> None:
+        while self.reclaim():
+            pass
+
+    def kept_pages(self) -> int:
+        return sum(1 for _ in self._entries())
+
+    def _entries(self):
+        stack = [e for roots in self._roots.values() for e in roots]
+        while stack:
+            entry = stack.pop()
+            yield entry
+            stack.extend(entry.children)

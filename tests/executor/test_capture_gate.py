@@ -1,0 +1,47 @@
+"""executor/capture_gate.py: a CUDA graph capture never runs beside an engine step (a daemon
+loading a plan while another serves); threads and events stand in for the two."""
+import threading
+
+from executor.capture_gate import CaptureGate
+
+
+def test_a_capture_waits_for_the_step_under_way_and_holds_new_steps_back():
+    gate, log = CaptureGate(), []
+    step_running, finish_step, capture_waiting, finish_capture = (threading.Event() for _ in range(4))
+
+    def old_engine_step(name, started=None, until=None):
+        with gate.step():
+            log.append(f"{name} starts")
+            if started:
+                started.set()
+            if until:
+                until.wait(10)
+            log.append(f"{name} ends")
+
+    def capture():
+        capture_waiting.set()
+        with gate.capture():
+            log.append("capture starts")
+            finish_capture.wait(10)
+            log.append("capture ends")
+
+    first = threading.Thread(target=old_engine_step, args=("step 1", step_running, finish_step))
+    first.start()
+    assert step_running.wait(10)
+    capturing = threading.Thread(target=capture)
+    capturing.start()
+    assert capture_waiting.wait(10)
+    second = threading.Thread(target=old_engine_step, args=("step 2",))
+    while not gate._captures:  # the capture has registered: step 2 must now wait for it
+        pass
+    second.start()
+    second.join(0.2)
+    assert log == ["step 1 starts"]  # neither the capture nor step 2 began beside step 1
+    finish_step.set()
+    first.join(10)
+    capturing.join(0.2)
+    assert log == ["step 1 starts", "step 1 ends", "capture starts"]  # step 2 held back
+    finish_capture.set()
+    for t in (capturing, second):
+        t.join(10)
+    assert log == ["step 1 starts", "step 1 ends", "capture starts", "capture ends", "step 2 starts", "step 2 ends"]

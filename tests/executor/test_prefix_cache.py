@@ -1,0 +1,137 @@
+"""Prompt prefix reuse (executor/prefix_cache.py): a request that starts with a kept prefix
+computes only the rest, and its tokens are transformers' all the same; shared pages are counted
+once and given up when a pool needs room; scopes never share."""
+import pytest
+
+from executor.sampling import SamplingParams, StopCriteria
+from tests.executor.helpers import budget_engine, hf_greedy, pages_in_use, prompt_ids
+
+STOP = StopCriteria(max_new_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture
+def path(checkpoint):
+    return checkpoint("qwen3", "fp32")
+
+
+def used_pages(engine):
+    return [s.kv.stats().device_pages_used + s.kv.stats().host_pages_used for s in engine.model.stages if s.kv]
+
+
+@pytest.mark.parametrize("device_kv_pages", [None, 2])
+def test_a_chats_next_turn_reuses_the_last_turns_kv_and_its_tokens_are_transformers(path, device_kv_pages):
+    """Turn 2 resends turn 1's prompt and reply: it starts on turn 1's kept K/V, four shared pages
+    and three tokens copied out of the partial fifth, and computes only what follows. Both turns'
+    tokens equal transformers' greedy tokens. With a 2-page device pool, kept pages are evicted to
+    the host and read back from there."""
+    eng = budget_engine(path, sequences=2, context=40, device_kv_pages=device_kv_pages)
+    turn1 = prompt_ids(14, 256, seed=70)
+    first = eng.generate([turn1], stop=STOP)[0]
+    assert first.output_ids == hf_greedy(path, turn1, 6) and first.reused.tokens(4) == 0
+    turn2 = turn1 + first.output_ids + prompt_ids(5, 256, seed=71)  # K/V of 14 + 5 tokens were written
+    second = eng.generate([turn2], stop=STOP)[0]
+    assert len(second.reused.full) == 4 and second.reused.tail_tokens == 3 and eng.prefix.hit_tokens == 19
+    assert second.output_ids == hf_greedy(path, turn2, 6)
+    if device_kv_pages:
+        assert eng.model.stages[1].kv.stats().evictions > 0
+
+
+def test_a_whole_prompt_kept_still_computes_its_last_token(path):
+    """The same prompt again: everything but its last token is reused (its logits give the first
+    new token), and the tokens are the first run's."""
+    eng = budget_engine(path, sequences=1, context=32)
+    prompt = prompt_ids(12, 256, seed=72)
+    first = eng.generate([prompt], stop=STOP)[0]
+    again = eng.generate([prompt], stop=STOP)[0]
+    assert again.reused.tokens(4) == 11 and again.output_ids == first.output_ids
+
+
+def test_requests_that_share_a_system_prompt_share_its_pages_counted_once(path):
+    """Two requests on one kept prefix run together: its pages exist once in each stage and the
+    ledger counts them once; the tokens equal each request's run alone."""
+    system = prompt_ids(16, 256, seed=73)
+    eng = budget_engine(path, sequences=2, context=32)
+    eng.generate([system + [42]], stop=STOP)  # keeps 4 full pages of the system prompt
+    prompts = [system + prompt_ids(3, 256, seed=74), system + prompt_ids(5, 256, seed=75)]
+    seqs = [eng.add_request(p, stop=STOP) for p in prompts]
+    eng.step()
+    assert [len(s.reused.full) for s in seqs] == [4, 4]
+    # each may grow to 16 + 3|5 + 6 tokens, 7 pages of 4: 3 of its own past the 4 shared, which count once
+    assert eng.kv_pages_reserved == 3 + 3 + 4
+    kv = eng.model.stages[0].kv
+    assert kv.pages_of(seqs[0].request_id)[:4] == kv.pages_of(seqs[1].request_id)[:4]
+    while eng.has_work():
+        eng.step()
+    for seq, prompt in zip(seqs, prompts):
+        assert seq.output_ids == hf_greedy(path, prompt, 6)
+    assert eng.kv_pages_reserved == 0 and pages_in_use(eng) == 0
+
+
+def test_kept_pages_give_way_to_new_requests_and_never_exceed_the_budget(path):
+    """A budget of 2 × 8 pages, many distinct prompts: kept pages fill the pools, then give way
+    (least recently used first) to every new request; nothing runs out and nothing leaks."""
+    eng = budget_engine(path, sequences=2, context=32, device_kv_pages=3)
+    capacity = [s.kv.device_pool.capacity_pages + (s.kv.host_pool.capacity_pages if s.kv.host_pool else 0)
+                for s in eng.model.stages]
+    for i in range(6):
+        prompts = [prompt_ids(20, 256, seed=80 + 2 * i), prompt_ids(9, 256, seed=81 + 2 * i)]
+        seqs = [eng.add_request(p, stop=STOP) for p in prompts]
+        while eng.has_work():
+            eng.step()
+            assert all(u <= c for u, c in zip(used_pages(eng), capacity))
+        assert all(s.finish_reason == "length" for s in seqs)
+    assert seqs[1].output_ids == hf_greedy(path, prompts[1], 6)
+    assert pages_in_use(eng) == 0 and eng.prefix.kept_pages() > 0
+    eng.prefix.clear()
+    assert used_pages(eng) == [0, 0]
+
+
+def test_a_scope_never_reuses_another_scopes_prefix(path):
+    eng = budget_engine(path, sequences=1, context=32)
+    prompt = prompt_ids(12, 256, seed=90)
+    eng.generate([prompt], stop=STOP)
+    other = eng.add_request(prompt, stop=STOP, scope=b"another caller")
+    eng.step()
+    assert other.reused.tokens(4) == 0
+    while eng.has_work():
+        eng.step()
+    same = eng.add_request(prompt, stop=STOP, scope=b"another caller")
+    eng.step()
+    assert same.reused.tokens(4) == 11
+
+
+def test_a_failed_request_keeps_nothing(path, monkeypatch):
+    eng = budget_engine(path, sequences=1, context=32)
+    stage = eng.model.stages[1]
+    real_forward = stage.forward
+
+    def forward(x, batch):
+        if any(s.start >= 8 for s in batch.slices):
+            raise RuntimeError("simulated kernel failure")
+        return real_forward(x, batch)
+
+    monkeypatch.setattr(stage, "forward", forward)
+    seq = eng.generate([prompt_ids(9, 256, seed=91)], stop=STOP)[0]
+    assert seq.finish_reason == "error" and eng.prefix.kept_pages() == 0 and used_pages(eng) == [0, 0]
+
+
+def test_sampled_requests_reuse_too_and_draw_what_they_draw_without(path):
+    """Reuse changes no sampled token: a seeded request on a kept prefix draws what it draws on an
+    engine that keeps nothing."""
+    prompt = prompt_ids(13, 256, seed=92)
+    sampling = SamplingParams(temperature=0.9, top_p=0.9, seed=5)
+    cold = budget_engine(path, sequences=1, context=32, prefix_cache=False)
+    want = cold.generate([prompt], sampling, STOP)[0].output_ids
+    warm = budget_engine(path, sequences=1, context=32)
+    warm.generate([prompt[:10]], stop=STOP)
+    got = warm.generate([prompt], sampling, STOP)[0]
+    assert got.reused.tokens(4) == 10 and got.output_ids == want and cold.prefix is None
+
+
+def test_an_engine_without_a_budget_keeps_nothing(path):
+    """Without a plan's budget the pools are unbounded: keeping pages would grow them forever."""
+    from tests.executor.helpers import helm_generate
+
+    _, model = helm_generate(path, [prompt_ids(9, 256, seed=93)], split=2, max_new_tokens=3, page_size=4)
+    assert all(s.kv.stats().cached_pages == 0 and s.kv.stats().device_pages_used == 0
+               for s in model.stages if s.kv)
