@@ -42,6 +42,7 @@ KernelSet = _kernels.KernelSet
 PreparedLinear = _kernels.PreparedLinear
 PagedKV = _kernels.PagedKV
 BlockStack = _kernels.BlockStack  # (kernels, blocks, kv, Hq, H, I, eps, scale, *, num_threads)
+MAX_STACK_ROWS = _kernels.MAX_STACK_ROWS
 prepare_linear = _kernels.prepare_linear
 
 #: Every variant compiled into the extension, in order of preference: the first one this CPU can
@@ -89,7 +90,7 @@ kv_write = default_set.kv_write  # (qkv, kv: PagedKV, pages, layer, start, Hq): 
 paged_attention = default_set.paged_attention  # (qkv, out, kv, pages, layer, start, Hq, scale, *, num_threads)
 
 __all__ = [
-    "ISAS", "KERNEL_ISA", "MAX_TILE_B", "PROMPT_PATHS", "BlockStack", "KernelSet", "PagedKV", "PreparedLinear",
+    "ISAS", "KERNEL_ISA", "MAX_STACK_ROWS", "MAX_TILE_B", "PROMPT_PATHS", "BlockStack", "KernelSet", "PagedKV", "PreparedLinear",
     "available_isas", "default_set", "kv_write", "linear", "paged_attention", "prepare_linear", "rms_norm",
     "rope_qk_", "silu_mul",
 ]

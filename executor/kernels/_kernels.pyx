@@ -497,7 +497,8 @@ cdef class KernelSet:
         if sin.shape != cos.shape:
             raise ValueError(f"sin {tuple(sin.shape)} and cos {tuple(cos.shape)} differ in shape")
         cdef int D = 2 * cos.shape[1]
-        if num_heads < 1 or num_kv_heads < 1 or D < 2 or width < (num_heads + num_kv_heads) * D:
+        # in long: (heads) x D in int can wrap and pass for a narrow qkv, which the loop then overruns
+        if num_heads < 1 or num_kv_heads < 1 or D < 2 or width < (<long> num_heads + <long> num_kv_heads) * D:
             raise ValueError(f"qkv has {width} columns, fewer than ({num_heads} + {num_kv_heads}) heads x {D}")
         if (q_norm is None) != (k_norm is None):
             raise ValueError("give both q_norm and k_norm, or neither")
@@ -634,7 +635,7 @@ cdef class PagedKV:
             raise ValueError(f"{num_heads} query heads are not a multiple of {H} KV heads")
         if num_heads // H * (D + HELM_ATT_BLOCK) > 8192:
             raise ValueError(f"{num_heads // H} query heads per KV head is more than the kernels support")
-        if width < <long> (num_heads + 2 * H) * D:
+        if width < (<long> num_heads + 2 * <long> H) * D:
             raise ValueError(f"qkv has {width} columns, expected (Hq {num_heads} + 2 x {H}) x {D}")
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
@@ -642,8 +643,8 @@ cdef class PagedKV:
             raise ValueError(f"start position {start} < 0")
         if pages.dtype is not torch.int64 or pages.dim() != 1 or not pages.is_contiguous() or not pages.is_cpu:
             raise ValueError("pages must be a contiguous 1-D int64 CPU tensor of page addresses")
-        if pages.shape[0] * <long> self.page_size < start + T:
-            raise ValueError(f"{pages.shape[0]} pages of {self.page_size} do not cover positions < {start + T}")
+        if start > pages.shape[0] * <long> self.page_size - T:  # not start + T: it can wrap past a long
+            raise ValueError(f"{pages.shape[0]} pages of {self.page_size} do not cover {T} positions from {start}")
         desc.pages = <const void *const *> <uintptr_t> pages.data_ptr()
         desc.head_stride = <long> self.page_size * D
         desc.v_off = desc.head_stride * H
@@ -740,6 +741,9 @@ cdef helm_linear_desc _linear_desc(PreparedLinear w, int n, int k, str name) exc
     return d
 
 
+MAX_STACK_ROWS = 4096  # rows of one BlockStack step (the engine's decode steps: FusedBlocks.MAX_ROWS)
+
+
 cdef class BlockStack:
     """The decoder blocks of one CPU stage run as one call per step (csrc/decode_blocks.c): the same
     kernels as the op-by-op path, bit-identical results, no Python between them.
@@ -757,6 +761,7 @@ cdef class BlockStack:
     cdef helm_claim *claims
     cdef long *counters
     cdef object keep  # the tensors and weights the descriptors point into
+    cdef bint busy  # a call under way: its claims and counters are per instance
 
     def __cinit__(self):
         self.blocks = NULL
@@ -800,7 +805,7 @@ cdef class BlockStack:
             b.o = _linear_desc(o, H, qd, f"block {i} o")
             b.gate_up = _linear_desc(gate_up, 2 * I, H, f"block {i} gate_up")
             b.down = _linear_desc(down, H, I, f"block {i} down")
-        self.keep = blocks
+        self.keep = [tuple(block) for block in blocks]  # the tensors themselves: the caller may change its list
 
     def __dealloc__(self):
         free(self.blocks)
@@ -826,11 +831,16 @@ cdef class BlockStack:
         cdef int nseq = len(seqs)
         if T == 0 or nseq == 0:
             return x
+        if T > MAX_STACK_ROWS:  # a decode step's rows; helm_decode_blocks keeps per-sequence arrays on the stack
+            raise ValueError(f"{T} rows is more than a BlockStack step takes ({MAX_STACK_ROWS})")
+        if self.busy:
+            raise RuntimeError("this BlockStack is already running a step on another thread (one per thread)")
         cdef helm_seq_desc *sd = <helm_seq_desc *> calloc(nseq, sizeof(helm_seq_desc))
         if sd == NULL:
             raise MemoryError()
         cdef long row = 0
         cdef int i
+        self.busy = True
         try:
             for i, (offset, count, start, pages) in enumerate(seqs):
                 if offset != row or count < 1 or start < 0:
@@ -855,6 +865,7 @@ cdef class BlockStack:
             done = torch.zeros(self.nblocks * T * self.m.Hkv, dtype=torch.int32)
             self._run(x, h, qkv, attn, gu, act, partial, done, cos, sin, sd, nseq, T)
         finally:
+            self.busy = False
             free(sd)
         return x
 

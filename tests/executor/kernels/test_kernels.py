@@ -279,3 +279,76 @@ def test_isa_env_dispatch_and_missing_extension():
         assert results[isa] == (isa if isa in ISAS_HERE else "RuntimeError"), results
     assert results["bogus"] == "ValueError"
     assert results["missing"].startswith("ImportError") and "pip install -e ." in results["missing"]
+
+
+# -- sizes from a caller are checked without overflowing C integers (found by fuzzing: each of
+# these wrote or read far outside its buffers) ----------------------------------------------------
+def test_a_head_count_that_wraps_an_int_is_refused_not_overrun():
+    qkv, cos, sin = torch.zeros(1, 4), torch.ones(1, 2), torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="fewer than"):
+        K.rope_qk_(qkv, 2**30, 1, cos, sin, num_threads=1)  # (2**30 + 1) x 4 wraps to 4 in an int
+
+
+def test_a_start_position_that_wraps_a_long_is_refused_not_overrun():
+    layout = K.PagedKV(1, 1, 4, 8, torch.float32)
+    page = torch.zeros(1, 2, 1, 4, 8)
+    with pytest.raises(ValueError, match="do not cover"):
+        K.kv_write(torch.randn(2, 3 * 8), layout, torch.tensor([page.data_ptr()]), 0, 2**63 - 2, 1)
+
+
+def _one_block_stack(blocks, H=64, I=128, D=16, Hq=4, Hkv=2, P=16):
+    layout = K.PagedKV(1, Hkv, P, D, torch.float32)
+    return K.BlockStack(K.default_set, blocks, layout, Hq, H, I, 1e-6, D ** -0.5, num_threads=1)
+
+
+def _block(H=64, I=128, D=16, Hq=4, Hkv=2):
+    g = torch.Generator().manual_seed(0)
+
+    def w(*shape):
+        return K.prepare_linear(torch.randn(*shape, generator=g) * 0.05)
+    return (torch.ones(H), w((Hq + 2 * Hkv) * D, H), None, None, w(H, Hq * D), torch.ones(H), w(2 * I, H), w(H, I))
+
+
+def test_a_block_stack_keeps_its_weights_whatever_the_caller_does_with_its_list():
+    """The C descriptors point into the blocks' tensors: the stack holds them, not the caller's list
+    (clearing that list freed them, and the next step read freed memory)."""
+    import gc
+
+    blocks = [_block()]
+    stack = _one_block_stack(blocks)
+    page = torch.zeros(1, 2, 2, 16, 16)
+    table = torch.tensor([page.data_ptr()])
+    cos, sin, x = torch.ones(1, 8), torch.zeros(1, 8), torch.randn(1, 64)
+    before = stack(x.clone(), cos, sin, [(0, 1, 0, table)])
+    blocks.clear()
+    gc.collect()
+    junk = [torch.full((64 * 128,), 1e30) for _ in range(16)]  # noqa: F841 — reuse what was freed
+    assert torch.equal(stack(x.clone(), cos, sin, [(0, 1, 0, table)]), before)
+
+
+def test_a_block_stack_step_is_bounded_and_one_at_a_time():
+    """Its per-sequence arrays live on the C stack (a step of 400,000 sequences overflowed it) and its
+    tile claims are per instance (two threads on one stack silently mixed their results)."""
+    import threading
+
+    stack = _one_block_stack([_block()])
+    rows = K.MAX_STACK_ROWS + 1
+    with pytest.raises(ValueError, match="more than a BlockStack step takes"):
+        stack(torch.zeros(rows, 64), torch.ones(rows, 8), torch.zeros(rows, 8), [(0, rows, 0, torch.zeros(1))])
+    pages = torch.zeros(512, 2, 2, 16, 16)
+    table = torch.tensor([pages[i].data_ptr() for i in range(512)])
+    errors, started = [], threading.Event()
+
+    def step(n, pages):
+        try:
+            stack(torch.randn(n, 64), torch.ones(n, 8), torch.zeros(n, 8), [(0, n, 0, pages)])
+        except RuntimeError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=lambda: (started.set(), step(4096, table[:256])))
+    t.start()
+    started.wait(10)
+    while t.is_alive():  # short steps beside the long one (it runs without the GIL): one of two is refused
+        step(1, table[256:257])
+    t.join(60)
+    assert errors and all("already running a step" in str(e) for e in errors)
