@@ -216,7 +216,8 @@ class Engine:
 
         If the batched step fails, each sequence is retried alone (writing K/V at the same
         positions again is harmless), so a failure caused by one request ends only that request
-        (finish_reason "error") and the others carry on.
+        (finish_reason "error") and the others carry on. Only the computation is retried: once
+        tokens are drawn they are committed, each sequence on its own.
         """
         with GATE.step():  # no CUDA graph capture (a plan loading beside this one) while it runs
             return self._step()
@@ -226,21 +227,23 @@ class Engine:
         if not scheduled:
             return []
         try:
-            events = self._execute(scheduled)
+            drawn = [(scheduled, self._draw(scheduled))]
+            events = []
         except Exception as batch_error:  # noqa: BLE001 — isolate, then report per request
             self._check_devices(batch_error)
             if len(scheduled) == 1:
-                events = [self._fail(scheduled[0][0], batch_error)]
-            else:
-                log.warning("batched step failed (%s); retrying its %d sequences one by one",
-                            batch_error, len(scheduled))
-                events = []
-                for item in scheduled:
-                    try:
-                        events += self._execute([item])
-                    except Exception as e:  # noqa: BLE001
-                        self._check_devices(e)
-                        events.append(self._fail(item[0], e))
+                return [self._fail(scheduled[0][0], batch_error)]
+            log.warning("batched step failed (%s); retrying its %d sequences one by one",
+                        batch_error, len(scheduled))
+            drawn, events = [], []
+            for item in scheduled:
+                try:
+                    drawn.append(([item], self._draw([item])))
+                except Exception as e:  # noqa: BLE001
+                    self._check_devices(e)
+                    events.append(self._fail(item[0], e))
+        for part, tokens in drawn:
+            events += self._commit(part, tokens)
         return events
 
     def _check_devices(self, error: Exception) -> None:
@@ -254,23 +257,41 @@ class Engine:
             raise DeviceLostError(f"the GPU can run nothing more in this process ({fault}); the step failed with "
                                   f"{type(error).__name__}: {str(error)[:200]}") from error
 
-    def _execute(self, scheduled: list[tuple[Sequence, int, int]]) -> list[TokenEvent]:
-        parts, rows, emitting, offset = [], [], [], 0
+    @staticmethod
+    def _emitting(scheduled: list[tuple[Sequence, int, int]]) -> list[Sequence]:
+        """The sequences whose newest token the step reaches: each gets a new token."""
+        return [seq for seq, start, count in scheduled if start + count == seq.num_tokens]
+
+    def _draw(self, scheduled: list[tuple[Sequence, int, int]]) -> list[int]:
+        """Run the step and draw the emitting sequences' tokens, changing no sequence (a failed
+        draw leaves every generator as it was, for the retry)."""
+        parts, rows, offset = [], [], 0
         for seq, start, count in scheduled:
             parts.append((seq.request_id, start, count))
             offset += count
-            if start + count == seq.num_tokens:  # the step reaches the sequence's newest token
+            if start + count == seq.num_tokens:
                 rows.append(offset - 1)
-                emitting.append(seq)
         batch = StepBatch.build(parts, rows)
         ids = torch.tensor([seq.token(i) for seq, start, count in scheduled for i in range(start, start + count)],
                            dtype=torch.int64)
-        # a failed draw (logits not finite) leaves every generator as it was, for the retry
-        tokens = sample_rows(self._run_stages(ids, batch), [seq.sampling for seq in emitting],
-                             [seq.generator for seq in emitting])
+        emitting = self._emitting(scheduled)
+        return sample_rows(self._run_stages(ids, batch), [seq.sampling for seq in emitting],
+                           [seq.generator for seq in emitting])
+
+    def _commit(self, scheduled: list[tuple[Sequence, int, int]], tokens: list[int]) -> list[TokenEvent]:
+        """Advance the step's sequences and append their tokens; a sequence whose ending fails
+        (freeing its pages) fails alone, never re-running the step for the others."""
+        emitting = self._emitting(scheduled)
         for seq, start, count in scheduled:
             seq.num_computed = start + count
-        return [self._append(seq, token) for seq, token in zip(emitting, tokens)]
+        events = []
+        for seq, token in zip(emitting, tokens):
+            try:
+                events.append(self._append(seq, token))
+            except Exception as e:  # noqa: BLE001
+                self._check_devices(e)
+                events.append(self._fail(seq, e))
+        return events
 
     def _fail(self, seq: Sequence, error: Exception) -> TokenEvent:
         log.error("request %s failed: %s: %s", seq.request_id, type(error).__name__, error)
@@ -365,10 +386,18 @@ class Engine:
                 queue.remove(seq)
         self._by_id.pop(seq.request_id, None)
         started = self._kv_pages.pop(seq.request_id, None) is not None
-        if started and self.prefix is not None:
-            written = [seq.token(i) for i in range(seq.num_computed)] if reason != "error" else None
-            self.prefix.finish(seq.request_id, written, seq.reused, seq.scope)
-        self.model.free_sequence(seq.request_id)
+        # The request is over whatever happens to its pages: a failure here is logged, not raised
+        # into a step whose tokens are already drawn.
+        try:
+            if started and self.prefix is not None:
+                written = [seq.token(i) for i in range(seq.num_computed)] if reason != "error" else None
+                self.prefix.finish(seq.request_id, written, seq.reused, seq.scope)
+        except Exception:  # noqa: BLE001
+            log.exception("request %s: keeping its prompt's KV pages failed", seq.request_id)
+        try:
+            self.model.free_sequence(seq.request_id)
+        except Exception:  # noqa: BLE001
+            log.exception("request %s: freeing its KV pages failed; they stay held", seq.request_id)
 
     # -- convenience ----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None,

@@ -296,3 +296,31 @@ def test_an_engine_runs_no_more_sequences_than_its_plans_working_sets_are_priced
     assert all(s.finish_reason == "length" for s in seqs)
     cpu_plan = plan_for_split(path, cfg.num_units, page_size_tokens=32, workload=workload_for(32, 32))
     assert Engine(load_model(path, placement_for(cpu_plan, cfg, page_size_tokens=4), cfg)).max_running == 2
+
+
+def test_a_sequence_whose_pages_cannot_be_freed_still_ends_and_the_step_is_not_run_again(path, monkeypatch,
+                                                                                        caplog):
+    """Once a step's tokens are drawn they are committed: a sequence whose ending cannot free its
+    pages ends all the same (logged), and the one batched with it gets each token once (the
+    failure used to re-run the drawn step sequence by sequence: a second token for one, no event
+    for the other)."""
+    eng = engine_for(path)
+    stop = StopCriteria(max_new_tokens=3, ignore_eos=True)
+    short = eng.add_request(prompt_ids(6, 256, seed=64), stop=StopCriteria(max_new_tokens=1, ignore_eos=True))
+    other = eng.add_request(prompt_ids(7, 256, seed=65), stop=stop)
+    real_free = eng.model.free_sequence
+
+    def free_sequence(seq_id):
+        if seq_id == short.request_id:
+            raise RuntimeError("simulated: freeing its pages failed")
+        real_free(seq_id)
+
+    monkeypatch.setattr(eng.model, "free_sequence", free_sequence)
+    events = eng.step()  # both prefill together; `short` ends at its first token
+    assert [(e.request_id, e.finish_reason) for e in events] == [(short.request_id, "length"),
+                                                                 (other.request_id, None)]
+    assert len(short.output_ids) == 1 and "freeing its KV pages failed" in caplog.text
+    while eng.has_work():
+        eng.step()
+    alone, _ = helm_generate(path, [other.prompt_ids], split=2, max_new_tokens=3, page_size=4)
+    assert other.output_ids == alone[0]
