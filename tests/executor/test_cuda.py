@@ -541,3 +541,79 @@ def test_a_sticky_cuda_error_is_a_lost_device_and_an_oom_is_not(checkpoint, tmp_
     print(out.stdout, out.stderr[-2000:])
     assert "after an OOM: None" in out.stdout
     assert "lost: the GPU can run nothing more in this process (cuda:" in out.stdout
+
+
+def test_prefix_reuse_on_cuda_with_offloaded_pages_is_exact(checkpoint):
+    """Prompt prefix reuse with the GPU stage's KV offloaded: turn 1's pages are kept, a long
+    request pushes them to pinned host memory, and turn 2, which parts from turn 1 inside a kept
+    page, shares the full pages (streamed back) and copies the matching tokens out of a host page
+    (the copy waits for the eviction that put it there). Tokens equal an engine's that keeps
+    nothing, and transformers' (fp32)."""
+    from executor.sampling import StopCriteria
+    from tests.executor.helpers import budget_engine
+
+    path = checkpoint("qwen3", "fp32")
+    stop = StopCriteria(max_new_tokens=6, ignore_eos=True)
+    turn1 = prompt_ids(18, 256, seed=110)
+    turn2 = turn1[:14] + prompt_ids(9, 256, seed=111)  # parts inside turn 1's fourth page of 4
+    engines = [budget_engine(path, sequences=2, context=48, split=1, device_kv_pages=3, prefix_cache=keep)
+               for keep in (True, False)]
+    outputs = []
+    for engine in engines:
+        engine.generate([turn1], stop=stop)
+        engine.generate([prompt_ids(40, 256, seed=112)], stop=stop)  # fills the device pool
+        outputs.append(engine.generate([turn2], stop=stop)[0])
+    warm, cold = outputs
+    assert engines[0].model.stages[1].device.type == "cuda" and engines[0].model.stages[1].kv.stats().evictions > 0
+    assert warm.reused_tokens == 14 and cold.reused_tokens == 0
+    assert warm.output_ids == cold.output_ids == hf_greedy(path, turn2, 6)
+
+
+def test_a_plan_loading_beside_a_serving_engine_captures_its_graphs_while_that_engine_steps(checkpoint):
+    """executor/capture_gate.py: one thread steps an engine with a GPU stage through requests that
+    end every few steps (each end frees pages: a device synchronise), while this one loads a second
+    model whose decode graphs are captured. CUDA forbids that synchronise during a capture: the
+    gate holds steps back while each graph is captured, so the load succeeds and every request
+    ends with its tokens."""
+    import threading
+
+    from executor.engine import Engine
+    from executor.loader import load_model
+    from executor.model_config import ModelConfig
+    from executor.placement import Placement
+    from executor.sampling import StopCriteria
+
+    path = checkpoint("qwen3", "bf16")
+    cfg = ModelConfig.from_dir(path)
+
+    def placement():
+        return replace(Placement.from_split(cfg.num_units, 1, page_size_tokens=16, device_kv_pages=16),
+                       kv_sequences=4, context_tokens=64)
+
+    serving = Engine(load_model(path, placement(), cfg), eos_token_ids=())
+    done, seqs, errors = threading.Event(), [], []
+
+    def serve():
+        try:
+            i = 0
+            while not done.is_set():
+                seqs.append(serving.add_request(prompt_ids(5, 256, seed=i), stop=StopCriteria(max_new_tokens=2,
+                                                                                               ignore_eos=True)))
+                while serving.has_work():
+                    serving.step()
+                i += 1
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        for _ in range(3):
+            loaded = load_model(path, placement(), cfg)
+            assert loaded.stages[1].fused.captured
+    finally:
+        done.set()
+        t.join(60)
+    assert not errors and len(seqs) > 3
+    assert all(s.finish_reason == "length" and len(s.output_ids) == 2 for s in seqs), \
+        [(s.finish_reason, s.error) for s in seqs if s.finish_reason != "length"]
