@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 import time
 
@@ -27,7 +28,27 @@ def _parse_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {text!r}")
+    return port
+
+
+def _seconds(text: str, zero_ok: bool = False) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and (value > 0 or (zero_ok and value == 0))):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds {'>= 0' if zero_ok else '> 0'}, got {text!r}")
+    return value
 
 
 def _client(args):
@@ -54,15 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw-text", action="store_true",
                      help="tokenize --prompt as it is, without the tokenizer's special tokens (e.g. Llama's BOS): "
                           "for text already formatted by a chat template")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="most tokens to generate (default 64)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily (default)")
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int)
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens (default 0: all)")
+    gen.add_argument("--top-p", type=float, default=1.0,
+                     help="sample among the most likely tokens whose probabilities sum to P (default 1: all)")
+    gen.add_argument("--seed", type=int, help="seed of the sampler (default: a fresh one each request)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     gen.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable; with --addr)")
     gen.add_argument("--stop-ids", type=_parse_ids, default=[], help="stop token ids, comma-separated")
-    gen.add_argument("--timeout", type=float, help="deadline in seconds (with --addr)")
+    gen.add_argument("--timeout", type=_seconds, help="deadline in seconds (with --addr; default: none)")
     gen.add_argument("--page-size", type=int, help="KV page size in tokens (default: plan's, else 512)")
     gen.add_argument("--device-kv-pages", type=int, help="KV pages the GPU-side stage may hold (default: plan's, else unbounded)")
     gen.add_argument("--threads", type=int, help="CPU-stage threads (default: the plan's profiled cores, else torch's)")
@@ -80,14 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--plan-dir", help="directory LoadPlan may read plans from by path (default: none, so "
                                         "LoadPlan takes inline YAML only)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
-    srv.add_argument("--port", type=int, default=50051, help="port (0: any free port, logged as 'listening')")
+    srv.add_argument("--port", type=_port, default=50051,
+                     help="port (default 50051; 0: any free port, logged as 'listening'); one already in use is refused")
     srv.add_argument("--max-batch", type=int, default=MAX_RUNNING_SEQUENCES,
-                     help="most sequences in the running batch (no more than a plan's working memory is priced "
-                          "for: its KV budget's sequences, at most the default)")
-    srv.add_argument("--max-queue", type=int, default=64, help="most requests waiting beyond a full batch")
-    srv.add_argument("--drain-timeout", type=float, default=30.0,
-                     help="seconds requests in flight may take to finish after SIGTERM (then aborted)")
-    srv.add_argument("--stall-timeout", type=float, default=30.0, metavar="SECONDS",
+                     help=f"most sequences in the running batch (default {MAX_RUNNING_SEQUENCES}; no more than a "
+                          "plan's working memory is priced for: its KV budget's sequences)")
+    srv.add_argument("--max-queue", type=int, default=64,
+                     help="most requests waiting beyond a full batch (default 64; beyond: RESOURCE_EXHAUSTED)")
+    srv.add_argument("--drain-timeout", type=_seconds, default=30.0, metavar="SECONDS",
+                     help="seconds requests in flight may take to finish after SIGTERM, then aborted (default 30)")
+    srv.add_argument("--stall-timeout", type=_seconds, default=30.0, metavar="SECONDS",
                      help="cut off a Generate stream whose client has not read for this long (default 30)")
     srv.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                      help="compute every prompt in full (default: a prompt that starts as an earlier request of the "
@@ -101,11 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
                      "signed by this CA")
     sec.add_argument("--insecure", action="store_true", help="allow listening beyond loopback without TLS and tokens "
                      "(and metrics beyond loopback)")
-    srv.add_argument("--metrics-port", type=int, help="serve Prometheus metrics (plain HTTP) at /metrics on this "
+    srv.add_argument("--metrics-port", type=_port, help="serve Prometheus metrics (plain HTTP) at /metrics on this "
                      "port (0: any free port, logged as 'metrics'; default: off)")
     srv.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint (default loopback; "
                      "anything else needs --insecure: the endpoint has no authentication)")
-    srv.add_argument("--kernels", choices=("auto", "helm", "torch"), default="auto", help="CPU-stage kernels")
+    srv.add_argument("--kernels", choices=("auto", "helm", "torch"), default="auto",
+                     help="CPU-stage kernels: helm (Cython SIMD), torch (reference), auto (helm when built; default)")
     srv.add_argument("--threads", type=int, help="CPU-stage threads, for every plan (default: each plan's profiled cores)")
     srv.add_argument("-v", "--verbose", action="store_true", help="debug logs")
 
@@ -118,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     inf = sub.add_parser("info", help="what a running daemon serves (JSON): model, plan, stages, KV pages, queue")
     inf.add_argument("--addr", required=True, help="HOST:PORT of the daemon")
-    inf.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+    inf.add_argument("--wait", type=lambda text: _seconds(text, zero_ok=True), default=0.0, metavar="SECONDS",
                      help="first wait up to this long for the daemon to be SERVING (health check)")
     inf.add_argument("-v", "--verbose", action="store_true")
     ClientAuth.add_args(inf)
@@ -187,6 +212,14 @@ def _generate(args) -> int:
         raise RequestError("--stop and --timeout apply to a daemon (--addr)")
     if args.report and not args.plan:
         raise RequestError("--report measures against a plan's predictions: give --plan")
+    if args.report:
+        from planner.errors import PlanError
+        from planner.yamlio import check_writable
+
+        try:
+            check_writable(args.report, "--report")  # before the generation, not after
+        except PlanError as e:
+            raise RequestError(str(e)) from None
     config = ModelConfig.from_dir(args.model)
     sampling, stop = _sampling_and_stop(args)
     tokenizer = Tokenizer(args.model) if args.prompt is not None or not args.json else None
@@ -280,7 +313,8 @@ def _generate_remote(args) -> int:
     from executor.pb import executor_pb2 as pb
     from executor.server.messages import GenerateSpec, GenerationResult
 
-    offline_only = [f"--{n.replace('_', '-')}" for n in ("plan", "split", "page_size", "device_kv_pages")
+    offline_only = [f"--{n.replace('_', '-')}" for n in ("plan", "split", "page_size", "device_kv_pages", "threads",
+                                                          "report")
                     if getattr(args, n) is not None] + (["--kernels"] if args.kernels != "auto" else [])
     if offline_only or args.model:
         raise RequestError(f"{', '.join(offline_only or ['--model'])}: offline only; with --addr the daemon's "
@@ -315,7 +349,7 @@ def _generate_remote(args) -> int:
                           "prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
                           "ttft_ms": result.ttft_s * 1e3, "decode_tokens_per_s": result.decode_tokens_per_s,
                           "total_ms": result.total_s * 1e3, "plan": vars(result.plan), "stages": stages}))
-        return 0
+        return _finished(result)
     sys.stdout.write(result.trailing_text + "\n")
     per_stage = "; ".join(f"stage {s.stage} {s.device} {s.measured_ms:.3g} ms/step (predicted {s.predicted_ms:.3g})"
                           for s in result.stages)
@@ -323,7 +357,17 @@ def _generate_remote(args) -> int:
     print(f"[{result.completion_tokens} tokens, finish={result.finish_reason}, TTFT {result.ttft_s * 1e3:.1f} ms, "
           f"decode {result.decode_tokens_per_s:.2f} tok/s, plan v{p.version} {p.digest[:15]}… k={p.split_k}; "
           f"{per_stage}]", file=sys.stderr)
-    return 0
+    return _finished(result)
+
+
+def _finished(result) -> int:
+    """0 for a generation that ended as asked (a stop, the length, the context); 1 for one the
+    daemon cut short (aborted: its drain ran out of time), whose text is incomplete."""
+    if result.finish_reason != "aborted":
+        return 0
+    print("helm-executor: error: the daemon aborted the request before it finished (it is shutting down)",
+          file=sys.stderr)
+    return 1
 
 
 def _report(args) -> int:
@@ -336,7 +380,11 @@ def _report(args) -> int:
         except grpc.RpcError as e:
             return _rpc_error(e)
     if args.output:
-        report.write(args.output)
+        try:
+            report.write(args.output)
+        except OSError as e:
+            print(f"helm-executor: error: cannot write -o {args.output}: {e.strerror}", file=sys.stderr)
+            return 2
     print(report.table())
     if args.output:
         print(f"wrote {args.output}", file=sys.stderr)

@@ -223,19 +223,20 @@ class Engine:
             return self._step()
 
     def _step(self) -> list[TokenEvent]:
-        scheduled = self._schedule()
+        failed: list[TokenEvent] = []
+        scheduled = self._schedule(failed)
         if not scheduled:
-            return []
+            return failed
         try:
             drawn = [(scheduled, self._draw(scheduled))]
-            events = []
+            events = failed
         except Exception as batch_error:  # noqa: BLE001 — isolate, then report per request
             self._check_devices(batch_error)
             if len(scheduled) == 1:
-                return [self._fail(scheduled[0][0], batch_error)]
+                return failed + [self._fail(scheduled[0][0], batch_error)]
             log.warning("batched step failed (%s); retrying its %d sequences one by one",
                         batch_error, len(scheduled))
-            drawn, events = [], []
+            drawn, events = [], failed
             for item in scheduled:
                 try:
                     drawn.append(([item], self._draw([item])))
@@ -299,8 +300,9 @@ class Engine:
         self._finish(seq, "error")
         return TokenEvent(seq.request_id, None, True, "error")
 
-    def _schedule(self) -> list[tuple[Sequence, int, int]]:
-        """(sequence, first position, token count) for this step: decodes first, then prefill chunks."""
+    def _schedule(self, failed: list[TokenEvent]) -> list[tuple[Sequence, int, int]]:
+        """(sequence, first position, token count) for this step: decodes first, then prefill
+        chunks. A request that fails to start (its kept prefix's pages) goes to `failed`."""
         schedule = [(seq, seq.num_computed, 1) for seq in self.running]
         budget = self.max_step_tokens - len(schedule)
         for seq in list(self.waiting):
@@ -308,8 +310,15 @@ class Engine:
                 break
             if seq.num_computed == 0 and seq.request_id not in self._kv_pages:   # not started yet
                 # started sequences (prefilling or running) count: all of them decode together later
-                if len(self._kv_pages) >= self.max_running or not self._reserve_kv(seq):
-                    break       # in arrival order: a later request never overtakes a waiting one
+                if len(self._kv_pages) >= self.max_running:
+                    break
+                try:
+                    if not self._reserve_kv(seq):
+                        break   # in arrival order: a later request never overtakes a waiting one
+                except Exception as e:  # noqa: BLE001 — this request fails, the step goes on
+                    self._check_devices(e)
+                    failed.append(self._fail(seq, e))
+                    continue
             count = min(self.prefill_chunk, budget, len(seq.prompt_ids) - seq.num_computed)
             schedule.append((seq, seq.num_computed, count))
             budget -= count
@@ -319,17 +328,31 @@ class Engine:
         """Hold the pages `seq` may grow to, if the plan's budget has them free, and start it on
         the longest kept prefix of its prompt (pages it shares are counted once, not per sharer)."""
         match = self.prefix.match(seq.prompt_ids, seq.scope) if self.prefix else Match()
-        need = self._pages_needed(len(seq.prompt_ids), seq.stop) - len(match.full)
-        shared_anew = sum(1 for entry in match.full if not entry.users)
-        if self.kv_budget_pages is not None and \
-                self.kv_pages_reserved + shared_anew + need > self.kv_budget_pages:
+        need = self._pages_needed(len(seq.prompt_ids), seq.stop)
+        # What fits: the whole match, without the copy (its source is held while the copy's page is
+        # made), or none of it (kept pages give way to a request's own as it grows).
+        reuse = next((m for m in (match, Match(match.full), Match()) if self._fits(m, need)), None)
+        if reuse is None:
             return False
-        self._kv_pages[seq.request_id] = need
-        if match.full or match.tail:
-            self.prefix.start(seq.request_id, match)
-            seq.reused = match
-            seq.num_computed = seq.reused_tokens = match.tokens(self.page_size)
+        self._kv_pages[seq.request_id] = need - len(reuse.full)
+        if reuse.full or reuse.tail:
+            try:
+                self.prefix.start(seq.request_id, reuse)  # undoes itself if it fails
+            except BaseException:
+                del self._kv_pages[seq.request_id]
+                raise
+            seq.reused = reuse
+            seq.num_computed = seq.reused_tokens = reuse.tokens(self.page_size)
         return True
+
+    def _fits(self, reuse: Match, need: int) -> bool:
+        """Whether a sequence that may grow to `need` pages fits the budget, starting on `reuse`."""
+        if self.kv_budget_pages is None:
+            return True
+        shared_anew = sum(1 for entry in reuse.full if not entry.users)
+        held_source = int(reuse.tail is not None and not reuse.tail.users)
+        own = need - len(reuse.full)
+        return self.kv_pages_reserved + shared_anew + held_source + own <= self.kv_budget_pages
 
     def _run_stages(self, ids: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """Run the stages in order; time each one (CUDA events on a GPU, the wall clock on the CPU).
@@ -414,11 +437,11 @@ def lost_device(devices) -> str | None:
     a kernel. A sticky error (an illegal address, a device-side assert) fails every later call on
     the context, synchronize included; an out-of-memory or a bad launch does not."""
     for device in dict.fromkeys(devices):
-        if device.type != "cuda":
+        if device.type != "cuda" or not torch.cuda.is_available():  # (a planned GPU stage ran on the CPU)
             continue
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
         try:
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
             with torch.cuda.device(device):
                 torch.cuda.synchronize(device)
                 torch.ones(1, device=device).add_(1).item()

@@ -223,6 +223,7 @@ class Page:
     num_tokens: int = 0
     slot: int | None = None  # its slot in the device pool's slab (None: on the host, or no slab)
     refs: int = 1  # its holders: sequences, and the prefix cache (`retain`); released at 0
+    used: int = 0  # when the prefix cache last matched it (its clock): kept pages leave oldest first
 
 
 @dataclass
@@ -292,7 +293,7 @@ class KVCache:
 
     def _unref(self, pages: list[Page]) -> None:
         done = [page for page in pages if page.refs == 1]
-        if done and self._copy_stream is not None:
+        if self._copy_stream is not None and any(not page.on_device for page in done):
             # Pinned host pages go back to the free list: no async copy may still read them.
             torch.cuda.synchronize(self.device)
         for page in pages:
@@ -315,12 +316,41 @@ class KVCache:
         self._unref([page])
 
     def adopt(self, seq_id, pages: list[Page]) -> None:
-        """Start a sequence on full pages it shares (read only: its own writes come after them)."""
+        """Start a sequence on full pages it shares (read only: its own writes come after them).
+        Those on the host come back to the device while it has free pages: a sequence with a page
+        on the host streams it every step of its life."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already has pages")
         for page in pages:
             page.refs += 1
         self._seqs[seq_id] = SequencePages(list(pages), len(pages) * self.page_size)
+        for page in pages:
+            if not page.on_device and not self._promote(page):
+                break
+
+    def _promote(self, page: Page) -> bool:
+        """Move a host page to the device, where a page is free or pages only the prefix cache
+        holds make room (moved to the host, or dropped where it is full): a page read every step
+        outranks one kept in case. No running sequence's page leaves for it; False if none can."""
+        while True:
+            buf = self.device_pool.allocate()
+            if buf is None and self._evict_oldest(kept_only=True):
+                buf = self.device_pool.allocate()
+            if buf is not None:
+                break
+            if not self.reclaim():
+                return False
+        buf.copy_(page.data, non_blocking=True)
+        if self._copy_stream is not None:
+            # the host page goes back to its pool: the copy out of it (and any eviction into it) done
+            self._copy_stream.synchronize()
+            torch.cuda.current_stream(self.device).synchronize()
+        self.host_pool.release(page.data)
+        page.data, page.on_device = buf, True
+        page.slot = self.device_pool.slot_of(buf) if self.device_pool.slab is not None else None
+        for seq in self._seqs.values():  # the page's buffer moved: page tables are stale
+            seq.table = None
+        return True
 
     def copy_tokens(self, seq_id, src: Page, n: int) -> None:
         """Append the K/V of `src`'s first n tokens to the sequence (which ends on a page boundary):
@@ -483,17 +513,23 @@ class KVCache:
         host = self.host_pool.allocate() if self.host_pool is not None else None
         return Page(host, on_device=False, serial=next(self._serial)) if host is not None else None
 
-    def _evict_oldest(self) -> bool:
-        """Move a full device page to the host: one only the prefix cache holds where there is one
-        (no step reads it), else the oldest."""
+    def _evict_oldest(self, kept_only: bool = False) -> bool:
+        """Move a device page to the host: one only the prefix cache holds where there is one (no
+        step reads it; the least recently matched), else (unless `kept_only`) a sequence's oldest
+        full page (a partial one is still being written)."""
         if self.host_pool is None or self.host_pool.full:
             return False
         held = {id(p): p for seq in self._seqs.values() for p in seq.pages}
-        candidates = [p for p in (*held.values(), *self._retained.values())
-                      if p.on_device and p.num_tokens == self.page_size]
-        if not candidates:
+        kept = [p for p in self._retained.values() if p.on_device and id(p) not in held]
+        if kept:
+            page = min(kept, key=lambda p: p.used)
+        elif kept_only:
             return False
-        page = min(candidates, key=lambda p: (id(p) in held, p.serial))
+        else:
+            candidates = [p for p in held.values() if p.on_device and p.num_tokens == self.page_size]
+            if not candidates:
+                return False
+            page = min(candidates, key=lambda p: p.serial)
         for seq in self._seqs.values():  # the page's buffer moves: page tables are stale
             seq.table = None
         host = self.host_pool.allocate()

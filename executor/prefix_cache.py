@@ -102,8 +102,14 @@ class PrefixCache:
                 tail, tail_tokens = entry, n
         now = next(self._clock)
         for entry in (*full, *((tail,) if tail else ())):
-            entry.last_used = now
+            self._touch(entry, now)
         return Match(tuple(full), tail, tail_tokens)
+
+    @staticmethod
+    def _touch(entry: Entry, now: int) -> None:
+        entry.last_used = now
+        for page in entry.pages:
+            page.used = now
 
     def pages_in_use(self) -> int:
         """Kept full pages that running sequences share (the ledger counts each once)."""
@@ -111,16 +117,25 @@ class PrefixCache:
 
     def start(self, seq_id, match: Match) -> None:
         """Give a new sequence its matched K/V in every stage: the shared pages, then the copy."""
-        for entry in match.full:
+        # In use from here: the pages that adopting brings back to the device, and the copy's own
+        # page, may make room by reclaiming kept pages, but never these (the copy's source included).
+        taken = (*match.full, *((match.tail,) if match.tail else ()))
+        for entry in taken:
             entry.users += 1
-        for s, kv in enumerate(self.kvs):
-            kv.adopt(seq_id, [entry.pages[s] for entry in match.full])
-        if match.tail is not None:
-            match.tail.users += 1  # the copy's new page must not reclaim its source
-            try:
+        try:
+            for s, kv in enumerate(self.kvs):
+                kv.adopt(seq_id, [entry.pages[s] for entry in match.full])
+            if match.tail is not None:
                 for s, kv in enumerate(self.kvs):
                     kv.copy_tokens(seq_id, match.tail.pages[s], match.tail_tokens)
-            finally:
+        except BaseException:  # the sequence starts on nothing: let go of what it took
+            for entry in match.full:
+                entry.users -= 1
+            for kv in self.kvs:
+                kv.free(seq_id)
+            raise
+        finally:
+            if match.tail is not None:
                 match.tail.users -= 1
         self.hit_tokens += match.tokens(self.page_size)
 
@@ -140,13 +155,13 @@ class PrefixCache:
             chunk = tuple(written[i * P:(i + 1) * P])
             if len(chunk) < P:  # the partial page at the end, unless a kept page starts the same way
                 if not any(e.tokens[:len(chunk)] == chunk for e in following):
-                    self._keep(None, scope, parent, chunk, [p[i] for p in pages], following).last_used = now
+                    self._touch(self._keep(None, scope, parent, chunk, [p[i] for p in pages], following), now)
                 break
             key = chain_key(key, chunk, scope)
             entry = self._full.get(key)
             if entry is None:
                 entry = self._full[key] = self._keep(key, scope, parent, chunk, [p[i] for p in pages], following)
-            entry.last_used = now
+            self._touch(entry, now)
             parent, following = entry, entry.children
 
     def _keep(self, key, scope, parent, tokens, pages, following) -> Entry:
@@ -165,6 +180,8 @@ class PrefixCache:
             return False
         entry = min(leaves, key=lambda e: e.last_used)
         (entry.parent.children if entry.parent else self._roots[entry.scope]).remove(entry)
+        if not self._roots.get(entry.scope, True):
+            del self._roots[entry.scope]
         if entry.key is not None:
             del self._full[entry.key]
         for kv, page in zip(self.kvs, entry.pages):

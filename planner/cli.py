@@ -67,7 +67,10 @@ def _workload(args):
 def cmd_profile(args) -> int:
     from planner.machine import machine_to_yaml
     from planner.profile import profile_machine, stderr_progress
+    from planner.yamlio import check_writable
 
+    if args.output not in (None, "-"):
+        check_writable(args.output, "-o", make_parents=True)  # before measuring, not after
     machine = profile_machine(quick=args.quick, name=args.name, progress=stderr_progress(), threads=args.threads)
     _write(machine_to_yaml(machine), args.output)
     if args.output:

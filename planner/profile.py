@@ -432,6 +432,32 @@ def probe_cuda(quick: bool, progress: Progress) -> tuple[GpuProfile, LinkProfile
 
 # ---- the whole profile -----------------------------------------------------------------------
 
+def _busy(threads: int) -> str | None:
+    """Why the figures may be other work's leftovers: a load average above half the threads."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return None
+    if load <= 0.5 * threads:
+        return None
+    return (f"the machine is busy (load average {load:.2f} for {threads} threads): the figures are what other work "
+            "leaves; profile an idle machine for a plan that holds")
+
+
+def _disagreements(dram: float, dram_runs: list[float], kernels) -> list[str]:
+    """Signs that other work ran during the probes: DRAM runs far apart, or the decode kernel
+    reading far below the DRAM probe it normally matches."""
+    found = []
+    if min(dram_runs) * 2 < max(dram_runs):
+        found.append(f"the DRAM runs disagree ({min(dram_runs):.1f}–{max(dram_runs):.1f} GiB/s): profile again "
+                     "on an idle machine")
+    for row in kernels.dtypes if kernels else ():
+        if row.gemv_gibps < 0.5 * dram:
+            found.append(f"the {row.dtype} decode GEMV read {row.gemv_gibps:.1f} GiB/s, under half the DRAM "
+                         f"probe's {dram:.1f}: other work likely ran during it; profile again on an idle machine")
+    return found
+
+
 def profile_machine(quick: bool = False, name: str | None = None, progress: Progress | None = None,
                     threads: int | None = None,
                     gpu_probe: Callable[[bool, Progress], tuple[GpuProfile, LinkProfile] | None] | None = None,
@@ -455,6 +481,9 @@ def profile_machine(quick: bool = False, name: str | None = None, progress: Prog
 
 def _profile(quick, name, progress, threads, facts, gpu_probe, started) -> MachineProfile:
     l3 = facts["l3_bytes"]
+    busy = _busy(threads)
+    if busy:
+        progress(f"warning: {busy}")
     progress(f"CPU {facts['model_name']}: {facts['cores']} cores, {facts['threads']} threads, "
              f"L3 {fmt_bytes(l3)}, RAM {fmt_bytes(facts['ram_total_bytes'])} "
              f"({fmt_bytes(facts['ram_available_bytes'])} available), ISA {' '.join(facts['isa']) or '-'}")
@@ -499,6 +528,8 @@ def _profile(quick, name, progress, threads, facts, gpu_probe, started) -> Machi
         compute_gflops=gflops, ram_total_bytes=facts["ram_total_bytes"],
         ram_available_bytes=facts["ram_available_bytes"], kernels=cpu_kernels)
     progress(f"done in {seconds:.1f}s: DRAM {dram:.2f} GiB/s (runs {min(dram_runs):.2f}–{max(dram_runs):.2f})")
+    for warning in _disagreements(dram, dram_runs, cpu_kernels):
+        progress(f"warning: {warning}")
     return MachineProfile(
         kind="machine_profile", schema_version=MACHINE_SCHEMA_VERSION,
         name=name or platform.node() or "this-machine", source="measured",

@@ -83,6 +83,22 @@ def dump_yaml(data: dict, header: list[str] | None = None) -> str:
     return "\n".join(lines) + ("\n" if lines else "") + body
 
 
+def check_writable(path: str | Path, what: str, make_parents: bool = False) -> None:
+    """PlanError now, before long work, if `path` will not be writable: a directory, no directory
+    to put it in (with `make_parents`: none that the writer could make), or one this user cannot
+    write. Creates nothing."""
+    path = Path(path)
+    if path.is_dir():
+        raise PlanError(f"cannot write {what} {path}: it is a directory")
+    parent = path.parent
+    while make_parents and not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise PlanError(f"cannot write {what} {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise PlanError(f"cannot write {what} {path}: permission denied")
+
+
 def read_text_file(path: Path, kind: str, max_bytes: int = MAX_FILE_BYTES) -> str:
     """The file's UTF-8 text; PlanError "<kind> not found" / "cannot read <kind>" otherwise.
     Only a regular file of at most `max_bytes` is read; messages never quote its content."""

@@ -112,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="model family (default for a preset: the preset's family)")
     parser.add_argument("--size", required=True,
                         help=f"'tiny' or a preset: {', '.join(preset_names())}")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="weights' dtype (default bf16)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     parser.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
     parser.add_argument("--shard-size", default="2GB",
                         help="largest safetensors file, e.g. 2GB, 500MB (default 2GB)")
@@ -132,6 +132,12 @@ def main(argv: list[str] | None = None) -> int:
                          config_only=args.config_only, jobs=args.jobs)
     except MakeModelError as e:
         parser.error(str(e))  # exits 2 with the usage line and the message
+    except OSError as e:
+        print(f"make_model.py: error: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("make_model.py: interrupted (the checkpoint directory is incomplete)", file=sys.stderr)
+        return 130
     print(out)
     return 0
 

@@ -15,8 +15,23 @@ from pathlib import Path
 import grpc
 
 from executor.errors import CredentialError
+from planner.errors import PlanError
+from planner.yamlio import read_text_file
 
 log = logging.getLogger("helm.auth")
+
+MAX_CREDENTIAL_BYTES = 1 << 20  # a token file, a PEM chain
+
+
+def read_credential(path: str | Path, what: str) -> str:
+    """A credential file's text: a regular file of at most MAX_CREDENTIAL_BYTES (a FIFO or a device
+    would block or never end), read without quoting it in any error."""
+    if not Path(path).exists():
+        raise CredentialError(f"cannot read {what} {path}: no such file")
+    try:
+        return read_text_file(Path(path), what, MAX_CREDENTIAL_BYTES)
+    except PlanError as e:
+        raise CredentialError(str(e)) from None
 
 CLIENT, ADMIN = "client", "admin"
 RANK = {CLIENT: 1, ADMIN: 2}
@@ -32,11 +47,11 @@ class Tokens:
     @classmethod
     def from_file(cls, path: str | Path) -> "Tokens":
         path = Path(path)
+        text = read_credential(path, "the token file")
         try:
             info = path.stat()
-            text = path.read_text()
-        except (OSError, UnicodeDecodeError) as e:
-            raise CredentialError(f"cannot read the token file {path}: {getattr(e, 'strerror', None) or e}") from None
+        except OSError as e:
+            raise CredentialError(f"cannot read the token file {path}: {e.strerror}") from None
         if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
             log.warning("the token file is readable by other users: chmod 600 it",
                         extra={"fields": {"path": str(path)}})
@@ -88,10 +103,7 @@ def is_loopback(host: str) -> bool:
 def server_credentials(cert: str, key: str, client_ca: str | None):
     """TLS credentials; with `client_ca`, clients must present a certificate it signed (mutual TLS)."""
     def read(path: str, what: str) -> bytes:
-        try:
-            return Path(path).read_bytes()
-        except OSError as e:
-            raise CredentialError(f"cannot read the {what} {path}: {e.strerror}") from None
+        return read_credential(path, f"the {what}").encode()
 
     root = read(client_ca, "client CA certificate") if client_ca else None
     key_pem, cert_pem = read(key, "TLS key"), read(cert, "TLS certificate")
@@ -150,11 +162,7 @@ class ClientAuth:
         if bool(args.tls_cert) != bool(args.tls_key):
             raise CredentialError("--tls-cert and --tls-key go together")
         if args.token_file:
-            try:
-                token = Path(args.token_file).read_text().strip()
-            except (OSError, UnicodeDecodeError) as e:
-                raise CredentialError(f"cannot read the token file {args.token_file}: "
-                                      f"{getattr(e, 'strerror', None) or e}") from None
+            token = read_credential(args.token_file, "the token file").strip()
             if not token or len(token.split()) != 1:
                 raise CredentialError(f"the token file {args.token_file} must hold one token")
         else:

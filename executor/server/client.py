@@ -4,7 +4,6 @@ results convert to domain types with their `from_pb`."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
@@ -12,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from executor.errors import CredentialError
 from executor.pb import executor_pb2 as pb, executor_pb2_grpc as pb_grpc
-from executor.server.auth import BearerToken, ClientAuth, is_loopback
+from executor.server.auth import BearerToken, ClientAuth, is_loopback, read_credential
 from planner.report import Report
 
 if TYPE_CHECKING:  # the messages import torch; a client (helm-plan's among them) does not need it
@@ -33,7 +32,7 @@ class ExecutorClient:
             raise CredentialError(f"not sending a token in plaintext to {addr}: connect over TLS (--tls-ca)")
         if tls:
             def read(path):
-                return Path(path).read_bytes() if path else None
+                return read_credential(path, "the PEM file").encode() if path else None
 
             creds = grpc.ssl_channel_credentials(read(auth.tls_ca), read(auth.tls_key), read(auth.tls_cert))
             channel = grpc.secure_channel(addr, creds)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from executor.engine import Engine
+from executor.engine import Engine, lost_device
 from executor.errors import (DeviceLostError, HelmError, LoadInProgressError, NotReadyError, OverloadedError,
                              PlanLoadError, PlanNotFoundError, RequestError, RequestFailedError, ShuttingDownError)
 from executor.loader import load_model
@@ -124,6 +124,9 @@ class Daemon:
             engine = Engine(model, max_running=self.max_batch, prefix_cache=self.prefix_cache)
             t1 = time.perf_counter()
             self._warm_up(engine)
+        except DeviceLostError as e:  # its warm-up found the GPU gone: so is every plan's
+            self._lose_device(str(e))
+            raise
         except HelmError:
             raise
         except Exception as e:  # noqa: BLE001 — out of memory, a CUDA error...: the plan cannot serve here
@@ -132,6 +135,11 @@ class Daemon:
             failure = f"{type(e).__name__}: {str(e)[:300]}"
         if failure is not None:  # out of the except block: its traceback no longer holds the model
             model = engine = None
+            fault = lost_device(torch.device(spec.device) for spec in placement.stages)
+            if fault is not None:
+                self._lose_device(f"the GPU can run nothing more in this process ({fault}); the plan's load failed "
+                                  f"with {failure}")
+                raise DeviceLostError(f"{self.device_lost}: restart the daemon to load a plan")
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -155,6 +163,9 @@ class Daemon:
             if self.state == "draining":  # shutdown began while the plan loaded
                 worker.retire()
                 raise ShuttingDownError("the daemon is shutting down; the plan was loaded but not swapped in")
+            if self.device_lost is not None:  # lost while this plan warmed up
+                worker.retire()
+                raise DeviceLostError(f"{self.device_lost}: restart the daemon to load a plan")
             if worker.crashed is not None:  # its engine stopped before it served (set before its exit hook)
                 raise PlanLoadError(f"the plan's engine stopped as it started ({worker.crashed}); "
                                     f"{self._what_serves()}")
@@ -231,15 +242,7 @@ class Daemon:
         if worker.crashed is None:
             return
         if worker.device_lost:  # whichever plan it served: no plan can run on that GPU in this process
-            with self._lock:
-                self.device_lost = worker.crashed
-                if self._serving is not None and self.state == "serving":
-                    self._serving = None
-                    self._stopped = f"{worker.crashed}: the daemon must restart"
-                    self._set_state("loading")
-            log.error("a GPU was lost: nothing serves until the daemon restarts",
-                      extra={"fields": {"worker": worker.name, "error": worker.crashed}})
-            self.on_device_lost()
+            self._lose_device(worker.crashed)
             return
         with self._lock:
             if self._serving is None or self._serving.worker is not worker or self.state != "serving":
@@ -249,6 +252,21 @@ class Daemon:
             self._set_state("loading")
         log.error("the serving engine stopped: not serving until LoadPlan",
                   extra={"fields": {"worker": worker.name, "error": worker.crashed}})
+
+    def _lose_device(self, why: str) -> None:
+        """A GPU can run nothing more in this process: nothing serves, and the hook (serve's exit)
+        runs once."""
+        with self._lock:
+            first = self.device_lost is None
+            if first:
+                self.device_lost = why
+            if self._serving is not None and self.state == "serving":
+                self._serving = None
+                self._stopped = f"{why}: the daemon must restart"
+                self._set_state("loading")
+        if first:
+            log.error("a GPU was lost: nothing serves until the daemon restarts", extra={"fields": {"error": why}})
+            self.on_device_lost()
 
     # -- requests -------------------------------------------------------------------------
     def submit(self, spec: GenerateSpec, scope: bytes = b"") -> "RequestHandle":

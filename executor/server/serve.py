@@ -92,7 +92,10 @@ def start_server(daemon, host: str, port: int, tokens=None, credentials=None, st
         interceptors=(guard,),
         # A backstop for floods far beyond what the lanes serve; the lanes refuse long before it.
         maximum_concurrent_rpcs=4 * threads,
-        options=(("grpc.max_receive_message_length", max(MAX_FILE_BYTES, daemon.max_prompt_bytes) + (64 << 10)),))
+        # so_reuseport off: gRPC turns it on, and a second daemon on a busy port would then share it
+        # with the first, each answering some of its calls
+        options=(("grpc.max_receive_message_length", max(MAX_FILE_BYTES, daemon.max_prompt_bytes) + (64 << 10)),
+                 ("grpc.so_reuseport", 0)))
     pb_grpc.add_ExecutorServiceServicer_to_server(ExecutorServicer(daemon, stall_timeout_s, metrics), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -113,10 +116,13 @@ def start_server(daemon, host: str, port: int, tokens=None, credentials=None, st
     on_state(daemon.state)
     daemon.on_state_change = on_state
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-    bound = server.add_secure_port(address, credentials) if credentials is not None \
-        else server.add_insecure_port(address)
+    try:
+        bound = server.add_secure_port(address, credentials) if credentials is not None \
+            else server.add_insecure_port(address)
+    except RuntimeError:  # gRPC's "Failed to bind"
+        bound = 0
     if not bound:
-        raise OSError(f"cannot listen on {address}")
+        raise OSError(f"cannot listen on {address}: the port is in use, or the address is not this machine's")
     server.start()
     server.helm_guard = guard  # serve's drain watches its Generate lane
     return server, bound
@@ -184,7 +190,7 @@ def serve(args) -> int:
             metrics_port = metrics.serve_http(args.metrics_host, args.metrics_port)
             log.info("metrics", extra={"fields": {"host": args.metrics_host, "port": metrics_port}})
         server, port = start_server(daemon, args.host, args.port, tokens, credentials, args.stall_timeout, metrics)
-    except (HelmError, OSError, RuntimeError, ValueError) as e:
+    except (HelmError, OSError, OverflowError, RuntimeError, ValueError) as e:
         log.error("cannot start", extra={"fields": {"error": str(e)}})
         if metrics is not None:
             metrics.close()

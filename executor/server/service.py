@@ -15,9 +15,9 @@ import time
 
 import grpc
 
-from executor.errors import (ConfigError, DeviceLostError, HelmError, LoadInProgressError, NotReadyError, OverloadedError,
-                             PlacementError, PlanNotFoundError, RequestError, RequestFailedError, ShuttingDownError,
-                             WeightsError)
+from executor.errors import (ConfigError, DeviceLostError, HelmError, LoadInProgressError, NotReadyError,
+                             OverloadedError, PlacementError, PlanNotFoundError, RequestError, RequestFailedError,
+                             ShuttingDownError, WeightsError)
 from executor.pb import executor_pb2 as pb
 from executor.pb import executor_pb2_grpc as pb_grpc
 from executor.server.auth import bearer_token

@@ -198,7 +198,7 @@ def test_offline_generate_measures_against_its_plan(checkpoint, capsys, tmp_path
     code, out, err = run(capsys, "--model", str(path), "--prompt-ids", "11,12", "--max-new-tokens", "2", "--json",
                          "--plan", str(plan_file), "--report", str(tmp_path / "no" / "dir" / "r.json"))
     assert code == 2 and "cannot write --report" in err and "Traceback" not in err
-    assert json.loads(out)["token_ids"]                           # the run's summary is printed first
+    assert out == ""                                              # refused before the run, not after it
 
 
 def test_plan_for_another_model_is_refused(checkpoint, capsys, tmp_path):
@@ -241,3 +241,63 @@ def test_cpu_threads_come_from_the_plan_unless_overridden(checkpoint, capsys, tm
     assert code == 0, err
     assert json.loads(out)["cpu_threads"] == 1 and torch.get_num_threads() == 1
     expect_error(capsys, [*common, "--threads", "0"], "threads must be >= 1")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["serve", "--model", "m", "--port", "70000"], "a port is 0..65535"),
+    (["serve", "--model", "m", "--port", "-1"], "a port is 0..65535"),
+    (["serve", "--model", "m", "--metrics-port", "65536"], "a port is 0..65535"),
+    (["serve", "--model", "m", "--drain-timeout", "nan"], "seconds > 0"),
+    (["serve", "--model", "m", "--stall-timeout", "-1"], "seconds > 0"),
+    (["generate", "--addr", "127.0.0.1:1", "--prompt-ids", "1", "--timeout", "inf"], "seconds > 0"),
+    (["info", "--addr", "127.0.0.1:1", "--wait", "nan"], "seconds >= 0"),
+    (["generate", "--model", "m", "--prompt-ids", "1", "--stop-ids", "a"], "--stop-ids: expected comma-separated"),
+])
+def test_flags_out_of_range_are_refused_by_name(capsys, argv, message):
+    """Before: --port 70000 listened on 4464, --metrics-port 70000 was a traceback, a NaN drain
+    timeout drained forever, a NaN deadline read as the daemon's DEADLINE_EXCEEDED."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag,value", [("--threads", "3"), ("--report", "r.json")])
+def test_offline_flags_are_refused_with_addr(capsys, flag, value):
+    """With --addr the daemon decides these: accepting them silently did nothing."""
+    code = main(["generate", "--addr", "127.0.0.1:1", "--prompt-ids", "1", flag, value])
+    assert code == 2 and f"{flag}: offline only" in capsys.readouterr().err
+
+
+def test_a_token_file_that_is_a_fifo_is_refused_not_waited_on(tmp_path):
+    """A FIFO (or a device) named as a credential blocked the client, and a daemon's start, forever."""
+    import os
+
+    fifo = tmp_path / "token"
+    os.mkfifo(fifo)
+    out = subprocess.run([sys.executable, "-m", "executor.cli", "generate", "--addr", "127.0.0.1:1", "--prompt-ids",
+                          "1", "--token-file", str(fifo)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "not a regular file" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_generation_the_daemon_aborted_exits_non_zero(capsys):
+    """A stream cut short by the daemon's drain is incomplete text: exit 1, saying so."""
+    from executor.cli import _finished
+
+    class Result:
+        finish_reason = "aborted"
+
+    assert _finished(Result()) == 1 and "aborted the request" in capsys.readouterr().err
+    Result.finish_reason = "length"
+    assert _finished(Result()) == 0
+
+
+def test_an_unwritable_report_is_refused_before_the_generation(checkpoint, capsys, tmp_path):
+    from planner.plan import save_plan
+    from planner.planning import plan_for_split
+
+    path = checkpoint("qwen3", "fp32")
+    plan = tmp_path / "plan.yaml"
+    save_plan(plan_for_split(path, 2), plan)
+    code, out, err = run(capsys, "--model", str(path), "--plan", str(plan), "--prompt-ids", "1,2,3",
+                         "--report", str(tmp_path))  # a directory
+    assert code == 2 and "cannot write --report" in err and "is a directory" in err and out == ""

@@ -590,7 +590,7 @@ def test_a_plan_loading_beside_a_serving_engine_captures_its_graphs_while_that_e
         return replace(Placement.from_split(cfg.num_units, 1, page_size_tokens=16, device_kv_pages=16),
                        kv_sequences=4, context_tokens=64)
 
-    serving = Engine(load_model(path, placement(), cfg), eos_token_ids=())
+    serving = Engine(load_model(path, placement(), cfg), eos_token_ids=(), prefix_cache=False)  # each end frees
     done, seqs, errors = threading.Event(), [], []
 
     def serve():

@@ -213,9 +213,9 @@ def test_a_free_whose_synchronise_fails_keeps_the_sequence_and_its_pages(monkeyp
     """On CUDA `free` synchronises before pinned pages go back to the free list; where that raises
     (a capture beside it, a lost device) the sequence keeps its pages, which a later free can
     return, instead of pages counted as used that no sequence holds."""
-    kv = KVCache(2, 2, 4, torch.float32, torch.device("cpu"), page_size=4, device_pages=4)
-    kv.reserve("a", 6)
-    kv._copy_stream = object()  # as on CUDA
+    kv = KVCache(2, 2, 4, torch.float32, torch.device("cpu"), page_size=4, device_pages=1, host_pages=4)
+    kv.reserve("a", 6)  # a page on the device, the second on the host (the first is not full: no eviction)
+    kv._copy_stream = object()  # as on CUDA, where a host page goes back only once no copy reads it
 
     def synchronize(device=None):
         raise RuntimeError("operation not permitted when stream is capturing")
@@ -223,8 +223,8 @@ def test_a_free_whose_synchronise_fails_keeps_the_sequence_and_its_pages(monkeyp
     monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
     with pytest.raises(RuntimeError, match="capturing"):
         kv.free("a")
-    assert kv.sequences() == ["a"] and kv.device_pool.used_pages == 2
+    assert kv.sequences() == ["a"] and (kv.device_pool.used_pages, kv.host_pool.used_pages) == (1, 1)
     monkeypatch.undo()
     kv._copy_stream = None
     kv.free("a")
-    assert kv.sequences() == [] and kv.device_pool.used_pages == 0
+    assert kv.sequences() == [] and (kv.device_pool.used_pages, kv.host_pool.used_pages) == (0, 0)

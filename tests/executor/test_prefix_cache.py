@@ -73,6 +73,7 @@ def test_kept_pages_give_way_to_new_requests_and_never_exceed_the_budget(path):
     eng = budget_engine(path, sequences=2, context=32, device_kv_pages=3)
     capacity = [s.kv.device_pool.capacity_pages + (s.kv.host_pool.capacity_pages if s.kv.host_pool else 0)
                 for s in eng.model.stages]
+    kept = []
     for i in range(6):
         prompts = [prompt_ids(20, 256, seed=80 + 2 * i), prompt_ids(9, 256, seed=81 + 2 * i)]
         seqs = [eng.add_request(p, stop=STOP) for p in prompts]
@@ -80,6 +81,9 @@ def test_kept_pages_give_way_to_new_requests_and_never_exceed_the_budget(path):
             eng.step()
             assert all(u <= c for u, c in zip(used_pages(eng), capacity))
         assert all(s.finish_reason == "length" for s in seqs)
+        kept.append(eng.prefix.kept_pages())
+    # the pools filled with kept pages (16 a stage), and the oldest gave way: the first prompt's are gone
+    assert max(kept) == 16 and eng.prefix.match(prompt_ids(20, 256, seed=80)).tokens(4) == 0
     assert seqs[1].output_ids == hf_greedy(path, prompts[1], 6)
     assert pages_in_use(eng) == 0 and eng.prefix.kept_pages() > 0
     eng.prefix.clear()
@@ -135,3 +139,71 @@ def test_an_engine_without_a_budget_keeps_nothing(path):
     _, model = helm_generate(path, [prompt_ids(9, 256, seed=93)], split=2, max_new_tokens=3, page_size=4)
     assert all(s.kv.stats().cached_pages == 0 and s.kv.stats().device_pages_used == 0
                for s in model.stages if s.kv)
+
+
+def test_a_copy_that_would_not_fit_the_budget_is_left_out_and_the_tokens_computed(path):
+    """The partial page a copy reads is held while the copy's page is made. At batch 1 with two
+    pages, the same 7-token prompt again would need the shared page, the held source and a page of
+    its own: three. It runs on the shared page alone (before: the copy found no page, the step
+    raised, and a shared page stayed counted with nothing running)."""
+    eng = budget_engine(path, sequences=1, context=8)
+    prompt = prompt_ids(7, 256, seed=120)
+    stop = StopCriteria(max_new_tokens=1, ignore_eos=True)
+    first = eng.generate([prompt], stop=stop)[0]
+    again = eng.generate([prompt], stop=stop)[0]
+    assert again.finish_reason == "length" and again.reused_tokens == 4 and again.output_ids == first.output_ids
+    assert eng.kv_pages_reserved == 0 and pages_in_use(eng) == 0
+
+
+def test_a_request_whose_start_fails_fails_alone_and_lets_go_of_what_it_took(path, monkeypatch):
+    eng = budget_engine(path, sequences=2, context=32)
+    prompt = prompt_ids(10, 256, seed=121)
+    eng.generate([prompt], stop=STOP)
+    kv = eng.model.stages[1].kv
+
+    def copy_tokens(seq_id, src, n):
+        raise RuntimeError("simulated: the copy failed")
+
+    monkeypatch.setattr(kv, "copy_tokens", copy_tokens)
+    bystander = eng.add_request(prompt_ids(6, 256, seed=122), stop=STOP)
+    doomed = eng.add_request(prompt, stop=STOP)
+    while eng.has_work():
+        eng.step()
+    assert doomed.finish_reason == "error" and "the copy failed" in doomed.error
+    assert bystander.finish_reason == "length" and bystander.output_ids == hf_greedy(path, bystander.prompt_ids, 6)
+    assert eng.kv_pages_reserved == 0 and pages_in_use(eng) == 0 and eng.prefix.pages_in_use() == 0
+    monkeypatch.undo()
+    assert eng.generate([prompt], stop=STOP)[0].reused_tokens == 9
+
+
+def test_kept_pages_leave_the_device_before_a_running_requests_do(path):
+    """With room on the host, a kept page on the device (a partial one too: no one writes it now)
+    moves there before a running request's page would (which on a GPU would take that request off
+    its static decode step)."""
+    eng = budget_engine(path, sequences=2, context=16, device_kv_pages=2)
+    kv = eng.model.stages[1].kv
+    eng.generate([prompt_ids(3, 256, seed=123)], stop=StopCriteria(max_new_tokens=1, ignore_eos=True))
+    assert kv.stats().cached_pages == 1 and kv.stats().host_pages_used == 0  # one partial page, on the device
+    seq = eng.add_request(prompt_ids(7, 256, seed=124), stop=StopCriteria(max_new_tokens=3, ignore_eos=True))
+    eng.step()
+    assert [p.on_device for p in kv.pages_of(seq.request_id)] == [True, True] and kv.stats().host_pages_used == 1
+
+
+def test_reused_pages_on_the_host_come_back_to_the_device(path):
+    """A request that reuses kept pages the host holds brings them back to the device, making
+    room there by moving (or dropping) pages only the prefix cache holds: a sequence with a page
+    on the host streams it every step of its life."""
+    eng = budget_engine(path, sequences=2, context=16, device_kv_pages=4)
+    kv = eng.model.stages[1].kv
+    system = prompt_ids(8, 256, seed=125)
+    stop = StopCriteria(max_new_tokens=4, ignore_eos=True)
+    eng.generate([system + [7]], stop=StopCriteria(max_new_tokens=1, ignore_eos=True))  # 2 full pages kept
+    eng.generate([prompt_ids(11, 256, seed=126)], stop=stop)  # takes the whole device
+    shared = [e.pages[1] for e in eng.prefix._full.values() if e.tokens == tuple(system[:4])]
+    assert shared and not shared[0].on_device  # the system prompt's first page went to the host
+    again = eng.add_request(system + [9, 10], stop=stop)
+    eng.step()
+    assert again.reused_tokens == 8 and kv.resident(again.request_id)
+    while eng.has_work():
+        eng.step()
+    assert again.output_ids == hf_greedy(path, system + [9, 10], 4)

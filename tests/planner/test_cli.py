@@ -147,3 +147,17 @@ def test_the_command_line_answers_without_loading_torch():
             "planner.plan.load_plan(sys.argv[1]); print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code, str(PLAN_8B)], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_profile_refuses_an_unwritable_output_before_measuring(tmp_path, capsys, monkeypatch):
+    """It measured for half a minute, then failed to write."""
+    from planner import profile
+    from planner.cli import main
+
+    monkeypatch.setattr(profile, "profile_machine", lambda **kw: (_ for _ in ()).throw(AssertionError("measured")))
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    assert main(["profile", "--quick", "-o", str(blocker / "machine.yaml")]) != 0
+    assert "cannot write -o" in capsys.readouterr().err
+    assert main(["profile", "--quick", "-o", str(blocker / "sub" / "machine.yaml")]) != 0  # under a file
+    assert "is not a directory" in capsys.readouterr().err

@@ -182,3 +182,22 @@ def test_checked_in_dev_profile_was_measured_here():
     assert m.source == "measured" and not m.quick and m.gpu is None
     assert len(m.cpu.dram_read_gibps_runs) == 7 and m.cpu.dram_buffer_bytes >= 2 * GIB
     assert m.cpu.l3_read_source == "measured"
+
+
+def test_a_busy_machine_or_probes_that_disagree_are_warned_about(monkeypatch):
+    """A shared machine's profile is what other work leaves (two back-to-back quick profiles here
+    read the bf16 GEMV at 2.6 and 40 GiB/s): the profile says so, rather than handing a plan
+    figures off by 15x with full confidence."""
+    from types import SimpleNamespace
+
+    from planner import profile
+
+    monkeypatch.setattr(profile.os, "getloadavg", lambda: (3.0, 2.0, 1.0))
+    assert "busy (load average 3.00 for 2 threads)" in profile._busy(2)
+    assert profile._busy(8) is None
+    kernels = SimpleNamespace(dtypes=(SimpleNamespace(dtype="bfloat16", gemv_gibps=2.6),
+                                      SimpleNamespace(dtype="float32", gemv_gibps=19.0)))
+    found = profile._disagreements(20.0, [19.0, 20.0, 21.0], kernels)
+    assert len(found) == 1 and "bfloat16 decode GEMV read 2.6 GiB/s" in found[0]
+    assert "DRAM runs disagree" in profile._disagreements(20.0, [8.0, 20.0, 21.0], None)[0]
+    assert profile._disagreements(20.0, [19.0, 20.0, 21.0], None) == []

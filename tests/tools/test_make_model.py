@@ -387,3 +387,13 @@ def test_parse_size():
     assert shards.parse_size(123) == 123
     with pytest.raises(MakeModelError):
         shards.parse_size("0")
+
+
+def test_an_unwritable_out_is_a_clear_error(tmp_path, capsys):
+    from tools.make_model import main
+
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    assert main(["--size", "tiny", "--arch", "qwen3", "--out", str(blocker / "model")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write" in err and "Traceback" not in err

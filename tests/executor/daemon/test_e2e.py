@@ -251,6 +251,9 @@ def test_report_cli_writes_a_schema_valid_report(daemon, client, capsys, tmp_pat
     decode = [r for r in data["rows"] if r["phase"] == "decode"]
     assert {r["stage"] for r in decode} == {0, 1} and all(r["predicted_ms"] > 0 for r in decode)
     assert "decode" in printed and "predicted" in printed
+    unwritable = tmp_path / "no such directory" / "report.json"
+    assert main(["report", "--addr", daemon.addr, "-o", str(unwritable)]) == 2
+    assert "cannot write -o" in capsys.readouterr().err
 
 
 def test_generate_cli_streams_from_the_daemon(daemon, model, capsys):

@@ -220,3 +220,38 @@ def test_a_failed_step_on_a_working_device_does_not_stop_the_daemon(checkpoint, 
     finally:
         daemon.drain(5)
         daemon.close()
+
+
+@pytest.mark.parametrize("how", ["the warm-up's step", "a load failure on a lost device"])
+def test_a_gpu_lost_while_a_plan_loads_stops_the_daemon_too(checkpoint, tmp_path, monkeypatch, how):
+    """The device can be lost under LoadPlan too: its warm-up step finds it (DeviceLostError), or
+    its load fails and the device check after it finds the GPU gone. Either way no plan can run
+    in this process: the daemon stops serving and calls the hook serve exits by, once; the next
+    LoadPlan is refused at once (before: refused, but the daemon served on NOT_SERVING, and the
+    next LoadPlan went to the dead GPU)."""
+    from executor.errors import DeviceLostError
+
+    model = checkpoint("qwen3", "fp32")
+    plan = write_plan(model, 2, tmp_path / "plan.yaml").read_text()
+    daemon = Daemon(model, max_batch=4, max_queue=4)
+    daemon.load_plan(PlanSource(yaml=plan))
+    lost = []
+    daemon.on_device_lost = lambda: lost.append(1)
+
+    def warm_up(engine):
+        if how == "the warm-up's step":
+            raise DeviceLostError("the GPU can run nothing more in this process (cuda:0: simulated)")
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")
+
+    monkeypatch.setattr(daemon, "_warm_up", warm_up)
+    monkeypatch.setattr("executor.server.daemon.lost_device", lambda devices: "cuda:0: simulated")
+    try:
+        with pytest.raises(DeviceLostError):
+            daemon.load_plan(PlanSource(yaml=plan))
+        assert lost == [1] and daemon.device_lost is not None and daemon.state != "serving"
+        with pytest.raises(DeviceLostError, match="restart the daemon"):
+            daemon.load_plan(PlanSource(yaml=plan))
+        assert lost == [1]
+    finally:
+        daemon.drain(5)
+        daemon.close()

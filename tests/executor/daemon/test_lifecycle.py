@@ -161,3 +161,22 @@ def test_a_lost_gpu_drains_and_exits_for_a_supervisor_to_restart(plan, tmp_path)
         assert last["msg"] == "stopped: a GPU was lost, restart the daemon" and "illegal memory" in last["error"]
     finally:
         daemon.kill()
+
+
+def test_a_second_daemon_on_a_busy_port_is_refused(model, plan, tmp_path):
+    """gRPC binds with SO_REUSEPORT unless told not to: a second daemon on the first one's port
+    then shared it, the kernel handing each some of the connections (two models behind one
+    address). It must refuse to start, and the first serves on."""
+    import subprocess
+    import sys
+
+    first = DaemonProcess(["--plan", str(plan)], tmp_path / "daemon.log")
+    try:
+        second = subprocess.run([sys.executable, "-m", "executor.cli", "serve", "--model", str(model), "--port",
+                                 str(first.port), "--threads", "1"], capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2 and "cannot listen" in second.stderr, second.stderr[-2000:]
+        with ExecutorClient(first.addr) as client:
+            client.wait_serving(timeout_s=120)
+            assert client.info().model.directory == str(model)
+    finally:
+        first.stop()

@@ -322,8 +322,9 @@ def test_a_block_stack_keeps_its_weights_whatever_the_caller_does_with_its_list(
     before = stack(x.clone(), cos, sin, [(0, 1, 0, table)])
     blocks.clear()
     gc.collect()
-    junk = [torch.full((64 * 128,), 1e30) for _ in range(16)]  # noqa: F841 — reuse what was freed
+    junk = [torch.full((64 * 128,), 1e30) for _ in range(16)]  # reuse what was freed
     assert torch.equal(stack(x.clone(), cos, sin, [(0, 1, 0, table)]), before)
+    del junk
 
 
 def test_a_block_stack_step_is_bounded_and_one_at_a_time():
