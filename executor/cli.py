@@ -291,7 +291,7 @@ def _generate(args) -> int:
 
 
 def _sampling_and_stop(args):
-    from executor.sampling import SamplingParams, StopCriteria
+    from executor.request_params import SamplingParams, StopCriteria
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     stop = StopCriteria(max_new_tokens=args.max_new_tokens, stop_token_ids=tuple(args.stop_ids),

@@ -29,7 +29,8 @@ from executor.capture_gate import GATE
 from executor.errors import DeviceLostError, HelmError, RequestError
 from executor.loader import LoadedModel
 from executor.prefix_cache import Match, PrefixCache
-from executor.sampling import SamplingParams, StopCriteria, make_generator, sample_rows
+from executor.request_params import SamplingParams, StopCriteria
+from executor.sampling import make_generator, sample_rows
 from planner.step_shape import MAX_RUNNING_SEQUENCES, MAX_STEP_TOKENS, PREFILL_CHUNK_TOKENS, step_tokens
 
 log = logging.getLogger(__name__)

@@ -68,7 +68,7 @@ from executor.engine import Engine
 from executor.loader import load_model
 from executor.model_config import ModelConfig
 from executor.placement import Placement
-from executor.sampling import StopCriteria
+from executor.request_params import StopCriteria
 from tools.bench_decode import weight_bytes_per_token
 
 model_dir, prompt_tokens, new_tokens, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
@@ -116,7 +116,7 @@ def peak_rss(model_dir: str, prompt_tokens: int, new_tokens: int, threads: int) 
 
 def run_helm(model, prompt: list[int], new_tokens: int) -> tuple[float, float]:
     from executor.engine import Engine
-    from executor.sampling import StopCriteria
+    from executor.request_params import StopCriteria
 
     engine = Engine(model, eos_token_ids=())
     seq = engine.generate([prompt], stop=StopCriteria(max_new_tokens=new_tokens, ignore_eos=True))[0]

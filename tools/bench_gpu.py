@@ -47,7 +47,7 @@ from executor.loader import load_model  # noqa: E402
 from executor.model_config import ModelConfig  # noqa: E402
 from executor.plan_io import placement_for  # noqa: E402
 from executor.report import Recorder, kernel_isa  # noqa: E402
-from executor.sampling import SamplingParams, StopCriteria  # noqa: E402
+from executor.request_params import SamplingParams, StopCriteria  # noqa: E402
 from planner.calibrate import recalibrate  # noqa: E402
 from planner.cost import weight_read_bytes  # noqa: E402
 from planner.errors import PlanError  # noqa: E402

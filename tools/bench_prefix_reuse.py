@@ -24,7 +24,7 @@ from executor.engine import Engine  # noqa: E402
 from executor.loader import load_model  # noqa: E402
 from executor.model_config import ModelConfig  # noqa: E402
 from executor.plan_io import placement_for  # noqa: E402
-from executor.sampling import SamplingParams, StopCriteria  # noqa: E402
+from executor.request_params import SamplingParams, StopCriteria  # noqa: E402
 from planner.planning import plan_for_split, workload_for  # noqa: E402
 from tools.make_model import make_model  # noqa: E402
 

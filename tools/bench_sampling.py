@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from executor.sampling import (SamplingParams, candidates_by_sorting, make_generator, sample,  # noqa: E402
-                               sample_rows)
+from executor.request_params import SamplingParams  # noqa: E402
+from executor.sampling import candidates_by_sorting, make_generator, sample, sample_rows  # noqa: E402
 
 VOCABS = {"Qwen3 / Qwen2.5": 151936, "Llama 3": 128256, "Mistral 7B v0.3": 32768}
 BATCH = 16

@@ -32,7 +32,7 @@ from executor.loader import load_model
 from executor.model_config import ModelConfig
 from executor.plan_io import check_host_kv_fits, check_plan_fits, load_checked_plan, placement_for
 from executor.report import Recorder, kernel_isa
-from executor.sampling import SamplingParams, StopCriteria
+from executor.request_params import SamplingParams, StopCriteria
 from executor.server.messages import (MAX_PROMPT_BYTES_PER_TOKEN, GenerateSpec, GenerationResult, LoadResult,
                                       PlanSource, ServerInfo, StageInfo, StageTiming, TokenChunk)
 from executor.server.text import TextStream

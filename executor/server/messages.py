@@ -7,10 +7,13 @@ passed in so that this module imports without generated code.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from executor.errors import RequestError
-from executor.kv_cache import KVStats
-from executor.sampling import SamplingParams, StopCriteria
+from executor.request_params import SamplingParams, StopCriteria
+
+if TYPE_CHECKING:  # the client commands import this module without torch
+    from executor.kv_cache import KVStats
 from planner.plan import Plan
 from planner.report import PlanSummary, device_name
 

@@ -21,7 +21,7 @@ from executor.engine import Engine
 from executor.errors import DeviceLostError, HelmError, RequestFailedError
 from executor.kv_cache import KVStats
 from executor.report import Recorder
-from executor.sampling import SamplingParams, StopCriteria
+from executor.request_params import SamplingParams, StopCriteria
 
 log = logging.getLogger("helm.worker")
 

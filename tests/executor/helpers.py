@@ -15,7 +15,7 @@ from executor.engine import Engine
 from executor.loader import load_model
 from executor.model_config import ModelConfig
 from executor.placement import Placement
-from executor.sampling import SamplingParams, StopCriteria
+from executor.request_params import SamplingParams, StopCriteria
 
 
 def prompt_ids(n: int, vocab: int, seed: int = 0) -> list[int]:

@@ -301,3 +301,14 @@ def test_an_unwritable_report_is_refused_before_the_generation(checkpoint, capsy
     code, out, err = run(capsys, "--model", str(path), "--plan", str(plan), "--prompt-ids", "1,2,3",
                          "--report", str(tmp_path))  # a directory
     assert code == 2 and "cannot write --report" in err and "is a directory" in err and out == ""
+
+
+def test_client_commands_never_load_torch():
+    """A client of a daemon needs gRPC, not torch (1.2 s of imports on every call)."""
+    code = ("import sys\nfrom executor.cli import main\n"
+            "for argv in (['generate', '--addr', '127.0.0.1:1', '--prompt-ids', '1', '--timeout', '1'],\n"
+            "             ['info', '--addr', '127.0.0.1:1'], ['report', '--addr', '127.0.0.1:1']):\n"
+            "    assert main(argv) == 2\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from executor.loader import resolve_backend
-from executor.sampling import SamplingParams
+from executor.request_params import SamplingParams
 from tests.executor.helpers import (helm_generate, helm_teacher_forced_logits, hf_greedy, hf_model,
                                     prompt_ids)
 

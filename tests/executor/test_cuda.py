@@ -73,7 +73,7 @@ def test_cuda_stage_is_timed_with_events(checkpoint):
     from executor.loader import load_model
     from executor.model_config import ModelConfig
     from executor.placement import Placement
-    from executor.sampling import StopCriteria
+    from executor.request_params import StopCriteria
 
     path = checkpoint("qwen3", "fp32")
     cfg = ModelConfig.from_dir(path)
@@ -237,7 +237,7 @@ def test_a_vram_cap_holds_under_16_concurrent_requests_at_the_plans_context(chec
     from executor.loader import load_model
     from executor.model_config import ModelConfig
     from executor.placement import Placement
-    from executor.sampling import StopCriteria
+    from executor.request_params import StopCriteria
 
     replays = []
     replay = torch.cuda.CUDAGraph.replay
@@ -279,7 +279,7 @@ def test_the_plans_gpu_bytes_bound_what_the_gpu_stage_allocates(checkpoint):
     from executor.loader import load_model
     from executor.model_config import ModelConfig
     from executor.plan_io import placement_for
-    from executor.sampling import StopCriteria
+    from executor.request_params import StopCriteria
     from planner.planning import plan_for_split, workload_for
     from planner.profile import cuda_stream_workspace_bytes, flash_attention_runs, placeholder_machine
 
@@ -346,7 +346,8 @@ def test_sampling_rows_on_cuda_draws_what_it_draws_on_the_cpu():
     top-k rows exactly (their arithmetic is the host's), as a large nucleus (found on the host);
     the others as long as the GPU's float64 exp and cumsum round alike or the draws miss the last
     bit where they do not. Candidates come in an order of the logits' own, not of a topk's."""
-    from executor.sampling import SamplingParams, make_generator, sample_rows
+    from executor.request_params import SamplingParams
+    from executor.sampling import make_generator, sample_rows
 
     g = torch.Generator().manual_seed(0)
     logits = ((torch.randn(6, 151936, generator=g) * 4).round() / 2)   # ties inside the top k
@@ -497,7 +498,7 @@ from executor.errors import DeviceLostError
 from executor.loader import load_model
 from executor.model_config import ModelConfig
 from executor.placement import Placement
-from executor.sampling import StopCriteria
+from executor.request_params import StopCriteria
 
 gpu = torch.device("cuda")
 try:
@@ -549,7 +550,7 @@ def test_prefix_reuse_on_cuda_with_offloaded_pages_is_exact(checkpoint):
     page, shares the full pages (streamed back) and copies the matching tokens out of a host page
     (the copy waits for the eviction that put it there). Tokens equal an engine's that keeps
     nothing, and transformers' (fp32)."""
-    from executor.sampling import StopCriteria
+    from executor.request_params import StopCriteria
     from tests.executor.helpers import budget_engine
 
     path = checkpoint("qwen3", "fp32")
@@ -581,7 +582,7 @@ def test_a_plan_loading_beside_a_serving_engine_captures_its_graphs_while_that_e
     from executor.loader import load_model
     from executor.model_config import ModelConfig
     from executor.placement import Placement
-    from executor.sampling import StopCriteria
+    from executor.request_params import StopCriteria
 
     path = checkpoint("qwen3", "bf16")
     cfg = ModelConfig.from_dir(path)

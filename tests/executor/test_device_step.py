@@ -14,7 +14,7 @@ from executor.engine import Engine
 from executor.loader import load_model
 from executor.model_config import ModelConfig
 from executor.placement import Placement
-from executor.sampling import SamplingParams, StopCriteria
+from executor.request_params import SamplingParams, StopCriteria
 from tests.executor.helpers import (decode_step_launches, helm_generate, helm_teacher_forced_logits, hf_greedy, hf_model,
                                     prompt_ids)
 from tests.executor.test_correctness import FAMILIES, LOGIT_TOL

@@ -6,7 +6,7 @@ from executor.errors import RequestError
 from executor.loader import load_model
 from executor.model_config import ModelConfig
 from executor.placement import Placement
-from executor.sampling import SamplingParams, StopCriteria
+from executor.request_params import SamplingParams, StopCriteria
 from tests.executor.helpers import budget_engine, helm_generate, pages_in_use, prompt_ids
 
 

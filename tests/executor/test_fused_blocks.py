@@ -11,7 +11,7 @@ from executor.engine import Engine
 from executor.loader import load_model
 from executor.model_config import ModelConfig
 from executor.placement import Placement
-from executor.sampling import SamplingParams, StopCriteria
+from executor.request_params import SamplingParams, StopCriteria
 from tests.executor.helpers import helm_teacher_forced_logits, prompt_ids
 
 pytestmark = pytest.mark.skipif(resolve_backend("auto") != "helm", reason="CPU kernels not built")

@@ -3,7 +3,7 @@ computes only the rest, and its tokens are transformers' all the same; shared pa
 once and given up when a pool needs room; scopes never share."""
 import pytest
 
-from executor.sampling import SamplingParams, StopCriteria
+from executor.request_params import SamplingParams, StopCriteria
 from tests.executor.helpers import budget_engine, hf_greedy, pages_in_use, prompt_ids
 
 STOP = StopCriteria(max_new_tokens=6, ignore_eos=True)

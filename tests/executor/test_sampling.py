@@ -4,8 +4,8 @@ import torch
 
 from executor.errors import RequestError
 from executor import sampling
-from executor.sampling import (NUCLEUS_PROBE, SamplingParams, StopCriteria, candidates, candidates_by_sorting,
-                               make_generator, sample, sample_rows)
+from executor.request_params import SamplingParams, StopCriteria
+from executor.sampling import NUCLEUS_PROBE, candidates, candidates_by_sorting, make_generator, sample, sample_rows
 
 
 def draws(params, logits, n):

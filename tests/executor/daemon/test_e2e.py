@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2
 
 from executor.cli import main
 from executor.pb import executor_pb2 as pb
-from executor.sampling import SamplingParams
+from executor.request_params import SamplingParams
 from executor.server.client import ExecutorClient
 from executor.tokenizer import Tokenizer
 from planner.plan import load_plan

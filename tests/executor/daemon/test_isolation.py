@@ -10,7 +10,7 @@ from executor.pb import executor_pb2 as pb
 from executor.server.client import ExecutorClient
 from executor.server.daemon import Daemon
 from executor.errors import RequestFailedError
-from executor.sampling import SamplingParams, StopCriteria
+from executor.request_params import SamplingParams, StopCriteria
 from executor.server.messages import GenerateSpec, PlanSource
 from executor.server.serve import start_server
 from tests.executor.daemon.helpers import PAGE_SIZE, collect, wait_until, write_plan

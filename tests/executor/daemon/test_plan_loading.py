@@ -13,7 +13,7 @@ import torch
 
 from executor.errors import LoadInProgressError, PlacementError, PlanLoadError, PlanNotFoundError, RequestError
 from executor.kv_cache import PagePool
-from executor.sampling import SamplingParams, StopCriteria
+from executor.request_params import SamplingParams, StopCriteria
 from executor.server.daemon import Daemon
 from executor.server.messages import GenerateSpec, GenerationResult, PlanSource
 from planner.plan import load_plan, parse_plan, plan_digest

@@ -332,7 +332,7 @@ def test_a_full_daemon_still_names_what_is_wrong_with_a_request(served):
     request invalid however long the client waits: those are INVALID_ARGUMENT, not a retryable
     RESOURCE_EXHAUSTED."""
     from executor.errors import OverloadedError, RequestError
-    from executor.sampling import SamplingParams, StopCriteria
+    from executor.request_params import SamplingParams, StopCriteria
     from executor.server.messages import GenerateSpec
 
     _, daemon = served

@@ -86,7 +86,7 @@ def test_a_daemon_adds_the_tokenizers_special_tokens_unless_the_text_is_raw(chec
     """GenerateRequest.raw_text crosses the wire, and the daemon tokenizes as the offline CLI does:
     a Llama's BOS first, or nothing added for raw text."""
     from executor.pb import executor_pb2 as pb
-    from executor.sampling import SamplingParams, StopCriteria
+    from executor.request_params import SamplingParams, StopCriteria
     from executor.server.daemon import Daemon
     from executor.server.messages import GenerateSpec
 
