@@ -109,8 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "plan's working memory is priced for: its KV budget's sequences)")
     srv.add_argument("--max-queue", type=int, default=64,
                      help="most requests waiting beyond a full batch (default 64; beyond: RESOURCE_EXHAUSTED)")
-    srv.add_argument("--drain-timeout", type=_seconds, default=30.0, metavar="SECONDS",
-                     help="seconds requests in flight may take to finish after SIGTERM, then aborted (default 30)")
+    srv.add_argument("--drain-timeout", type=lambda text: _seconds(text, zero_ok=True), default=30.0,
+                     metavar="SECONDS", help="seconds requests in flight may take to finish after SIGTERM, then "
+                                             "aborted (default 30; 0 aborts them at once)")
     srv.add_argument("--stall-timeout", type=_seconds, default=30.0, metavar="SECONDS",
                      help="cut off a Generate stream whose client has not read for this long (default 30)")
     srv.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",

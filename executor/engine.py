@@ -314,21 +314,28 @@ class Engine:
                 if len(self._kv_pages) >= self.max_running:
                     break
                 try:
-                    if not self._reserve_kv(seq):
-                        break   # in arrival order: a later request never overtakes a waiting one
-                except Exception as e:  # noqa: BLE001 — this request fails, the step goes on
+                    started = self._reserve_kv(seq)
+                except Exception as e:  # noqa: BLE001 — without its kept prefix, then failing alone
                     self._check_devices(e)
-                    failed.append(self._fail(seq, e))
-                    continue
+                    log.warning("request %s: starting on its kept prompt prefix failed (%s: %s); computing the "
+                                "whole prompt", seq.request_id, type(e).__name__, e)
+                    try:
+                        started = self._reserve_kv(seq, reuse=False)
+                    except Exception as e:  # noqa: BLE001
+                        self._check_devices(e)
+                        failed.append(self._fail(seq, e))
+                        continue
+                if not started:
+                    break   # in arrival order: a later request never overtakes a waiting one
             count = min(self.prefill_chunk, budget, len(seq.prompt_ids) - seq.num_computed)
             schedule.append((seq, seq.num_computed, count))
             budget -= count
         return schedule
 
-    def _reserve_kv(self, seq: Sequence) -> bool:
+    def _reserve_kv(self, seq: Sequence, reuse: bool = True) -> bool:
         """Hold the pages `seq` may grow to, if the plan's budget has them free, and start it on
         the longest kept prefix of its prompt (pages it shares are counted once, not per sharer)."""
-        match = self.prefix.match(seq.prompt_ids, seq.scope) if self.prefix else Match()
+        match = self.prefix.match(seq.prompt_ids, seq.scope) if self.prefix and reuse else Match()
         need = self._pages_needed(len(seq.prompt_ids), seq.stop)
         # What fits: the whole match, without the copy (its source is held while the copy's page is
         # made), or none of it (kept pages give way to a request's own as it grows).

@@ -338,13 +338,21 @@ class KVCache:
                 buf = self.device_pool.allocate()
             if buf is not None:
                 break
-            if not self.reclaim():
+            held = {id(p) for seq in self._seqs.values() for p in seq.pages}
+            if not any(p.on_device and id(p) not in held for p in self._retained.values()):
+                return False  # the device holds only running pages: dropping kept ones frees none of it
+            if not self.reclaim():  # the host is full: a kept page dropped makes room there
                 return False
-        buf.copy_(page.data, non_blocking=True)
-        if self._copy_stream is not None:
-            # the host page goes back to its pool: the copy out of it (and any eviction into it) done
-            self._copy_stream.synchronize()
-            torch.cuda.current_stream(self.device).synchronize()
+        try:
+            if self._copy_stream is not None:  # an eviction into this host page may be in flight
+                torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
+            buf.copy_(page.data, non_blocking=True)
+            if self._copy_stream is not None:
+                # the host page goes back to its pool: the copy out of it done
+                torch.cuda.current_stream(self.device).synchronize()
+        except BaseException:
+            self.device_pool.release(buf)
+            raise
         self.host_pool.release(page.data)
         page.data, page.on_device = buf, True
         page.slot = self.device_pool.slot_of(buf) if self.device_pool.slab is not None else None

@@ -90,12 +90,16 @@ def check_writable(path: str | Path, what: str, make_parents: bool = False) -> N
     path = Path(path)
     if path.is_dir():
         raise PlanError(f"cannot write {what} {path}: it is a directory")
+    if path.exists():  # written in place (a file, /dev/stdout): the file's own permission decides
+        if not os.access(path, os.W_OK):
+            raise PlanError(f"cannot write {what} {path}: permission denied")
+        return
     parent = path.parent
     while make_parents and not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir():
         raise PlanError(f"cannot write {what} {path}: {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+    if not os.access(parent, os.W_OK | os.X_OK):
         raise PlanError(f"cannot write {what} {path}: permission denied")
 
 

@@ -3,12 +3,15 @@ loopback rule; a client's token, CA and certificate (`ClientAuth`, the flags eve
 command takes). Light on purpose (grpc, no torch): `helm-plan recalibrate` uses it too."""
 from __future__ import annotations
 
+import errno
 import hmac
 import ipaddress
 import logging
 import os
+import select
 import ssl
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,17 +24,56 @@ from planner.yamlio import read_text_file
 log = logging.getLogger("helm.auth")
 
 MAX_CREDENTIAL_BYTES = 1 << 20  # a token file, a PEM chain
+PIPE_WAIT_S = 10.0  # a credential read from a pipe (`--token-file <(pass show helm)`) arrives within this
 
 
-def read_credential(path: str | Path, what: str) -> str:
-    """A credential file's text: a regular file of at most MAX_CREDENTIAL_BYTES (a FIFO or a device
-    would block or never end), read without quoting it in any error."""
-    if not Path(path).exists():
-        raise CredentialError(f"cannot read {what} {path}: no such file")
+def read_credential(path: str | Path, what: str, pipes: bool = False) -> str:
+    """A credential file's text, at most MAX_CREDENTIAL_BYTES, read without quoting it in any
+    error: a regular file, or with `pipes` (a client's flags) also a pipe or a device, read until
+    its end for at most PIPE_WAIT_S (a secret kept off the disk; a FIFO nobody writes to, or
+    /dev/zero, is an error, not a hang)."""
+    path = Path(path)
     try:
-        return read_text_file(Path(path), what, MAX_CREDENTIAL_BYTES)
+        mode = path.stat().st_mode
+    except OSError as e:
+        raise CredentialError(f"cannot read {what} {path}: {'no such file' if e.errno == errno.ENOENT else e.strerror}") \
+            from None
+    if pipes and (stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)):
+        return _read_pipe(path, what)
+    try:
+        return read_text_file(path, what, MAX_CREDENTIAL_BYTES)
     except PlanError as e:
         raise CredentialError(str(e)) from None
+
+
+def _read_pipe(path: Path, what: str) -> str:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise CredentialError(f"cannot read {what} {path}: {e.strerror}") from None
+    data, deadline = b"", time.monotonic() + PIPE_WAIT_S
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CredentialError(f"cannot read {what} {path}: it did not end within {PIPE_WAIT_S:g} s")
+            if not select.select([fd], [], [], left)[0]:
+                continue
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                break
+            data += chunk
+            if len(data) > MAX_CREDENTIAL_BYTES:
+                raise CredentialError(f"cannot read {what} {path}: more than {MAX_CREDENTIAL_BYTES} bytes")
+    finally:
+        os.close(fd)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CredentialError(f"cannot read {what} {path}: not UTF-8 text") from None
 
 CLIENT, ADMIN = "client", "admin"
 RANK = {CLIENT: 1, ADMIN: 2}
@@ -162,7 +204,7 @@ class ClientAuth:
         if bool(args.tls_cert) != bool(args.tls_key):
             raise CredentialError("--tls-cert and --tls-key go together")
         if args.token_file:
-            token = read_credential(args.token_file, "the token file").strip()
+            token = read_credential(args.token_file, "the token file", pipes=True).strip()
             if not token or len(token.split()) != 1:
                 raise CredentialError(f"the token file {args.token_file} must hold one token")
         else:

@@ -32,7 +32,7 @@ class ExecutorClient:
             raise CredentialError(f"not sending a token in plaintext to {addr}: connect over TLS (--tls-ca)")
         if tls:
             def read(path):
-                return read_credential(path, "the PEM file").encode() if path else None
+                return read_credential(path, "the PEM file", pipes=True).encode() if path else None
 
             creds = grpc.ssl_channel_credentials(read(auth.tls_ca), read(auth.tls_key), read(auth.tls_cert))
             channel = grpc.secure_channel(addr, creds)

@@ -261,6 +261,9 @@ class Daemon:
             if first:
                 self.device_lost = why
             if self._serving is not None and self.state == "serving":
+                worker = self._serving.worker  # its requests fail on the dead GPU: it ends, and close joins it
+                worker.retire()
+                self._retired.append(worker)
                 self._serving = None
                 self._stopped = f"{why}: the daemon must restart"
                 self._set_state("loading")

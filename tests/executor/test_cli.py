@@ -247,7 +247,7 @@ def test_cpu_threads_come_from_the_plan_unless_overridden(checkpoint, capsys, tm
     (["serve", "--model", "m", "--port", "70000"], "a port is 0..65535"),
     (["serve", "--model", "m", "--port", "-1"], "a port is 0..65535"),
     (["serve", "--model", "m", "--metrics-port", "65536"], "a port is 0..65535"),
-    (["serve", "--model", "m", "--drain-timeout", "nan"], "seconds > 0"),
+    (["serve", "--model", "m", "--drain-timeout", "nan"], "seconds >= 0"),
     (["serve", "--model", "m", "--stall-timeout", "-1"], "seconds > 0"),
     (["generate", "--addr", "127.0.0.1:1", "--prompt-ids", "1", "--timeout", "inf"], "seconds > 0"),
     (["info", "--addr", "127.0.0.1:1", "--wait", "nan"], "seconds >= 0"),
@@ -268,15 +268,32 @@ def test_offline_flags_are_refused_with_addr(capsys, flag, value):
     assert code == 2 and f"{flag}: offline only" in capsys.readouterr().err
 
 
-def test_a_token_file_that_is_a_fifo_is_refused_not_waited_on(tmp_path):
-    """A FIFO (or a device) named as a credential blocked the client, and a daemon's start, forever."""
+def test_credentials_from_pipes_are_read_and_never_waited_on_forever(tmp_path, monkeypatch):
+    """A client's token may come from a pipe (`--token-file <(pass show helm)`, /dev/stdin): read to
+    its end. A FIFO nobody writes to is given up after PIPE_WAIT_S, /dev/zero at the size limit;
+    the daemon's own token file must be a regular file. Before: a FIFO blocked the client, and the
+    daemon's start, forever."""
     import os
 
+    from executor.errors import CredentialError
+    from executor.server import auth
+    from executor.server.auth import Tokens, read_credential
+
+    def client(token_file, stdin=None):
+        return subprocess.run([sys.executable, "-m", "executor.cli", "info", "--addr", "127.0.0.1:1",
+                               "--token-file", token_file], input=stdin, capture_output=True, text=True, timeout=60)
+
+    piped = client("/dev/stdin", stdin="a-token-from-a-pipe\n")
+    assert piped.returncode == 2 and "UNAVAILABLE" in piped.stderr  # read, then the call failed: no daemon
+    out = client("/dev/zero")
+    assert out.returncode == 2 and "more than" in out.stderr and "Traceback" not in out.stderr
     fifo = tmp_path / "token"
     os.mkfifo(fifo)
-    out = subprocess.run([sys.executable, "-m", "executor.cli", "generate", "--addr", "127.0.0.1:1", "--prompt-ids",
-                          "1", "--token-file", str(fifo)], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "not a regular file" in out.stderr and "Traceback" not in out.stderr
+    monkeypatch.setattr(auth, "PIPE_WAIT_S", 0.3)
+    with pytest.raises(CredentialError, match="did not end within 0.3 s"):
+        read_credential(fifo, "the token file", pipes=True)
+    with pytest.raises(CredentialError, match="not a regular file"):
+        Tokens.from_file(fifo)
 
 
 def test_a_generation_the_daemon_aborted_exits_non_zero(capsys):

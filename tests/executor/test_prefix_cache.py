@@ -155,7 +155,9 @@ def test_a_copy_that_would_not_fit_the_budget_is_left_out_and_the_tokens_compute
     assert eng.kv_pages_reserved == 0 and pages_in_use(eng) == 0
 
 
-def test_a_request_whose_start_fails_fails_alone_and_lets_go_of_what_it_took(path, monkeypatch):
+def test_a_request_whose_start_fails_computes_its_prompt_and_lets_go_of_what_it_took(path, monkeypatch):
+    """Starting on a kept prefix can fail (a copy, memory for a page brought back): the request then
+    computes its whole prompt, and what the failed start took is given back."""
     eng = budget_engine(path, sequences=2, context=32)
     prompt = prompt_ids(10, 256, seed=121)
     eng.generate([prompt], stop=STOP)
@@ -166,10 +168,11 @@ def test_a_request_whose_start_fails_fails_alone_and_lets_go_of_what_it_took(pat
 
     monkeypatch.setattr(kv, "copy_tokens", copy_tokens)
     bystander = eng.add_request(prompt_ids(6, 256, seed=122), stop=STOP)
-    doomed = eng.add_request(prompt, stop=STOP)
+    doomed = eng.add_request(prompt, stop=STOP)  # it would copy 1 token of the kept partial page
     while eng.has_work():
         eng.step()
-    assert doomed.finish_reason == "error" and "the copy failed" in doomed.error
+    assert doomed.finish_reason == "length" and doomed.reused_tokens == 0
+    assert doomed.output_ids == hf_greedy(path, prompt, 6)
     assert bystander.finish_reason == "length" and bystander.output_ids == hf_greedy(path, bystander.prompt_ids, 6)
     assert eng.kv_pages_reserved == 0 and pages_in_use(eng) == 0 and eng.prefix.pages_in_use() == 0
     monkeypatch.undo()
@@ -207,3 +210,25 @@ def test_reused_pages_on_the_host_come_back_to_the_device(path):
     while eng.has_work():
         eng.step()
     assert again.output_ids == hf_greedy(path, system + [9, 10], 4)
+
+
+def test_a_page_that_cannot_come_back_to_the_device_drops_no_kept_pages(path):
+    """Bringing a reused page back needs a device page that only the prefix cache holds: where the
+    device holds running requests' pages only, kept pages elsewhere stay (dropping them freed host
+    pages, never a device one, and emptied the cache of every stage for nothing)."""
+    eng = budget_engine(path, sequences=3, context=12, device_kv_pages=2)
+    kv = eng.model.stages[1].kv
+    one = StopCriteria(max_new_tokens=1, ignore_eos=True)
+    prompts = [prompt_ids(5, 256, seed=130 + i) for i in range(3)]
+    for p in prompts:
+        eng.generate([p], stop=one)  # each keeps a full page and a partial one
+    running = eng.add_request(prompt_ids(5, 256, seed=140), stop=StopCriteria(max_new_tokens=3, ignore_eos=True))
+    eng.step()  # its two pages take the whole device: the kept pages are all on the host
+    assert kv.resident(running.request_id) and kv.stats().device_pages_used == 2
+    assert all(not p.on_device for e in eng.prefix._entries() for p in e.pages[1:])
+    kept = eng.prefix.kept_pages()
+    again = eng.add_request(prompts[0] + [9], stop=one)
+    eng.step()
+    assert again.reused_tokens == 5 and again.finish_reason == "length"
+    assert all(eng.prefix.match(p + [1]).tokens(4) == 5 for p in prompts[1:])  # the other prefixes are kept
+    assert eng.prefix.kept_pages() >= kept
