@@ -17,6 +17,12 @@ from tests.executor.daemon.helpers import PAGE_SIZE, collect, wait_until, write_
 from tests.executor.helpers import helm_generate, prompt_ids
 
 
+def rpc_error(call) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    return err.value
+
+
 def request(prompt, n, request_id):
     return pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=prompt),
                               stopping=pb.StoppingCriteria(max_new_tokens=n, ignore_eos=True))
@@ -172,28 +178,16 @@ def test_a_lost_gpu_stops_the_daemon_serving_for_good(checkpoint, tmp_path, monk
         with ExecutorClient(f"127.0.0.1:{port}") as client:
             bystander = client.stub.Generate(request(prompt_ids(7, 256, seed=51), 200, "bystander"), timeout=60)
             next(bystander)  # it runs
-            try:
-                collect(client.stub.Generate(request([11, 12, 13], 8, "doomed"), timeout=60))
-                raise AssertionError("a request ran on a lost GPU")
-            except grpc.RpcError as e:
-                assert e.code() == grpc.StatusCode.INTERNAL and "illegal memory access" in e.details()
-            try:
-                collect(bystander)
-                raise AssertionError("a request went on after the GPU was lost")
-            except grpc.RpcError as e:
-                assert e.code() == grpc.StatusCode.INTERNAL and "the GPU can run nothing more" in e.details()
+            doomed = rpc_error(lambda: collect(client.stub.Generate(request([11, 12, 13], 8, "doomed"), timeout=60)))
+            assert doomed.code() == grpc.StatusCode.INTERNAL and "illegal memory access" in doomed.details()
+            cut = rpc_error(lambda: collect(bystander))  # nothing runs on a lost GPU
+            assert cut.code() == grpc.StatusCode.INTERNAL and "the GPU can run nothing more" in cut.details()
             assert lost.wait(10) and worker.join(10) and worker.device_lost
             assert client.health_status() == health_pb2.HealthCheckResponse.NOT_SERVING
-            try:
-                collect(client.stub.Generate(request([1, 2, 3], 4, "after"), timeout=30))
-                raise AssertionError("a request was admitted after the GPU was lost")
-            except grpc.RpcError as e:
-                assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and "the daemon must restart" in e.details()
-            try:
-                client.load_plan(yaml=plan, timeout_s=60)
-                raise AssertionError("a plan was loaded after the GPU was lost")
-            except grpc.RpcError as e:
-                assert e.code() == grpc.StatusCode.UNAVAILABLE and "restart the daemon" in e.details()
+            after = rpc_error(lambda: collect(client.stub.Generate(request([1, 2, 3], 4, "after"), timeout=30)))
+            assert after.code() == grpc.StatusCode.FAILED_PRECONDITION and "the daemon must restart" in after.details()
+            load = rpc_error(lambda: client.load_plan(yaml=plan, timeout_s=60))
+            assert load.code() == grpc.StatusCode.UNAVAILABLE and "restart the daemon" in load.details()
     finally:
         daemon.drain(5)
         server.stop(0).wait(5)
