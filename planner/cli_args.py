@@ -56,7 +56,8 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
                    help="prompt length TTFT is costed at (default 512, or half of a shorter --context)")
     p.add_argument("--max-new-tokens", type=_int_arg("--max-new-tokens", 0), default=None,
                    help="tokens generated per request (default 512, or the rest of a shorter --context)")
-    p.add_argument("--batch-size", type=_int_arg("--batch-size", 1), default=1)
+    p.add_argument("--batch-size", type=_int_arg("--batch-size", 1), default=1,
+                   help="sequences served at once, each at the context: the KV budget and the decode batch (default 1)")
     p.add_argument("--context", type=_int_arg("--context", 1),
                    help="KV capacity per sequence, the context decode is costed at (default: prompt + new); "
                         "alone, it sets the defaults of prompt and new tokens to fit it")
@@ -64,9 +65,10 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
 
 def _memory_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=_int_arg("--page-size", 1), default=DEFAULT_PAGE_SIZE_TOKENS,
-                   help="KV page size in tokens")
+                   help=f"KV page size in tokens (default {DEFAULT_PAGE_SIZE_TOKENS})")
     p.add_argument("--watermark", type=_float_arg, default=DEFAULT_WATERMARK,
-                   help="fraction of the VRAM left after weights that KV may use before offloading")
+                   help="fraction of the VRAM left after weights that KV may use before offloading "
+                        f"(default {DEFAULT_WATERMARK:g})")
     p.add_argument("--kv-offload", action="store_true", help="let GPU-stage KV pages move to pinned host memory")
     p.add_argument("--gpu-memory", type=_unit_arg("--gpu-memory", parse_bytes), metavar="SIZE",
                    help="cap on VRAM for weights + KV, e.g. 8GiB (as Accelerate's max_memory)")
@@ -81,7 +83,8 @@ def parser() -> argparse.ArgumentParser:
 
     pr = sub.add_parser("profile", help="measure this machine into a machine profile (YAML)")
     pr.add_argument("-o", "--output", help="write the profile here (default: stdout)")
-    pr.add_argument("--quick", action="store_true", help="smaller buffer and fewer runs (< 10 s)")
+    pr.add_argument("--quick", action="store_true", help="smaller buffer and fewer runs (seconds, not a minute; "
+                                                         "rougher figures)")
     pr.add_argument("--name", help="machine name recorded in the profile (default: host name)")
     pr.add_argument("--threads", type=_int_arg("--threads", 1), help="CPU threads (default: physical cores)")
 
@@ -157,17 +160,17 @@ def parser() -> argparse.ArgumentParser:
     mx.add_argument("--plot", metavar="PNG", help="draw a heatmap of tok/s (needs matplotlib)")
 
     sh = sub.add_parser("show", help="summary and search table of a plan")
-    sh.add_argument("plan", metavar="PLAN")
+    sh.add_argument("plan", metavar="PLAN", help="a plan YAML")
     sh.add_argument("--json", action="store_true", help="print a JSON object instead")
     sh.add_argument("--plot", metavar="PNG", help="draw T_plan against k with the feasibility boundary (needs matplotlib)")
 
     va = sub.add_parser("validate", help="check plans / machine profiles against their schemas and digests")
-    va.add_argument("files", metavar="FILE", nargs="+")
+    va.add_argument("files", metavar="FILE", nargs="+", help="plan or machine profile YAML files")
 
     di = sub.add_parser("diff", help="semantic diff of two plans (exit 0 equal, 1 different, 2 error)")
-    di.add_argument("a", metavar="A")
-    di.add_argument("b", metavar="B")
-    di.add_argument("--json", action="store_true")
+    di.add_argument("a", metavar="A", help="a plan (or machine profile) YAML")
+    di.add_argument("b", metavar="B", help="the plan (or profile) to compare it with")
+    di.add_argument("--json", action="store_true", help="print the differences as JSON instead")
 
     rc = sub.add_parser("recalibrate",
                         help="fit δ and η_kv to the executor's measurements; write the next plan version",
@@ -183,12 +186,13 @@ def parser() -> argparse.ArgumentParser:
     rc.add_argument("--apply", action="store_true", help="load the new plan into the daemon (--executor) and confirm")
     rc.add_argument("--min-samples", type=_int_arg("--min-samples", 1), default=None,
                     help="decode steps every stage needs (default 20)")
-    rc.add_argument("--timeout", type=_float_arg, default=30.0, help="seconds to wait for the daemon's report")
+    rc.add_argument("--timeout", type=_float_arg, default=30.0,
+                    help="seconds to wait for the daemon's report (default 30)")
     add_credential_flags(rc.add_argument_group("daemon credentials", "with --executor, for a daemon with TLS or --tokens "
                                               "(GetReport and --apply need an admin token)"))
 
     tr = sub.add_parser("trace", help="trace MODEL and print its partition units (no machine needed)")
-    tr.add_argument("model", metavar="MODEL")
-    tr.add_argument("--dtype")
-    tr.add_argument("--json", action="store_true")
+    tr.add_argument("model", metavar="MODEL", help="a checkpoint directory or its config.json")
+    tr.add_argument("--dtype", help="weight dtype to size it in (default: the config's)")
+    tr.add_argument("--json", action="store_true", help="print the units as JSON instead")
     return p
