@@ -296,18 +296,6 @@ def test_credentials_from_pipes_are_read_and_never_waited_on_forever(tmp_path, m
         Tokens.from_file(fifo)
 
 
-def test_a_generation_the_daemon_aborted_exits_non_zero(capsys):
-    """A stream cut short by the daemon's drain is incomplete text: exit 1, saying so."""
-    from executor.cli import _finished
-
-    class Result:
-        finish_reason = "aborted"
-
-    assert _finished(Result()) == 1 and "aborted the request" in capsys.readouterr().err
-    Result.finish_reason = "length"
-    assert _finished(Result()) == 0
-
-
 def test_an_unwritable_report_is_refused_before_the_generation(checkpoint, capsys, tmp_path):
     from planner.plan import save_plan
     from planner.planning import plan_for_split

@@ -94,12 +94,25 @@ def _terminated_mid_request(client, daemon):
 
 
 def test_drain_timeout_aborts_what_is_left(plan, tmp_path):
+    """A drain that runs out of time aborts what is left: the stream ends ABORTED, and a
+    `helm-executor generate` client streaming beside it exits 1 (its text is incomplete)."""
+    import subprocess
+    import sys
+
     daemon = DaemonProcess(["--plan", str(plan), "--drain-timeout", "0.5"], tmp_path / "daemon.log")
     try:
         with ExecutorClient(daemon.addr) as client:
+            client.wait_serving(timeout_s=120)
+            cli = subprocess.Popen([sys.executable, "-m", "executor.cli", "generate", "--addr", daemon.addr,
+                                    "--prompt-ids", "21,22,23", "--max-new-tokens", "1900", "--ignore-eos"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            wait_until(lambda: client.info().queue.running == 1 or cli.poll() is not None, timeout_s=60,
+                       what="the CLI's request decoding")
             stream = _terminated_mid_request(client, daemon)
             ids, _, result = collect(stream)
             assert result.finish_reason == pb.FINISH_REASON_ABORTED and len(ids) < 1899
+            _, err = cli.communicate(timeout=60)
+            assert cli.returncode == 1 and "aborted the request" in err, err[-2000:]
         assert daemon.wait(60) == 0
     finally:
         daemon.kill()
