@@ -284,8 +284,15 @@ class Engine:
         """Advance the step's sequences and append their tokens; a sequence whose ending fails
         (freeing its pages) fails alone, never re-running the step for the others."""
         emitting = self._emitting(scheduled)
+        P = self.page_size
         for seq, start, count in scheduled:
             seq.num_computed = start + count
+            if self.prefix is not None and (start + count) // P > start // P:  # a page filled: shared from now
+                try:
+                    self.prefix.keep(seq.request_id, [seq.token(i) for i in range((start + count) // P * P)],
+                                     seq.scope, partial=False)
+                except Exception:  # noqa: BLE001 — sharing is an optimisation; the step's tokens stand
+                    log.exception("request %s: keeping its filled KV pages failed", seq.request_id)
         events = []
         for seq, token in zip(emitting, tokens):
             try:

@@ -1,10 +1,12 @@
-"""Prompt prefix reuse: the K/V pages of ended requests, kept for later requests that start with
-the same tokens.
+"""Prompt prefix reuse: the K/V pages of requests, kept for later requests that start with the
+same tokens.
 
 A chat's next turn resends the whole conversation, and a shared system prompt starts every
 request; on a CPU stage a prompt's prefill is seconds per thousand tokens, while reusing its K/V
-costs nothing (a shared page) or a page copy. When a request ends, its pages stay in the stages'
-KV pools, indexed here; a new request starts on the longest run of them its prompt begins with:
+costs nothing (a shared page) or a page copy. A request's pages are indexed here as they fill
+(shared while it still runs: it only writes past them), and its partial last page when it ends;
+they stay in the stages' KV pools after it, and a new request starts on the longest run of them
+its prompt begins with:
 
 - full pages are shared (the new sequence only writes past them), each keyed by a chain digest
   of every token through it and of the request's `scope` (the daemon's caller, so one caller's
@@ -145,8 +147,13 @@ class PrefixCache:
         nothing, it failed), then let go of the pages it shared. The caller frees its pages."""
         for entry in match.full:
             entry.users -= 1
-        if not written:
-            return
+        if written:
+            self.keep(seq_id, written, scope)
+
+    def keep(self, seq_id, written: list[int], scope: bytes = b"", partial: bool = True) -> None:
+        """Index a sequence's pages of `written` tokens (whose K/V it wrote in every stage): the full
+        ones, shared from now on (a running sequence's too: it writes past them), and with
+        `partial` the partial page at the end (a sequence that ended: no one writes it now)."""
         pages = [kv.pages_of(seq_id) for kv in self.kvs]
         P = self.page_size
         parent, key, following = None, b"", self._roots.setdefault(scope, [])
@@ -154,13 +161,18 @@ class PrefixCache:
         for i in range(-(-len(written) // P)):
             chunk = tuple(written[i * P:(i + 1) * P])
             if len(chunk) < P:  # the partial page at the end, unless a kept page starts the same way
-                if not any(e.tokens[:len(chunk)] == chunk for e in following):
+                if partial and not any(e.tokens[:len(chunk)] == chunk for e in following):
                     self._touch(self._keep(None, scope, parent, chunk, [p[i] for p in pages], following), now)
                 break
             key = chain_key(key, chunk, scope)
             entry = self._full.get(key)
             if entry is None:
                 entry = self._full[key] = self._keep(key, scope, parent, chunk, [p[i] for p in pages], following)
+            elif not partial and any(a is not b[i] for a, b in zip(entry.pages, pages)):
+                # Kept already, but this running sequence computed its own copy: its next pages would
+                # hang under a page it does not hold, which nothing could reclaim while it runs and
+                # no ledger counts. They are kept when it ends (its pages are then the cache's alone).
+                break
             self._touch(entry, now)
             parent, following = entry, entry.children
 
@@ -173,9 +185,10 @@ class PrefixCache:
 
     # -- memory ---------------------------------------------------------------------------
     def reclaim(self) -> bool:
-        """Drop the least recently used entry that no sequence uses and no other entry extends;
-        True if there was one (its pages are freed in every stage)."""
-        leaves = [e for e in self._entries() if not e.users and not e.children]
+        """Drop the least recently used entry that no sequence uses and no other entry extends, whose
+        pages only this cache holds (a running sequence's own pages free nothing); True if there
+        was one (its pages are freed in every stage)."""
+        leaves = [e for e in self._entries() if not e.users and not e.children and all(p.refs == 1 for p in e.pages)]
         if not leaves:
             return False
         entry = min(leaves, key=lambda e: e.last_used)

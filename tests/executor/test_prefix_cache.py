@@ -104,19 +104,27 @@ def test_a_scope_never_reuses_another_scopes_prefix(path):
     assert same.reused.tokens(4) == 11
 
 
-def test_a_failed_request_keeps_nothing(path, monkeypatch):
+def test_a_failed_request_keeps_only_what_its_good_steps_filled(path, monkeypatch):
+    """The pages a request's steps filled are shared as they fill; a step that fails adds nothing,
+    and the request's partial page is not kept: a later request reuses the good pages only."""
     eng = budget_engine(path, sequences=1, context=32)
     stage = eng.model.stages[1]
     real_forward = stage.forward
 
     def forward(x, batch):
-        if any(s.start >= 8 for s in batch.slices):
+        if any(s.start >= 9 for s in batch.slices):  # its first decode step, after a 9-token prompt
             raise RuntimeError("simulated kernel failure")
         return real_forward(x, batch)
 
     monkeypatch.setattr(stage, "forward", forward)
-    seq = eng.generate([prompt_ids(9, 256, seed=91)], stop=STOP)[0]
-    assert seq.finish_reason == "error" and eng.prefix.kept_pages() == 0 and used_pages(eng) == [0, 0]
+    prompt = prompt_ids(9, 256, seed=91)
+    seq = eng.generate([prompt], stop=STOP)[0]
+    assert seq.finish_reason == "error" and eng.prefix.kept_pages() == 2 and used_pages(eng) == [2, 2]
+    monkeypatch.undo()
+    again = eng.generate([prompt + [5]], stop=STOP)[0]
+    assert again.reused_tokens == 8 and again.output_ids == hf_greedy(path, prompt + [5], 6)
+    eng.prefix.clear()
+    assert used_pages(eng) == [0, 0]
 
 
 def test_sampled_requests_reuse_too_and_draw_what_they_draw_without(path):
@@ -225,10 +233,51 @@ def test_a_page_that_cannot_come_back_to_the_device_drops_no_kept_pages(path):
     running = eng.add_request(prompt_ids(5, 256, seed=140), stop=StopCriteria(max_new_tokens=3, ignore_eos=True))
     eng.step()  # its two pages take the whole device: the kept pages are all on the host
     assert kv.resident(running.request_id) and kv.stats().device_pages_used == 2
-    assert all(not p.on_device for e in eng.prefix._entries() for p in e.pages[1:])
+    assert all(not p.on_device for e in eng.prefix._entries() for p in e.pages[1:] if p.refs == 1)  # (its own: 2)
     kept = eng.prefix.kept_pages()
     again = eng.add_request(prompts[0] + [9], stop=one)
     eng.step()
     assert again.reused_tokens == 5 and again.finish_reason == "length"
     assert all(eng.prefix.match(p + [1]).tokens(4) == 5 for p in prompts[1:])  # the other prefixes are kept
     assert eng.prefix.kept_pages() >= kept
+
+
+def test_a_running_requests_filled_pages_are_shared_while_it_runs(path):
+    """A request's pages are shared as soon as they fill, not when it ends: one arriving while the
+    first still decodes starts on the first's system prompt (counted once in the ledger), and both
+    produce transformers' tokens."""
+    system = prompt_ids(16, 256, seed=150)
+    eng = budget_engine(path, sequences=2, context=40)
+    long_stop = StopCriteria(max_new_tokens=12, ignore_eos=True)
+    first = eng.add_request(system + prompt_ids(3, 256, seed=151), stop=long_stop)
+    eng.step()  # its prompt: 4 pages filled
+    assert first in eng.running and eng.prefix.kept_pages() == 4
+    second = eng.add_request(system + prompt_ids(5, 256, seed=152), stop=STOP)
+    eng.step()
+    assert second.reused_tokens == 16 and first in eng.running
+    kv = eng.model.stages[0].kv
+    assert kv.pages_of(first.request_id)[:4] == kv.pages_of(second.request_id)[:4]
+    assert eng.kv_pages_reserved <= eng.kv_budget_pages
+    while eng.has_work():
+        eng.step()
+    assert first.output_ids == hf_greedy(path, first.prompt_ids, 12)
+    assert second.output_ids == hf_greedy(path, second.prompt_ids, 6)
+    assert eng.kv_pages_reserved == 0 and pages_in_use(eng) == 0
+
+
+def test_a_running_request_that_computed_a_kept_page_itself_shares_nothing_under_it(path):
+    """Two requests that start together on the same first page each compute it: the first's is
+    kept. The second's next pages must not be kept under that page while it runs: the kept page
+    could then not give way (it would have a child) while no ledger counted it, and a third
+    request found the pools full (out of KV pages)."""
+    eng = budget_engine(path, sequences=2, context=12)  # 6 pages
+    system = prompt_ids(4, 256, seed=160)
+    a = eng.add_request(system + prompt_ids(4, 256, seed=161), stop=StopCriteria(max_new_tokens=1, ignore_eos=True))
+    b = eng.add_request(system + prompt_ids(4, 256, seed=162), stop=StopCriteria(max_new_tokens=4, ignore_eos=True))
+    eng.step()  # both prefill side by side; `a` ends, its two pages kept
+    assert a.finish_reason == "length" and b in eng.running and b.reused_tokens == 0
+    c = eng.add_request(prompt_ids(8, 256, seed=163), stop=StopCriteria(max_new_tokens=4, ignore_eos=True))
+    while eng.has_work():
+        eng.step()
+    assert b.finish_reason == c.finish_reason == "length", (b.error, c.error)
+    assert b.output_ids == hf_greedy(path, b.prompt_ids, 4) and c.output_ids == hf_greedy(path, c.prompt_ids, 4)
