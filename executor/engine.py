@@ -58,6 +58,11 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    def tokens(self, n: int) -> list[int]:
+        """Its first n tokens (prompt, then output)."""
+        extra = n - len(self.prompt_ids)
+        return self.prompt_ids[:n] if extra <= 0 else self.prompt_ids + self.output_ids[:extra]
+
     def token(self, i: int) -> int:
         n = len(self.prompt_ids)
         return self.prompt_ids[i] if i < n else self.output_ids[i - n]
@@ -120,8 +125,9 @@ class Engine:
                  context_limit: int | None = None, max_step_tokens: int | None = None,
                  prefill_chunk: int = PREFILL_CHUNK_TOKENS, max_running: int = MAX_RUNNING_SEQUENCES,
                  prefix_cache: bool = True):
-        """prefix_cache: keep ended requests' K/V pages for later prompts that start the same way
-        (executor/prefix_cache.py); only within a plan's KV budget, which bounds what is kept."""
+        """prefix_cache: keep requests' K/V pages (as they fill, and after the request) for later
+        prompts that start the same way (executor/prefix_cache.py); only within a plan's KV budget,
+        which bounds what is kept."""
         self.model = model
         self.config = model.config
         self.eos_token_ids = tuple(eos_token_ids or model.config.eos_token_ids)
@@ -289,8 +295,7 @@ class Engine:
             seq.num_computed = start + count
             if self.prefix is not None and (start + count) // P > start // P:  # a page filled: shared from now
                 try:
-                    self.prefix.keep(seq.request_id, [seq.token(i) for i in range((start + count) // P * P)],
-                                     seq.scope, partial=False)
+                    self.prefix.keep(seq.request_id, seq.tokens((start + count) // P * P), seq.scope, partial=False)
                 except Exception:  # noqa: BLE001 — sharing is an optimisation; the step's tokens stand
                     log.exception("request %s: keeping its filled KV pages failed", seq.request_id)
         events = []
@@ -428,7 +433,7 @@ class Engine:
         # into a step whose tokens are already drawn.
         try:
             if started and self.prefix is not None:
-                written = [seq.token(i) for i in range(seq.num_computed)] if reason != "error" else None
+                written = seq.tokens(seq.num_computed) if reason != "error" else None
                 self.prefix.finish(seq.request_id, written, seq.reused, seq.scope)
         except Exception:  # noqa: BLE001
             log.exception("request %s: keeping its prompt's KV pages failed", seq.request_id)

@@ -81,6 +81,9 @@ class PrefixCache:
         self._full: dict[bytes, Entry] = {}
         self._roots: dict[bytes, list[Entry]] = {}  # each scope's entries for a prompt's first page
         self._clock = itertools.count(1)
+        # Where indexing a running sequence's filled pages goes on: (pages done, last entry), or
+        # None where it stopped (`keep`); so each page filled is hashed once, not the whole prefix again.
+        self._cursors: dict[object, tuple[int, Entry | None] | None] = {}
         self.hit_tokens = 0  # prompt tokens whose K/V were reused, since the engine started
         for kv in kvs:
             kv.reclaim = self.reclaim
@@ -147,6 +150,7 @@ class PrefixCache:
         nothing, it failed), then let go of the pages it shared. The caller frees its pages."""
         for entry in match.full:
             entry.users -= 1
+        self._cursors.pop(seq_id, None)
         if written:
             self.keep(seq_id, written, scope)
 
@@ -154,11 +158,14 @@ class PrefixCache:
         """Index a sequence's pages of `written` tokens (whose K/V it wrote in every stage): the full
         ones, shared from now on (a running sequence's too: it writes past them), and with
         `partial` the partial page at the end (a sequence that ended: no one writes it now)."""
+        start, parent = (0, None) if partial else self._cursors.get(seq_id, (0, None)) or (None, None)
+        if start is None:
+            return
         pages = [kv.pages_of(seq_id) for kv in self.kvs]
         P = self.page_size
-        parent, key, following = None, b"", self._roots.setdefault(scope, [])
+        key, following = (parent.key, parent.children) if parent else (b"", self._roots.setdefault(scope, []))
         now = next(self._clock)
-        for i in range(-(-len(written) // P)):
+        for i in range(start, -(-len(written) // P)):
             chunk = tuple(written[i * P:(i + 1) * P])
             if len(chunk) < P:  # the partial page at the end, unless a kept page starts the same way
                 if partial and not any(e.tokens[:len(chunk)] == chunk for e in following):
@@ -172,9 +179,12 @@ class PrefixCache:
                 # Kept already, but this running sequence computed its own copy: its next pages would
                 # hang under a page it does not hold, which nothing could reclaim while it runs and
                 # no ledger counts. They are kept when it ends (its pages are then the cache's alone).
-                break
+                self._cursors[seq_id] = None
+                return
             self._touch(entry, now)
             parent, following = entry, entry.children
+            if not partial:
+                self._cursors[seq_id] = (i + 1, entry)
 
     def _keep(self, key, scope, parent, tokens, pages, following) -> Entry:
         for kv, page in zip(self.kvs, pages):
