@@ -338,8 +338,7 @@ class KVCache:
                 buf = self.device_pool.allocate()
             if buf is not None:
                 break
-            held = {id(p) for seq in self._seqs.values() for p in seq.pages}
-            if not any(p.on_device and id(p) not in held for p in self._retained.values()):
+            if not self._idle_kept_on_device():
                 return False  # the device holds only running pages: dropping kept ones frees none of it
             if not self.reclaim():  # the host is full: a kept page dropped makes room there
                 return False
@@ -521,19 +520,23 @@ class KVCache:
         host = self.host_pool.allocate() if self.host_pool is not None else None
         return Page(host, on_device=False, serial=next(self._serial)) if host is not None else None
 
+    def _idle_kept_on_device(self) -> list[Page]:
+        """Device pages only the prefix cache holds (its hold is their last reference)."""
+        return [p for p in self._retained.values() if p.on_device and p.refs == 1]
+
     def _evict_oldest(self, kept_only: bool = False) -> bool:
         """Move a device page to the host: one only the prefix cache holds where there is one (no
         step reads it; the least recently matched), else (unless `kept_only`) a sequence's oldest
         full page (a partial one is still being written)."""
         if self.host_pool is None or self.host_pool.full:
             return False
-        held = {id(p): p for seq in self._seqs.values() for p in seq.pages}
-        kept = [p for p in self._retained.values() if p.on_device and id(p) not in held]
+        kept = self._idle_kept_on_device()
         if kept:
             page = min(kept, key=lambda p: p.used)
         elif kept_only:
             return False
         else:
+            held = {id(p): p for seq in self._seqs.values() for p in seq.pages}
             candidates = [p for p in held.values() if p.on_device and p.num_tokens == self.page_size]
             if not candidates:
                 return False
