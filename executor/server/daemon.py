@@ -76,7 +76,7 @@ class Daemon:
         self.tokenizer = Tokenizer(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None
         self.max_batch, self.max_queue, self.backend = max_batch, max_queue, backend
         self.threads = threads  # CPU-stage threads for every plan; None: each plan's profiled cores
-        self.prefix_cache = prefix_cache  # keep ended requests' K/V for prompts that start the same way
+        self.prefix_cache = prefix_cache  # keep requests' K/V for later prompts that start the same way
         self.plan_dir = Path(plan_dir) if plan_dir is not None else None  # LoadPlan paths; None: inline only
         if self.plan_dir is not None and not self.plan_dir.is_dir():
             raise ValueError(f"--plan-dir {plan_dir}: not a directory")
@@ -112,7 +112,7 @@ class Daemon:
         if self.state == "draining":
             raise ShuttingDownError("the daemon is shutting down; not loading a plan")
         if self.device_lost is not None:
-            raise DeviceLostError(f"{self.device_lost}: restart the daemon to load a plan")
+            raise self._refusal_for_lost_device()
         t0 = time.perf_counter()
         plan = check_plan_fits(source.plan, self.model_dir, self.config) if source.plan is not None else \
             load_checked_plan("plan", self.model_dir, self.config, text=self._plan_text(source))
@@ -139,7 +139,7 @@ class Daemon:
             if fault is not None:
                 self._lose_device(f"the GPU can run nothing more in this process ({fault}); the plan's load failed "
                                   f"with {failure}")
-                raise DeviceLostError(f"{self.device_lost}: restart the daemon to load a plan")
+                raise self._refusal_for_lost_device()
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -165,7 +165,7 @@ class Daemon:
                 raise ShuttingDownError("the daemon is shutting down; the plan was loaded but not swapped in")
             if self.device_lost is not None:  # lost while this plan warmed up
                 worker.retire()
-                raise DeviceLostError(f"{self.device_lost}: restart the daemon to load a plan")
+                raise self._refusal_for_lost_device()
             if worker.crashed is not None:  # its engine stopped before it served (set before its exit hook)
                 raise PlanLoadError(f"the plan's engine stopped as it started ({worker.crashed}); "
                                     f"{self._what_serves()}")
@@ -187,6 +187,9 @@ class Daemon:
                          f"({placement.kv_budget_pages} pages of {placement.page_size_tokens})", "load_s": round(t1 - t0, 3), "warmup_s": round(t2 - t1, 3),
             "previous_digest": previous.summary.digest if previous else None}})
         return LoadResult(summary, previous.summary.digest if previous else None, t1 - t0, t2 - t1)
+
+    def _refusal_for_lost_device(self) -> DeviceLostError:
+        return DeviceLostError(f"{self.device_lost}: restart the daemon to load a plan")
 
     def _what_serves(self) -> str:
         return "the previous plan still serves" if self._serving is not None else "no plan serves"
