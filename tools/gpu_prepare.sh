@@ -10,6 +10,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -f .venv/bin/activate ]; then . .venv/bin/activate; fi
 ver() { python -c "import importlib.metadata as m; print(m.version('$1'))"; }
+# setup.py needs the build requirements (pip install -e . had them in an isolated environment only)
+python -c "import Cython, grpc_tools, setuptools" 2> /dev/null || pip install -q $(python -c \
+    "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['build-system']['requires']))")
 python setup.py -q build_py   # regenerates executor/pb/ from protos/ (never a stale copy)
 out=gpu_carry/wheels
 rm -rf "$out" && mkdir -p "$out"
