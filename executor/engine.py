@@ -28,7 +28,7 @@ from executor.batch import StepBatch
 from executor.capture_gate import GATE
 from executor.errors import DeviceLostError, HelmError, RequestError
 from executor.loader import LoadedModel
-from executor.prefix_cache import Match, PrefixCache
+from executor.prefix_cache import Match, PrefixCache, shared_pages
 from executor.request_params import SamplingParams, StopCriteria
 from executor.sampling import make_generator, sample_rows
 from planner.step_shape import MAX_RUNNING_SEQUENCES, MAX_STEP_TOKENS, PREFILL_CHUNK_TOKENS, step_tokens
@@ -53,6 +53,9 @@ class Sequence:
     scope: bytes = b""  # whose kept prompt prefixes it may reuse (executor/prefix_cache.py)
     reused: Match = Match()  # the kept prefix it started on
     reused_tokens: int = 0  # prompt tokens whose K/V it took from that prefix, not computed
+    # before it starts: full pages of its prompt that each started request's prompt begins with
+    # (computed once per pair: prompts never change)
+    shared_with: dict[object, int] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -124,10 +127,12 @@ class Engine:
     def __init__(self, model: LoadedModel, eos_token_ids: tuple[int, ...] = (),
                  context_limit: int | None = None, max_step_tokens: int | None = None,
                  prefill_chunk: int = PREFILL_CHUNK_TOKENS, max_running: int = MAX_RUNNING_SEQUENCES,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, wait_for_shared_prefill: bool = True):
         """prefix_cache: keep requests' K/V pages (as they fill, and after the request) for later
         prompts that start the same way (executor/prefix_cache.py); only within a plan's KV budget,
-        which bounds what is kept."""
+        which bounds what is kept. wait_for_shared_prefill: with it, a request whose prompt starts
+        with pages a started request is still computing waits for them rather than computing them
+        too (False: it computes them beside it, as without a prefix cache)."""
         self.model = model
         self.config = model.config
         self.eos_token_ids = tuple(eos_token_ids or model.config.eos_token_ids)
@@ -157,6 +162,7 @@ class Engine:
         self.max_running = max_running
         kvs = [stage.kv for stage in model.stages if stage.kv is not None]
         self.prefix = PrefixCache(kvs, self.page_size) if prefix_cache and self.kv_budget_pages and kvs else None
+        self.wait_for_shared_prefill = wait_for_shared_prefill
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self._by_id: dict[object, Sequence] = {}
@@ -325,6 +331,8 @@ class Engine:
                 # started sequences (prefilling or running) count: all of them decode together later
                 if len(self._kv_pages) >= self.max_running:
                     break
+                if self._awaits_shared_prefill(seq):
+                    continue  # it starts on those pages once they fill; a later request may start meanwhile
                 try:
                     started = self._reserve_kv(seq)
                 except Exception as e:  # noqa: BLE001 — without its kept prefix, then failing alone
@@ -343,6 +351,28 @@ class Engine:
             schedule.append((seq, seq.num_computed, count))
             budget -= count
         return schedule
+
+    def _awaits_shared_prefill(self, seq: Sequence) -> bool:
+        """Whether a started request is still computing pages of its prompt that `seq`'s prompt
+        starts with, beyond the kept ones `seq` would start on now. A burst of requests on one new
+        system prompt then computes it once, not once per request: its tokens cost the same in the
+        leader's steps whoever waits, and each follower starts on the shared pages as they fill
+        (`_commit` indexes them), with its own tokens left to compute."""
+        if self.prefix is None or not self.wait_for_shared_prefill:
+            return False
+        P, limit, kept = self.page_size, len(seq.prompt_ids) - 1, None
+        for other in self.waiting:
+            if (other.scope != seq.scope or other.request_id not in self._kv_pages
+                    or not self.prefix.indexing(other.request_id)):
+                continue  # not started, another caller's, or its pages are not shared while it runs
+            shared = seq.shared_with.get(other.request_id)
+            if shared is None:
+                shared = seq.shared_with[other.request_id] = shared_pages(other.prompt_ids, seq.prompt_ids, P, limit)
+            if shared and kept is None:
+                kept = len(self.prefix.match(seq.prompt_ids, seq.scope).full)
+            if shared and shared > kept:  # (pages it already computed are kept: `kept` counts them)
+                return True
+        return False
 
     def _reserve_kv(self, seq: Sequence, reuse: bool = True) -> bool:
         """Hold the pages `seq` may grow to, if the plan's budget has them free, and start it on

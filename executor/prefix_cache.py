@@ -16,6 +16,10 @@ its prompt begins with:
 
 At least the prompt's last token is always computed, for the logits of the first new token.
 
+Requests that arrive together on one new system prompt would each compute it, side by side: the
+engine holds a request back while a started one still computes the pages it would reuse
+(`shared_pages`), and starts it on them once they fill (one prefill instead of one per request).
+
 Kept pages cost nothing the plan did not reserve: they live in the plan's KV budget, and one no
 running sequence uses gives way (least recently used, leaves of the prefix tree first) whenever a
 pool needs its page. The engine's ledger counts a page shared by running sequences once.
@@ -63,6 +67,22 @@ def chain_key(parent: bytes, tokens, scope: bytes) -> bytes:
     for part in (hashlib.blake2b(scope, digest_size=16).digest(), parent, array("q", tokens).tobytes()):
         h.update(part)
     return h.digest()
+
+
+def shared_pages(a, b, page_size: int, limit: int) -> int:
+    """How many full pages of `page_size` tokens `a` and `b` both start with, within their first
+    `limit` tokens (a binary search over slice comparisons: long prompts compare in C, not token by
+    token in Python)."""
+    lo, hi = 0, min(len(a), len(b), limit) // page_size
+    if hi and a[:page_size] != b[:page_size]:  # (most prompts differ from the first page)
+        return 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid * page_size] == b[:mid * page_size]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _common(a, b) -> int:
@@ -115,6 +135,11 @@ class PrefixCache:
         entry.last_used = now
         for page in entry.pages:
             page.used = now
+
+    def indexing(self, seq_id) -> bool:
+        """Whether a running sequence's pages are indexed as they fill (not where it computed its
+        own copy of a kept page: `keep`)."""
+        return self._cursors.get(seq_id, ()) is not None
 
     def pages_in_use(self) -> int:
         """Kept full pages that running sequences share (the ledger counts each once)."""

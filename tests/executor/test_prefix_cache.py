@@ -1,8 +1,11 @@
 """Prompt prefix reuse (executor/prefix_cache.py): a request that starts with a kept prefix
 computes only the rest, and its tokens are transformers' all the same; shared pages are counted
 once and given up when a pool needs room; scopes never share."""
+import random
+
 import pytest
 
+from executor.prefix_cache import shared_pages
 from executor.request_params import SamplingParams, StopCriteria
 from tests.executor.helpers import budget_engine, hf_greedy, pages_in_use, prompt_ids
 
@@ -266,18 +269,92 @@ def test_a_running_requests_filled_pages_are_shared_while_it_runs(path):
 
 
 def test_a_running_request_that_computed_a_kept_page_itself_shares_nothing_under_it(path):
-    """Two requests that start together on the same first page each compute it: the first's is
-    kept. The second's next pages must not be kept under that page while it runs: the kept page
-    could then not give way (it would have a child) while no ledger counted it, and a third
-    request found the pools full (out of KV pages)."""
-    eng = budget_engine(path, sequences=2, context=12)  # 6 pages
+    """A request can compute a page that another fills with its first new token in the same step:
+    the other's copy is kept (it commits first). The request's next pages must not be kept under
+    that page while it runs: the kept page could then not give way (it would have a child) while
+    no ledger counted it, and a third request found the pools full (out of KV pages)."""
+    eng = budget_engine(path, sequences=2, context=16)  # 8 pages
     system = prompt_ids(4, 256, seed=160)
-    a = eng.add_request(system + prompt_ids(4, 256, seed=161), stop=StopCriteria(max_new_tokens=1, ignore_eos=True))
-    b = eng.add_request(system + prompt_ids(4, 256, seed=162), stop=StopCriteria(max_new_tokens=4, ignore_eos=True))
-    eng.step()  # both prefill side by side; `a` ends, its two pages kept
-    assert a.finish_reason == "length" and b in eng.running and b.reused_tokens == 0
-    c = eng.add_request(prompt_ids(8, 256, seed=163), stop=StopCriteria(max_new_tokens=4, ignore_eos=True))
+    a = eng.add_request(system + prompt_ids(3, 256, seed=161), stop=StopCriteria(max_new_tokens=2, ignore_eos=True))
+    eng.step()  # its prompt, 7 tokens: the system prompt's page kept, and its first new token drawn
+    # b's prompt goes on with a's first new token, whose K/V a writes in the next step, filling its page 2
+    b = eng.add_request(a.prompt_ids + a.output_ids + prompt_ids(1, 256, seed=162),
+                        stop=StopCriteria(max_new_tokens=5, ignore_eos=True))
+    eng.step()  # a decodes into its page 2 while b computes its own copy of it; a ends, its page kept
+    assert a.finish_reason == "length" and b in eng.running and b.reused_tokens == 4
+    assert not eng.prefix.indexing(b.request_id)
+    for _ in range(3):  # b fills its page 3 (whose parent would be a's page 2, which b does not hold)
+        eng.step()
+    # b's next page and c's four: room only where a's kept page gives way
+    c = eng.add_request(prompt_ids(13, 256, seed=163), stop=StopCriteria(max_new_tokens=3, ignore_eos=True))
     while eng.has_work():
         eng.step()
     assert b.finish_reason == c.finish_reason == "length", (b.error, c.error)
-    assert b.output_ids == hf_greedy(path, b.prompt_ids, 4) and c.output_ids == hf_greedy(path, c.prompt_ids, 4)
+    assert b.output_ids == hf_greedy(path, b.prompt_ids, 5) and c.output_ids == hf_greedy(path, c.prompt_ids, 3)
+
+
+def test_requests_arriving_together_on_a_new_system_prompt_compute_it_once(path):
+    """Three requests arrive together on a 16-token system prompt nobody computed yet, prefilled 8
+    tokens a step: the first computes it, the others wait for its pages and start on all four once
+    they fill, computing only their own tokens. Each one's tokens are transformers'. Without
+    waiting, each computes the system prompt itself."""
+    system = prompt_ids(16, 256, seed=170)
+    prompts = [system + prompt_ids(n, 256, seed=171 + n) for n in (3, 4, 5)]
+    eng = budget_engine(path, sequences=3, context=32, prefill_chunk=8)
+    first, *others = [eng.add_request(p, stop=STOP) for p in prompts]
+    eng.step()
+    assert first.num_computed == 8 and all(o.num_computed == 0 for o in others)
+    assert eng.kv_pages_reserved == 7  # the first's alone: 16 + 3 + 6 tokens, 7 pages of 4
+    eng.step()  # the first's 4 system pages have filled
+    assert all(o.num_computed == 0 for o in others)
+    eng.step()
+    assert [o.reused_tokens for o in others] == [16, 16] and first.reused_tokens == 0
+    while eng.has_work():
+        eng.step()
+    for seq, prompt in zip((first, *others), prompts):
+        assert seq.output_ids == hf_greedy(path, prompt, 6)
+    assert eng.prefix.hit_tokens == 32
+
+    alongside = budget_engine(path, sequences=3, context=32, prefill_chunk=8, wait_for_shared_prefill=False)
+    seqs = [alongside.add_request(p, stop=STOP) for p in prompts]
+    alongside.step()
+    assert all(s.num_computed == 8 for s in seqs)
+    while alongside.has_work():
+        alongside.step()
+    assert [s.reused_tokens for s in seqs] == [0, 0, 0]
+    assert [s.output_ids for s in seqs] == [s.output_ids for s in (first, *others)]
+
+
+def test_only_a_request_on_the_same_prompt_and_scope_waits_and_never_past_its_leader(path):
+    """A request of another scope, or on another prompt, starts at once beside the first; one that
+    waits on the first starts on the pages kept so far when the first is aborted."""
+    system = prompt_ids(16, 256, seed=180)
+    eng = budget_engine(path, sequences=4, context=32, prefill_chunk=8)
+    first = eng.add_request(system + prompt_ids(3, 256, seed=181), stop=STOP)
+    follower = eng.add_request(system + prompt_ids(4, 256, seed=182), stop=STOP)
+    stranger = eng.add_request(system + prompt_ids(5, 256, seed=183), stop=STOP, scope=b"another caller")
+    unrelated = eng.add_request(prompt_ids(8, 256, seed=184), stop=STOP)
+    eng.step()  # 8-token chunks: the first, the stranger (its own scope), the unrelated one
+    assert follower.num_computed == 0
+    assert first.num_computed == stranger.num_computed == unrelated.num_computed == 8
+    assert eng.abort(first.request_id)
+    eng.step()
+    assert follower.reused_tokens == 8 and stranger.reused_tokens == 0
+    while eng.has_work():
+        eng.step()
+    for seq in (follower, stranger, unrelated):
+        assert seq.finish_reason == "length" and seq.output_ids == hf_greedy(path, seq.prompt_ids, 6)
+
+
+def test_shared_pages_counts_the_full_pages_two_prompts_start_with():
+    """Against a token-by-token count, on prompts that share random prefixes."""
+    rng = random.Random(5)
+    for _ in range(2000):
+        common = [rng.randrange(4) for _ in range(rng.randrange(40))]
+        a = common + [rng.randrange(4) for _ in range(rng.randrange(20))]
+        b = common + [rng.randrange(4) for _ in range(rng.randrange(20))]
+        page, limit = rng.randrange(1, 9), rng.randrange(60)
+        n = 0
+        while n < min(len(a), len(b), limit) and a[n] == b[n]:
+            n += 1
+        assert shared_pages(a, b, page, limit) == n // page, (a, b, page, limit)
