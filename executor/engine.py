@@ -54,8 +54,10 @@ class Sequence:
     reused: Match = Match()  # the kept prefix it started on
     reused_tokens: int = 0  # prompt tokens whose K/V it took from that prefix, not computed
     # before it starts: full pages of its prompt that each started request's prompt begins with
-    # (computed once per pair: prompts never change)
-    shared_with: dict[object, int] = field(default_factory=dict)
+    # (computed once per pair, by their serials: prompts never change, request ids come back)
+    shared_with: dict[int, int] = field(default_factory=dict)
+    serial: int = field(default_factory=itertools.count().__next__)  # unique in this process
+    page_keys: list[bytes] = field(default_factory=list)  # its prompt's first pages' chain digests, as needed
 
     @property
     def num_tokens(self) -> int:
@@ -324,13 +326,18 @@ class Engine:
         chunks. A request that fails to start (its kept prefix's pages) goes to `failed`."""
         schedule = [(seq, seq.num_computed, 1) for seq in self.running]
         budget = self.max_step_tokens - len(schedule)
+        # Once a request cannot start, none after it does (arrival order: a later request never
+        # overtakes a waiting one), but started ones after it go on: one that started while an
+        # earlier one waited for a shared prefill may hold the very pages that one needs.
+        closed = False
         for seq in list(self.waiting):
             if budget <= 0:
                 break
             if seq.num_computed == 0 and seq.request_id not in self._kv_pages:   # not started yet
                 # started sequences (prefilling or running) count: all of them decode together later
-                if len(self._kv_pages) >= self.max_running:
-                    break
+                if closed or len(self._kv_pages) >= self.max_running:
+                    closed = True
+                    continue
                 if self._awaits_shared_prefill(seq):
                     continue  # it starts on those pages once they fill; a later request may start meanwhile
                 try:
@@ -346,7 +353,8 @@ class Engine:
                         failed.append(self._fail(seq, e))
                         continue
                 if not started:
-                    break   # in arrival order: a later request never overtakes a waiting one
+                    closed = True
+                    continue
             count = min(self.prefill_chunk, budget, len(seq.prompt_ids) - seq.num_computed)
             schedule.append((seq, seq.num_computed, count))
             budget -= count
@@ -360,18 +368,16 @@ class Engine:
         (`_commit` indexes them), with its own tokens left to compute."""
         if self.prefix is None or not self.wait_for_shared_prefill:
             return False
-        P, limit, kept = self.page_size, len(seq.prompt_ids) - 1, None
         for other in self.waiting:
             if (other.scope != seq.scope or other.request_id not in self._kv_pages
                     or not self.prefix.indexing(other.request_id)):
                 continue  # not started, another caller's, or its pages are not shared while it runs
-            shared = seq.shared_with.get(other.request_id)
+            shared = seq.shared_with.get(other.serial)
             if shared is None:
-                shared = seq.shared_with[other.request_id] = shared_pages(other.prompt_ids, seq.prompt_ids, P, limit)
-            if shared and kept is None:
-                kept = len(self.prefix.match(seq.prompt_ids, seq.scope).full)
-            if shared and shared > kept:  # (pages it already computed are kept: `kept` counts them)
-                return True
+                shared = seq.shared_with[other.serial] = shared_pages(other.prompt_ids, seq.prompt_ids, self.page_size,
+                                                                      len(seq.prompt_ids) - 1)
+            if not self.prefix.kept_through(seq.prompt_ids, seq.scope, shared, seq.page_keys):
+                return True  # (where they are kept, by it or by an earlier request, `seq` starts on them now)
         return False
 
     def _reserve_kv(self, seq: Sequence, reuse: bool = True) -> bool:

@@ -141,6 +141,17 @@ class PrefixCache:
         own copy of a kept page: `keep`)."""
         return self._cursors.get(seq_id, ()) is not None
 
+    def kept_through(self, prompt: list[int], scope: bytes, pages: int, keys: list[bytes]) -> bool:
+        """Whether `prompt`'s first `pages` full pages are all kept (for `scope`), in O(1) once its
+        pages' chain digests are known: `keys` holds those computed before for this prompt and scope,
+        extended here as needed. The last page tells, since a kept page's parent stays kept as long
+        as it does (`reclaim` drops leaves only)."""
+        P = self.page_size
+        while len(keys) < pages:
+            i = len(keys)
+            keys.append(chain_key(keys[-1] if keys else b"", prompt[i * P:(i + 1) * P], scope))
+        return pages == 0 or keys[pages - 1] in self._full
+
     def pages_in_use(self) -> int:
         """Kept full pages that running sequences share (the ledger counts each once)."""
         return sum(1 for e in self._full.values() if e.users)

@@ -358,3 +358,67 @@ def test_shared_pages_counts_the_full_pages_two_prompts_start_with():
         while n < min(len(a), len(b), limit) and a[n] == b[n]:
             n += 1
         assert shared_pages(a, b, page, limit) == n // page, (a, b, page, limit)
+
+
+@pytest.mark.parametrize("sequences,context,max_running", [(1, 16, 8), (4, 32, 2)])
+def test_a_request_that_started_while_another_waited_is_never_held_back_by_it(path, sequences, context, max_running):
+    """A follower waits for its leader's first page; an unrelated request behind it starts
+    meanwhile. When the follower no longer waits but cannot start (the budget: the unrelated one
+    holds the pages it needs; or the running limit), the unrelated one must still be scheduled:
+    a deadlock with a 4-page budget, a stall with max_running 2 (found by a stress harness)."""
+    eng = budget_engine(path, sequences=sequences, context=context, prefill_chunk=1, max_running=max_running)
+    system = prompt_ids(4, 256, seed=190)
+    leader = eng.add_request(system, stop=StopCriteria(max_new_tokens=1 if sequences == 1 else 12, ignore_eos=True))
+    one = StopCriteria(max_new_tokens=1, ignore_eos=True)
+    follower = eng.add_request(system + prompt_ids(8, 256, seed=191), stop=one)
+    other = eng.add_request(prompt_ids(7, 256, seed=192), stop=one)
+    for _ in range(100):
+        if not eng.has_work():
+            break
+        held_back = other in eng.waiting and other.num_computed > 0
+        before = other.num_computed
+        eng.step()
+        assert not held_back or other.num_computed > before or other.output_ids, "a started request was skipped"
+    assert [s.finish_reason for s in (leader, follower, other)] == ["length"] * 3
+    for seq in (follower, other):
+        assert seq.output_ids == hf_greedy(path, seq.prompt_ids, 1)
+
+
+def test_a_request_id_that_comes_back_is_another_request_to_wait_for(path):
+    """What a waiting request shares with each started one is remembered per request, not per
+    request id: an id comes back once its request ended. Here the leader `x` is aborted and a new,
+    unrelated `x` starts; the follower must not go on waiting for it."""
+    eng = budget_engine(path, sequences=4, context=64, prefill_chunk=4)
+    system = prompt_ids(16, 256, seed=193)
+    x = eng.add_request(system + [7], stop=STOP, request_id="x")
+    y = eng.add_request(system[:8] + prompt_ids(12, 256, seed=194), stop=STOP, request_id="y")  # 2 pages of x's
+    f = eng.add_request(system + prompt_ids(3, 256, seed=195), stop=STOP, request_id="f")  # 4 pages of x's
+    eng.step()  # x computes its first page; y and f wait for x
+    assert x.num_computed == 4 and y.num_computed == f.num_computed == 0
+    eng.abort("x")  # its first page kept
+    eng.add_request(prompt_ids(40, 256, seed=196), stop=STOP, request_id="x")
+    eng.step()  # y starts on x's page and computes its second; f waits for that page; the new x starts
+    assert y.reused_tokens == 4 and f.num_computed == 0
+    eng.step()
+    assert f.reused_tokens == 8  # both of y's pages, without waiting on the new x
+    while eng.has_work():
+        eng.step()
+    assert f.output_ids == hf_greedy(path, f.prompt_ids, 6)
+
+
+def test_kept_through_agrees_with_a_prompts_match(path):
+    """The O(1) check a waiting request makes every step (its last page's digest) says what
+    matching the prompt page by page says, before and after kept pages give way."""
+    eng = budget_engine(path, sequences=2, context=40)
+    system = prompt_ids(12, 256, seed=200)
+    eng.generate([system + prompt_ids(9, 256, seed=201), prompt_ids(15, 256, seed=202)], stop=STOP)
+    rng = random.Random(7)
+    for reclaimed in range(4):
+        for _ in range(50):
+            prompt = (system[:rng.randrange(13)] + prompt_ids(9, 256, seed=203))[:rng.randrange(1, 22)]
+            keys = []
+            for pages in range((len(prompt) - 1) // 4 + 1):
+                assert eng.prefix.kept_through(prompt, b"", pages, keys) == \
+                    (len(eng.prefix.match(prompt).full) >= pages), (prompt, pages)
+            assert not eng.prefix.kept_through(system + [1], b"another caller", 1, [])
+        assert eng.prefix.reclaim()
