@@ -11,7 +11,8 @@ token budget lasts. A sequence's KV pages are freed the moment it finishes or is
 
 Admission follows the plan's KV budget (`Placement.kv_budget_pages`, what the planner checked
 fits in VRAM and host RAM): a sequence starts only when the pages it may grow to (its prompt and
-max_new_tokens, within the context) are free in the ledger, in arrival order. A sequence never
+max_new_tokens, within the context) are free in the ledger, in arrival order (one waiting for a
+prompt prefix another is computing keeps its place meanwhile: `_schedule`). A sequence never
 outgrows the context, so each fits the budget alone, and the pools cannot run out mid-sequence.
 """
 from __future__ import annotations
@@ -327,27 +328,34 @@ class Engine:
         schedule = [(seq, seq.num_computed, 1) for seq in self.running]
         budget = self.max_step_tokens - len(schedule)
         # Once a request cannot start, none after it does (arrival order: a later request never
-        # overtakes a waiting one), but started ones after it go on: one that started while an
-        # earlier one waited for a shared prefill may hold the very pages that one needs.
-        closed = False
+        # overtakes a waiting one), but started ones after it go on. A request waiting for a shared
+        # prefill keeps its place: its pages and its slot, as if it had started (a later one then
+        # starts beside it only where it would have without the wait).
+        closed, held_pages, held_slots = False, 0, 0
+        leaders = [seq for seq in self.waiting if seq.request_id in self._kv_pages]  # started, prefilling
         for seq in list(self.waiting):
             if budget <= 0:
                 break
             if seq.num_computed == 0 and seq.request_id not in self._kv_pages:   # not started yet
                 # started sequences (prefilling or running) count: all of them decode together later
-                if closed or len(self._kv_pages) >= self.max_running:
+                if closed or len(self._kv_pages) + held_slots >= self.max_running:
                     closed = True
                     continue
-                if self._awaits_shared_prefill(seq):
-                    continue  # it starts on those pages once they fill; a later request may start meanwhile
+                if self._awaits_shared_prefill(seq, leaders):
+                    need = self._pages_needed(len(seq.prompt_ids), seq.stop)
+                    if not self._fits(Match(), need, held_pages):
+                        closed = True  # it could not start now anyway
+                        continue
+                    held_pages, held_slots = held_pages + need, held_slots + 1
+                    continue  # it starts on those pages once they are all kept
                 try:
-                    started = self._reserve_kv(seq)
+                    started = self._reserve_kv(seq, held=held_pages)
                 except Exception as e:  # noqa: BLE001 — without its kept prefix, then failing alone
                     self._check_devices(e)
                     log.warning("request %s: starting on its kept prompt prefix failed (%s: %s); computing the "
                                 "whole prompt", seq.request_id, type(e).__name__, e)
                     try:
-                        started = self._reserve_kv(seq, reuse=False)
+                        started = self._reserve_kv(seq, reuse=False, held=held_pages)
                     except Exception as e:  # noqa: BLE001
                         self._check_devices(e)
                         failed.append(self._fail(seq, e))
@@ -355,23 +363,24 @@ class Engine:
                 if not started:
                     closed = True
                     continue
+                leaders.append(seq)
             count = min(self.prefill_chunk, budget, len(seq.prompt_ids) - seq.num_computed)
             schedule.append((seq, seq.num_computed, count))
             budget -= count
         return schedule
 
-    def _awaits_shared_prefill(self, seq: Sequence) -> bool:
-        """Whether a started request is still computing pages of its prompt that `seq`'s prompt
-        starts with, beyond the kept ones `seq` would start on now. A burst of requests on one new
-        system prompt then computes it once, not once per request: its tokens cost the same in the
-        leader's steps whoever waits, and each follower starts on the shared pages as they fill
-        (`_commit` indexes them), with its own tokens left to compute."""
+    def _awaits_shared_prefill(self, seq: Sequence, leaders: list[Sequence]) -> bool:
+        """Whether one of `leaders` (started requests still computing their prompts) is computing
+        pages of its prompt that `seq`'s prompt starts with, beyond the kept ones `seq` would start
+        on now. A burst of requests on one new system prompt then computes it once, not once per
+        request: its tokens cost the same in the leader's steps whoever waits, and each follower
+        starts on the shared pages once they are kept (`_commit` indexes them as they fill), with
+        its own tokens left to compute."""
         if self.prefix is None or not self.wait_for_shared_prefill:
             return False
-        for other in self.waiting:
-            if (other.scope != seq.scope or other.request_id not in self._kv_pages
-                    or not self.prefix.indexing(other.request_id)):
-                continue  # not started, another caller's, or its pages are not shared while it runs
+        for other in leaders:
+            if other.scope != seq.scope or not self.prefix.indexing(other.request_id):
+                continue  # another caller's, or its pages are not shared while it runs
             shared = seq.shared_with.get(other.serial)
             if shared is None:
                 shared = seq.shared_with[other.serial] = shared_pages(other.prompt_ids, seq.prompt_ids, self.page_size,
@@ -380,14 +389,15 @@ class Engine:
                 return True  # (where they are kept, by it or by an earlier request, `seq` starts on them now)
         return False
 
-    def _reserve_kv(self, seq: Sequence, reuse: bool = True) -> bool:
-        """Hold the pages `seq` may grow to, if the plan's budget has them free, and start it on
-        the longest kept prefix of its prompt (pages it shares are counted once, not per sharer)."""
+    def _reserve_kv(self, seq: Sequence, reuse: bool = True, held: int = 0) -> bool:
+        """Hold the pages `seq` may grow to, if the plan's budget has them free beside `held` (pages
+        earlier requests keep while they wait), and start it on the longest kept prefix of its
+        prompt (pages it shares are counted once, not per sharer)."""
         match = self.prefix.match(seq.prompt_ids, seq.scope) if self.prefix and reuse else Match()
         need = self._pages_needed(len(seq.prompt_ids), seq.stop)
         # What fits: the whole match, without the copy (its source is held while the copy's page is
         # made), or none of it (kept pages give way to a request's own as it grows).
-        reuse = next((m for m in (match, Match(match.full), Match()) if self._fits(m, need)), None)
+        reuse = next((m for m in (match, Match(match.full), Match()) if self._fits(m, need, held)), None)
         if reuse is None:
             return False
         self._kv_pages[seq.request_id] = need - len(reuse.full)
@@ -401,14 +411,15 @@ class Engine:
             seq.num_computed = seq.reused_tokens = reuse.tokens(self.page_size)
         return True
 
-    def _fits(self, reuse: Match, need: int) -> bool:
-        """Whether a sequence that may grow to `need` pages fits the budget, starting on `reuse`."""
+    def _fits(self, reuse: Match, need: int, held: int = 0) -> bool:
+        """Whether a sequence that may grow to `need` pages fits the budget beside `held` more,
+        starting on `reuse` (kept pages no one counts yet count now: `PrefixCache.counted`)."""
         if self.kv_budget_pages is None:
             return True
-        shared_anew = sum(1 for entry in reuse.full if not entry.users)
-        held_source = int(reuse.tail is not None and not reuse.tail.users)
+        shared_anew = sum(1 for entry in reuse.full if not self.prefix.counted(entry))
+        held_source = int(reuse.tail is not None and not self.prefix.counted(reuse.tail))
         own = need - len(reuse.full)
-        return self.kv_pages_reserved + shared_anew + held_source + own <= self.kv_budget_pages
+        return self.kv_pages_reserved + held + shared_anew + held_source + own <= self.kv_budget_pages
 
     def _run_stages(self, ids: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """Run the stages in order; time each one (CUDA events on a GPU, the wall clock on the CPU).

@@ -46,6 +46,7 @@ class Entry:
     tokens: tuple[int, ...]
     pages: tuple[Page, ...]  # one per stage with KV, in stage order
     users: int = 0  # running sequences sharing it (or copying from it, for the moment of the copy)
+    owner: object = None  # the running sequence whose own page it is (counted in its reservation)
     children: list["Entry"] = field(default_factory=list)  # the pages that follow it in kept prefixes
     last_used: int = 0
 
@@ -104,6 +105,7 @@ class PrefixCache:
         # Where indexing a running sequence's filled pages goes on: (pages done, last entry), or
         # None where it stopped (`keep`); so each page filled is hashed once, not the whole prefix again.
         self._cursors: dict[object, tuple[int, Entry | None] | None] = {}
+        self._owned: dict[object, list[Entry]] = {}  # a running sequence's own pages kept (Entry.owner)
         self.hit_tokens = 0  # prompt tokens whose K/V were reused, since the engine started
         for kv in kvs:
             kv.reclaim = self.reclaim
@@ -152,9 +154,16 @@ class PrefixCache:
             keys.append(chain_key(keys[-1] if keys else b"", prompt[i * P:(i + 1) * P], scope))
         return pages == 0 or keys[pages - 1] in self._full
 
+    @staticmethod
+    def counted(entry: Entry) -> bool:
+        """Whether the engine's ledger counts this kept page: a running sequence's own (in its
+        reservation) or one running sequences share (`pages_in_use`)."""
+        return entry.users > 0 or entry.owner is not None
+
     def pages_in_use(self) -> int:
-        """Kept full pages that running sequences share (the ledger counts each once)."""
-        return sum(1 for e in self._full.values() if e.users)
+        """Kept full pages that running sequences share and none holds as its own (the ledger
+        counts each once: an owner's page is in its own reservation)."""
+        return sum(1 for e in self._full.values() if e.users and e.owner is None)
 
     def start(self, seq_id, match: Match) -> None:
         """Give a new sequence its matched K/V in every stage: the shared pages, then the copy."""
@@ -183,7 +192,10 @@ class PrefixCache:
     # -- a request that ended -------------------------------------------------------------
     def finish(self, seq_id, written: list[int] | None, match: Match, scope: bytes = b"") -> None:
         """A sequence ended: keep its pages (`written`: the tokens whose K/V it wrote; None: keep
-        nothing, it failed), then let go of the pages it shared. The caller frees its pages."""
+        nothing more: it failed; the full pages it kept while it ran stay, written by steps that
+        succeeded), then let go of the pages it shared. The caller frees its pages."""
+        for entry in self._owned.pop(seq_id, ()):  # first: nothing here may fail before the ledger is right
+            entry.owner = None
         for entry in match.full:
             entry.users -= 1
         self._cursors.pop(seq_id, None)
@@ -211,6 +223,9 @@ class PrefixCache:
             entry = self._full.get(key)
             if entry is None:
                 entry = self._full[key] = self._keep(key, scope, parent, chunk, [p[i] for p in pages], following)
+                if not partial:  # a running sequence's own page, counted in its reservation until it ends
+                    entry.owner = seq_id
+                    self._owned.setdefault(seq_id, []).append(entry)
             elif not partial and any(a is not b[i] for a, b in zip(entry.pages, pages)):
                 # Kept already, but this running sequence computed its own copy: its next pages would
                 # hang under a page it does not hold, which nothing could reclaim while it runs and

@@ -309,6 +309,8 @@ def test_requests_arriving_together_on_a_new_system_prompt_compute_it_once(path)
     assert all(o.num_computed == 0 for o in others)
     eng.step()
     assert [o.reused_tokens for o in others] == [16, 16] and first.reused_tokens == 0
+    # the 4 shared pages are the first's own, in its 7; the others hold 3 each past them
+    assert eng.kv_pages_reserved == 7 + 3 + 3
     while eng.has_work():
         eng.step()
     for seq, prompt in zip((first, *others), prompts):
@@ -422,3 +424,30 @@ def test_kept_through_agrees_with_a_prompts_match(path):
                     (len(eng.prefix.match(prompt).full) >= pages), (prompt, pages)
             assert not eng.prefix.kept_through(system + [1], b"another caller", 1, [])
         assert eng.prefix.reclaim()
+
+
+@pytest.mark.parametrize("sequences,max_running", [(4, 2), (2, 8)])
+def test_a_request_waiting_for_a_shared_prefill_keeps_its_place(path, sequences, max_running):
+    """While it waits, a later unrelated request must not take the slot (max_running 2) or the
+    pages (a budget of two sequences) it would have started in: it would then wait for that one's
+    whole generation. Its first token comes no later than without waiting (found by a review)."""
+    def first_token_steps(wait):
+        eng = budget_engine(path, sequences=sequences, context=64, prefill_chunk=4, max_running=max_running,
+                            wait_for_shared_prefill=wait)
+        system = prompt_ids(16, 256, seed=210)
+        long = StopCriteria(max_new_tokens=40, ignore_eos=True)
+        seqs = [eng.add_request(system + prompt_ids(3, 256, seed=211), stop=long),
+                eng.add_request(system + prompt_ids(3, 256, seed=212), stop=StopCriteria(max_new_tokens=2,
+                                                                                         ignore_eos=True)),
+                eng.add_request(prompt_ids(20, 256, seed=213), stop=long)]
+        steps, n = {}, 0
+        while eng.has_work():
+            eng.step()
+            n += 1
+            steps.update({i: n for i, seq in enumerate(seqs) if seq.output_ids and i not in steps})
+        assert all(seq.finish_reason == "length" for seq in seqs)
+        return steps, seqs[1]
+
+    (waited, follower), (alongside, _) = first_token_steps(True), first_token_steps(False)
+    assert follower.reused_tokens == 16 and waited[1] <= alongside[1], (waited, alongside)
+    assert follower.output_ids == hf_greedy(path, follower.prompt_ids, 2)
