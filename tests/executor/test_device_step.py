@@ -113,14 +113,14 @@ def test_chunked_prompt_on_the_fused_prompt_path_matches_transformers(checkpoint
 @pytest.mark.parametrize("arch,dtype,lengths", [("qwen3", "fp32", (3, 17, 9)), ("llama", "fp32", (3, 17, 9)),
                                                 ("qwen3", "bf16", (3, 17, 9)), ("qwen3", "fp16", (3, 17, 9)),
                                                 ("qwen3", "fp32", (70,))])
-def test_paged_decode_kernels_give_transformers_tokens(checkpoint, arch, dtype, lengths, static_steps, monkeypatch):
+def test_paged_decode_kernels_match_transformers_and_the_sdpa_step(checkpoint, arch, dtype, lengths, static_steps,
+                                                                   monkeypatch):
     """HELM_PAGED_DECODE=1: decode attention by executor/paged_decode.py's kernels over the slab's
     pages (here under Triton's interpreter), with padded rows (3 sequences in a bucket of 4) and
     pages partly written, or one long sequence whose keys split in two. fp32: the tokens of
-    transformers. bf16 and fp16 (whose blocks multiply in half precision, as on a GPU): the SDPA
-    step's logits, step by step while a sequence's tokens agree, within the dtype's tolerance, and
-    its argmax wherever its top two are further apart than the two paths' difference (two
-    roundings of one attention may part at a near tie, and the sequences then go separate ways)."""
+    transformers. bf16 and fp16 (whose blocks multiply in half precision, as on a GPU): every
+    decode step's logits within the dtype's tolerance of the SDPA step's, both fed the SDPA run's
+    tokens (two roundings of one attention may part at a near tie and then go separate ways)."""
     from executor import paged_decode
 
     if paged_decode.unsupported(16, 16, 1, torch.device("cpu")):
@@ -130,12 +130,14 @@ def test_paged_decode_kernels_give_transformers_tokens(checkpoint, arch, dtype, 
     logits = {}  # each step's logits [sequences, V] per path (every sequence emits at every step here)
     real_sample_rows = engine_module.sample_rows
 
-    def run(path_name):
+    def run(path_name, forced=None):
         logits[path_name] = []
 
         def spy(rows, *args, **kwargs):
             logits[path_name].append(rows.detach().float().cpu())
-            return real_sample_rows(rows, *args, **kwargs)
+            drawn = real_sample_rows(rows, *args, **kwargs)
+            step = len(logits[path_name]) - 1
+            return drawn if forced is None else [tokens[step] for tokens in forced]
 
         monkeypatch.setattr(engine_module, "sample_rows", spy)
         return helm_generate(path, prompts, split=1, max_new_tokens=14, page_size=16, device_kv_pages=12,
@@ -144,23 +146,15 @@ def test_paged_decode_kernels_give_transformers_tokens(checkpoint, arch, dtype, 
     want = [hf_greedy(path, p, 14) for p in prompts] if dtype == "fp32" else run("sdpa")[0]
     monkeypatch.setenv(PAGED_DECODE_ENV, "1")
     static_steps.clear()
-    got, model = run("paged")
+    got, model = run("paged", forced=None if dtype == "fp32" else want)
     step = model.stages[1].fused
-    assert step.paged
-    if dtype == "fp32":
-        assert got == want
-    else:
-        # the steps whose inputs were the same in both runs: through each sequence's first differing token
-        same = [next((i for i, (a, b) in enumerate(zip(w, g)) if a != b), len(w)) for w, g in zip(want, got)]
-        pairs = [(ref[r], new[r]) for i, (ref, new) in enumerate(zip(logits["sdpa"], logits["paged"]))
-                 for r in range(len(prompts)) if i <= same[r]]
-        err = max((ref - new).abs().max().item() for ref, new in pairs)
+    assert step.paged and got == want
+    if dtype != "fp32":
+        decode_steps = list(zip(logits["sdpa"], logits["paged"]))[1:]  # (the first: the prompts, not paged)
+        assert len(decode_steps) == 13 and all(ref.shape == new.shape == (len(prompts), ref.shape[1])
+                                               for ref, new in decode_steps)
+        err = max((ref - new).abs().max().item() for ref, new in decode_steps)
         assert err < LOGIT_TOL[dtype], f"{dtype}: paged decode's logits {err:.3f} from SDPA's"
-        top2 = torch.stack([ref for ref, _ in pairs]).topk(2, dim=-1).values
-        decided = (top2[:, 0] - top2[:, 1]) > 2 * err  # where all logits within err cannot swap the top two
-        ref_argmax = torch.stack([ref.argmax() for ref, _ in pairs])
-        new_argmax = torch.stack([new.argmax() for _, new in pairs])
-        assert decided.sum() >= 5 and torch.equal(ref_argmax[decided], new_argmax[decided])  # (not vacuous)
     if len(lengths) == 3:
         assert (4, 3 + 2) in static_steps
     else:  # 70..83 tokens: 8 pages of 16 in the bucket, two blocks of 64 keys, one split each
