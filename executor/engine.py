@@ -329,9 +329,9 @@ class Engine:
         budget = self.max_step_tokens - len(schedule)
         # Once a request cannot start, none after it does (arrival order: a later request never
         # overtakes a waiting one), but started ones after it go on. A request waiting for a shared
-        # prefill keeps its place: its pages and its slot, as if it had started (a later one then
-        # starts beside it only where it would have without the wait).
-        closed, held_pages, held_slots = False, 0, 0
+        # prefill keeps its place: a slot, and every page it may grow to, as if it had started on
+        # no kept pages (a later one starts beside it only where it would have beside that).
+        closed, held_pages, held_slots, reserved = False, 0, 0, None
         leaders = [seq for seq in self.waiting if seq.request_id in self._kv_pages]  # started, prefilling
         for seq in list(self.waiting):
             if budget <= 0:
@@ -343,8 +343,10 @@ class Engine:
                     continue
                 if self._awaits_shared_prefill(seq, leaders):
                     need = self._pages_needed(len(seq.prompt_ids), seq.stop)
-                    if not self._fits(Match(), need, held_pages):
-                        closed = True  # it could not start now anyway
+                    if reserved is None:  # (the ledger's sum, once a pass until a request starts)
+                        reserved = self.kv_pages_reserved
+                    if self.kv_budget_pages is not None and reserved + held_pages + need > self.kv_budget_pages:
+                        closed = True  # its place does not fit beside the earlier ones: none after it starts
                         continue
                     held_pages, held_slots = held_pages + need, held_slots + 1
                     continue  # it starts on those pages once they are all kept
@@ -364,6 +366,7 @@ class Engine:
                     closed = True
                     continue
                 leaders.append(seq)
+                reserved = None
             count = min(self.prefill_chunk, budget, len(seq.prompt_ids) - seq.num_computed)
             schedule.append((seq, seq.num_computed, count))
             budget -= count

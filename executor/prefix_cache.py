@@ -224,8 +224,8 @@ class PrefixCache:
             if entry is None:
                 entry = self._full[key] = self._keep(key, scope, parent, chunk, [p[i] for p in pages], following)
                 if not partial:  # a running sequence's own page, counted in its reservation until it ends
+                    self._owned.setdefault(seq_id, []).append(entry)  # (first: `finish` clears what it lists)
                     entry.owner = seq_id
-                    self._owned.setdefault(seq_id, []).append(entry)
             elif not partial and any(a is not b[i] for a, b in zip(entry.pages, pages)):
                 # Kept already, but this running sequence computed its own copy: its next pages would
                 # hang under a page it does not hold, which nothing could reclaim while it runs and

@@ -429,17 +429,18 @@ def test_kept_through_agrees_with_a_prompts_match(path):
 @pytest.mark.parametrize("sequences,max_running", [(4, 2), (2, 8)])
 def test_a_request_waiting_for_a_shared_prefill_keeps_its_place(path, sequences, max_running):
     """While it waits, a later unrelated request must not take the slot (max_running 2) or the
-    pages (a budget of two sequences) it would have started in: it would then wait for that one's
-    whole generation. Its first token comes no later than without waiting (found by a review)."""
+    pages (a budget of two sequences, 32 pages: the leader's 15 and the unrelated one's 16 leave
+    the follower's 2 no room) it would have started in: it would then wait for that one's whole
+    generation. Its first token comes no later than without waiting (found by a review)."""
     def first_token_steps(wait):
         eng = budget_engine(path, sequences=sequences, context=64, prefill_chunk=4, max_running=max_running,
                             wait_for_shared_prefill=wait)
         system = prompt_ids(16, 256, seed=210)
-        long = StopCriteria(max_new_tokens=40, ignore_eos=True)
-        seqs = [eng.add_request(system + prompt_ids(3, 256, seed=211), stop=long),
+        seqs = [eng.add_request(system + prompt_ids(3, 256, seed=211), stop=StopCriteria(max_new_tokens=40,
+                                                                                         ignore_eos=True)),
                 eng.add_request(system + prompt_ids(3, 256, seed=212), stop=StopCriteria(max_new_tokens=2,
                                                                                          ignore_eos=True)),
-                eng.add_request(prompt_ids(20, 256, seed=213), stop=long)]
+                eng.add_request(prompt_ids(20, 256, seed=213), stop=StopCriteria(max_new_tokens=44, ignore_eos=True))]
         steps, n = {}, 0
         while eng.has_work():
             eng.step()
@@ -451,3 +452,25 @@ def test_a_request_waiting_for_a_shared_prefill_keeps_its_place(path, sequences,
     (waited, follower), (alongside, _) = first_token_steps(True), first_token_steps(False)
     assert follower.reused_tokens == 16 and waited[1] <= alongside[1], (waited, alongside)
     assert follower.output_ids == hf_greedy(path, follower.prompt_ids, 2)
+
+
+def test_a_burst_at_a_tight_budget_fits_by_counting_shared_pages_once(path):
+    """A budget of 14 pages and three 7-page requests on one new 16-token system prompt: counted
+    once, the followers' 3 + 3 pages fit beside the leader's 7 (counted twice, 17, the third
+    computed the prompt itself); and every step, each stage's pages in use stay within the ledger,
+    the ledger within the budget (from a review)."""
+    system = prompt_ids(16, 256, seed=170)
+    prompts = [system + prompt_ids(n, 256, seed=171 + n) for n in (3, 4, 5)]
+    eng = budget_engine(path, sequences=2, context=28, prefill_chunk=8)
+    assert eng.kv_budget_pages == 14
+    seqs = [eng.add_request(p, stop=STOP) for p in prompts]
+    for _ in range(3):
+        eng.step()
+    assert [s.reused_tokens for s in seqs[1:]] == [16, 16] and eng.kv_pages_reserved == 13
+    while eng.has_work():
+        eng.step()
+        for st in (s.kv.stats() for s in eng.model.stages if s.kv):
+            assert st.device_pages_used + st.host_pages_used - st.cached_pages <= eng.kv_pages_reserved <= 14
+    for seq, prompt in zip(seqs, prompts):
+        assert seq.finish_reason == "length", seq.error
+        assert seq.output_ids == hf_greedy(path, prompt, 6)
