@@ -10,9 +10,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -f .venv/bin/activate ]; then . .venv/bin/activate; fi
 ver() { python -c "import importlib.metadata as m; print(m.version('$1'))"; }
-# setup.py needs the build requirements (pip install -e . had them in an isolated environment only)
-python -c "import Cython, grpc_tools, setuptools" 2> /dev/null || pip install -q $(python -c \
-    "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['build-system']['requires']))")
+# setup.py needs the build requirements at their pinned versions (pip install -e . had them in an
+# isolated environment only); pip installs nothing where they are met. (pyproject's one line of
+# build requires, read with a regular expression: Python 3.10 has no tomllib.)
+pip install -q $(python -c 'import re; t = open("pyproject.toml").read()
+print(" ".join(re.findall(r"\"([^\"]+)\"", re.search(r"^requires = \[(.*)\]", t, re.M).group(1))))')
 python setup.py -q build_py   # regenerates executor/pb/ from protos/ (never a stale copy)
 out=gpu_carry/wheels
 rm -rf "$out" && mkdir -p "$out"
