@@ -18,7 +18,7 @@ At least the prompt's last token is always computed, for the logits of the first
 
 Requests that arrive together on one new system prompt would each compute it, side by side: the
 engine holds a request back while a started one still computes the pages it would reuse
-(`shared_pages`), and starts it on them once they fill (one prefill instead of one per request).
+(`shared_pages`), and starts it on them once they are kept (one prefill, not one per request).
 
 Kept pages cost nothing the plan did not reserve: they live in the plan's KV budget, and one no
 running sequence uses gives way (least recently used, leaves of the prefix tree first) whenever a
