@@ -345,7 +345,7 @@ class Engine:
                     need = self._pages_needed(len(seq.prompt_ids), seq.stop)
                     if reserved is None:  # (the ledger's sum, once a pass until a request starts)
                         reserved = self.kv_pages_reserved
-                    if self.kv_budget_pages is not None and reserved + held_pages + need > self.kv_budget_pages:
+                    if not self._fits(Match(), need, reserved + held_pages):
                         closed = True  # its place does not fit beside the earlier ones: none after it starts
                         continue
                     held_pages, held_slots = held_pages + need, held_slots + 1
@@ -398,9 +398,10 @@ class Engine:
         prompt (pages it shares are counted once, not per sharer)."""
         match = self.prefix.match(seq.prompt_ids, seq.scope) if self.prefix and reuse else Match()
         need = self._pages_needed(len(seq.prompt_ids), seq.stop)
+        used = self.kv_pages_reserved + held
         # What fits: the whole match, without the copy (its source is held while the copy's page is
         # made), or none of it (kept pages give way to a request's own as it grows).
-        reuse = next((m for m in (match, Match(match.full), Match()) if self._fits(m, need, held)), None)
+        reuse = next((m for m in (match, Match(match.full), Match()) if self._fits(m, need, used)), None)
         if reuse is None:
             return False
         self._kv_pages[seq.request_id] = need - len(reuse.full)
@@ -414,15 +415,16 @@ class Engine:
             seq.num_computed = seq.reused_tokens = reuse.tokens(self.page_size)
         return True
 
-    def _fits(self, reuse: Match, need: int, held: int = 0) -> bool:
-        """Whether a sequence that may grow to `need` pages fits the budget beside `held` more,
-        starting on `reuse` (kept pages no one counts yet count now: `PrefixCache.counted`)."""
+    def _fits(self, reuse: Match, need: int, used: int) -> bool:
+        """Whether a sequence that may grow to `need` pages fits the budget beside `used` pages (the
+        ledger's, and those earlier requests keep while they wait), starting on `reuse` (kept pages
+        no one counts yet count now: `PrefixCache.counted`)."""
         if self.kv_budget_pages is None:
             return True
         shared_anew = sum(1 for entry in reuse.full if not self.prefix.counted(entry))
         held_source = int(reuse.tail is not None and not self.prefix.counted(reuse.tail))
         own = need - len(reuse.full)
-        return self.kv_pages_reserved + held + shared_anew + held_source + own <= self.kv_budget_pages
+        return used + shared_anew + held_source + own <= self.kv_budget_pages
 
     def _run_stages(self, ids: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """Run the stages in order; time each one (CUDA events on a GPU, the wall clock on the CPU).
