@@ -330,6 +330,22 @@ def _peak_live_values(graph, num_units: int) -> list[int]:
     return peak
 
 
+# transformers 5.24 renamed the KV cache `past_key_values` → `cache` (forward keyword and output
+# field) and drops the old names in 5.40; the trace speaks whichever the installed version does.
+def _cache_keyword(model) -> str:
+    import inspect
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _returned_cache(out):
+    for name in ("cache", "past_key_values"):
+        cache = getattr(out, name, None)
+        if cache is not None:
+            return cache
+    return None
+
+
 def _kv_tensor_ids(cache) -> set[int]:
     """ids of every tensor held by a cache object (DynamicCache layers, lists, dicts)."""
     import torch
@@ -401,12 +417,13 @@ def _trace(data: dict, dtype: str, digest: str, dedupe: bool) -> TraceResult:
     try:
         out = rec.record(lambda: model(input_ids=ids, use_cache=True), {"input_ids": ids}, {"input_ids"})
         prefill_graph = rec.graph
-        cache = getattr(out, "past_key_values", None)
+        cache = _returned_cache(out)
         if cache is None:
             raise PlanError(f"{architecture_name(data)} returned no KV cache (use_cache=True)")
         kv_ids = _kv_tensor_ids(cache)
         step_ids = torch.zeros(1, 1, dtype=torch.long, device="meta")
-        rec.record(lambda: model(input_ids=step_ids, past_key_values=cache, use_cache=True),
+        cache_arg = {_cache_keyword(model): cache}
+        rec.record(lambda: model(input_ids=step_ids, use_cache=True, **cache_arg),
                    {"input_ids": step_ids}, {"input_ids"}, kv_ids)
     except PlanError:
         raise
