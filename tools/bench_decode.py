@@ -2,9 +2,11 @@
 on the same random-weight checkpoints: TTFT per prompt length and decode tok/s, per model size
 and weight dtype, with the ratio to each peer.
 
-All run on the CPU with the same threads, batch 1, greedy, EOS ignored; for every measurement the
-engines alternate (HELM, HF, llama.cpp, HELM, ...) so machine noise hits them alike; medians over
---runs. Decode: --new-tokens after a 128-token prompt; TTFT: the prompt and its first token.
+All run on the CPU with the same threads, batch 1, greedy, EOS ignored. In each of --runs runs,
+every measurement runs the engines back to back, HELM next to each peer, in an order that flips
+from run to run; each ratio is taken within a run and the table shows the median of those paired
+ratios (and their range), since a shared machine's bandwidth can swing by a third within a
+minute, more than the gaps being measured; the times shown are medians over the runs. Decode: --new-tokens after a 128-token prompt; TTFT: the prompt and its first token.
 llama.cpp runs through ../shared/anchors/llama-cpp.sh (llama-bench on a GGUF of the same weights;
 its TTFT is the prompt at its measured prompt-processing rate, its decode a run from an empty
 context). transformers' bf16 prompt GEMMs are slow on CPUs without AVX512-BF16/AMX: prompts
@@ -158,10 +160,6 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}x" if a == a and b == b and b > 0 else "-"
-
-
 def bench_model(args, size: str, dtype: str) -> dict:
     """Every measurement of one checkpoint; prints as it goes, returns the medians."""
     from transformers import AutoModelForCausalLM
@@ -187,25 +185,35 @@ def bench_model(args, size: str, dtype: str) -> dict:
           f"{args.threads} threads, HELM kernels {kernel_isa(helm)}, routes {helm.stages[0].ops.kernel_set.routes}")
     run_helm(helm, prompt[:8], 4)  # warm up both
     run_hf(hf, prompt[:8], 4)
-    engines = ["helm", "hf"] + (["llama.cpp"] if args.llama_cpp else [])
+    # HELM sits next to each peer in every run, and the order flips from run to run: on a shared
+    # machine the DRAM bandwidth can swing by a third within a minute, so each ratio is taken
+    # within one run (paired) and the summary is the median of those, not a ratio of medians.
+    engines = ["helm"] + (["llama.cpp"] if args.llama_cpp else []) + ["hf"]
     decode = {e: [] for e in engines}
     ttft = {(e, p): [] for e in engines for p in args.prompts}
+    paired = {}  # (measure, peer) → the peer's ratio to HELM in each run (> 1: HELM faster)
     read = []
     for r in range(args.runs):
+        order = engines if r % 2 == 0 else engines[::-1]
         bw = read_gbps(args.threads)
         read.append(bw)
-        for engine in engines:
+        got = {}
+        for engine in order:
             if engine == "helm":
                 t, tps = run_helm(helm, prompt[:128], args.new_tokens)
             elif engine == "hf":
                 t, tps = run_hf(hf, prompt[:128], args.new_tokens)
             else:
-                tps = run_llama_cpp(model_dir, dtype, 128, args.new_tokens, args.threads)["tg_tokens_per_s"]
+                tps = run_llama_cpp(model_dir, dtype, 0, args.new_tokens, args.threads)["tg_tokens_per_s"]
+            got[engine] = tps
             decode[engine].append(tps)
             print(f"  run {r + 1} decode {engine:>9}: {tps:6.2f} tok/s ({tps * nbytes / 1e9 / bw:.0%} of read "
                   f"{bw:.1f} GB/s) (load {os.getloadavg()[0]:.2f})", flush=True)
+        for e in engines[1:]:
+            paired.setdefault(("decode", e), []).append(got["helm"] / got[e])
         for p in args.prompts:
-            for engine in engines:
+            got = {}
+            for engine in order:
                 if engine == "helm":
                     t, _ = run_helm(helm, prompt[:p], 1)
                 elif engine == "hf":
@@ -214,15 +222,30 @@ def bench_model(args, size: str, dtype: str) -> dict:
                     t, _ = run_hf(hf, prompt[:p], 1)
                 else:
                     t = run_llama_cpp(model_dir, dtype, p, 0, args.threads)["ttft_ms"]
+                got[engine] = t
                 ttft[engine, p].append(t)
                 print(f"  run {r + 1} TTFT {p:>5} {engine:>9}: {t:8.0f} ms (load {os.getloadavg()[0]:.2f})", flush=True)
+            for e in engines[1:]:
+                if e in got:
+                    paired.setdefault((f"ttft@{p}", e), []).append(got[e] / got["helm"])
     del hf, helm
     med_bw = _median(read)
     grown, budget = rss["peak"] - rss["baseline"], rss["weights"] + rss["kv"]
     return {"model": model_dir, "size": size, "dtype": dtype, "read_gbps": med_bw, "weight_bytes": nbytes,
             "decode": {e: _median(v) for e, v in decode.items()},
             "ttft": {f"{e}@{p}": _median(v) for (e, p), v in ttft.items()},
+            "ratio": {f"{m}/{e}": {"median": _median(v), "min": min(v), "max": max(v)}
+                      for (m, e), v in paired.items()},
             "rss_of_weights_kv": grown / budget, "rss_grown_mib": grown / 2**20, "weights_kv_mib": budget / 2**20}
+
+
+def _paired(res: dict, measure: str, engine: str) -> str:
+    """The median of the per-run ratios, with their range when there are several runs."""
+    r = res["ratio"].get(f"{measure}/{engine}")
+    if r is None:
+        return f"{'-':>6} {'':>11}"
+    spread = f"({r['min']:.2f}–{r['max']:.2f})" if r["max"] > r["min"] else ""
+    return f"{r['median']:>5.2f}x {spread:>11}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,21 +265,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average at start: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     results = [bench_model(args, size, dtype) for size in args.sizes.split(",") for dtype in args.dtypes.split(",")]
 
-    engines = ["hf"] + (["llama.cpp"] if args.llama_cpp else [])
-    print(f"\nmedians over {args.runs} alternating runs ({args.threads} threads; ratios: the peer's time over "
-          f"HELM's for TTFT, HELM's tok/s over the peer's for decode: > 1 means HELM is faster)")
-    head = f"{'model':<24} {'measure':<13} {'HELM':>9} " + " ".join(f"{e:>10} {'ratio':>6}" for e in engines)
+    engines = (["llama.cpp"] if args.llama_cpp else []) + ["hf"]
+    print(f"\nmedians over {args.runs} runs ({args.threads} threads); each ratio is the median of the runs' own "
+          f"ratios, HELM against the peer measured next to it in the same run, with their range: the peer's "
+          f"time over HELM's for TTFT, HELM's tok/s over the peer's for decode; > 1 means HELM is faster")
+    head = f"{'model':<24} {'measure':<13} {'HELM':>9} " + " ".join(f"{e:>10} {'ratio':>6} {'(range)':>11}"
+                                                               for e in engines)
     print(head)
     for res in results:
         name = f"{res['size']} {res['dtype']}"
         for p in args.prompts:
             h = res["ttft"][f"helm@{p}"]
-            cells = " ".join(f"{res['ttft'][f'{e}@{p}']:>10.0f} {_ratio(res['ttft'][f'{e}@{p}'], h):>6}"
-                             if res["ttft"][f"{e}@{p}"] == res["ttft"][f"{e}@{p}"] else f"{'-':>10} {'-':>6}"
+            cells = " ".join(f"{res['ttft'][f'{e}@{p}']:>10.0f} {_paired(res, f'ttft@{p}', e)}"
+                             if res["ttft"][f"{e}@{p}"] == res["ttft"][f"{e}@{p}"] else f"{'-':>10} {_paired(res, '', e)}"
                              for e in engines)
             print(f"{name:<24} {f'TTFT {p} ms':<13} {h:>9.0f} {cells}")
         h = res["decode"]["helm"]
-        cells = " ".join(f"{res['decode'][e]:>10.2f} {_ratio(h, res['decode'][e]):>6}" for e in engines)
+        cells = " ".join(f"{res['decode'][e]:>10.2f} {_paired(res, 'decode', e)}" for e in engines)
         print(f"{name:<24} {'decode tok/s':<13} {h:>9.2f} {cells}   "
               f"({h * res['weight_bytes'] / 1e9 / res['read_gbps']:.0%} of read; peak RSS +"
               f"{res['rss_grown_mib']:.0f} MiB = {res['rss_of_weights_kv']:.1%} of weights + KV)")
