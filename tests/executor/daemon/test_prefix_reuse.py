@@ -2,6 +2,9 @@
 result says how many prompt tokens), its tokens are those of a run that computed everything, and
 another caller's identical prompt reuses nothing (a shorter TTFT would tell it the prompt was
 sent). In-process server with two client tokens."""
+import threading
+import time
+
 from executor.pb import executor_pb2 as pb
 from executor.server.auth import ADMIN, CLIENT, Tokens
 from executor.server.client import ClientAuth, ExecutorClient
@@ -61,6 +64,56 @@ def test_no_prefix_cache_computes_every_prompt(checkpoint, tmp_path):
             again = collect(alice.stub.Generate(request(prompt), timeout=60))
             assert again[2].cached_prompt_tokens == 0 and again[0] == first[0]
             assert all(s.kv.cached_pages == 0 for s in alice.info().stages)
+    finally:
+        daemon.drain(5)
+        server.stop(0).wait(5)
+        daemon.close()
+
+
+def test_requests_arriving_together_on_one_new_prompt_compute_it_once(checkpoint, tmp_path):
+    """Four callers' prompts share a 600-token start (more than one 512-token prefill chunk). The
+    engine's first step is held until the other three are queued, so they join while the first
+    request is still computing that start: they wait for its pages instead of computing their own
+    copies, and report all of it as reused (without the wait they would reuse the 512 tokens of
+    its first chunk only). Their tokens are those of each prompt run alone."""
+    model = checkpoint("qwen3", "fp32")
+    daemon, server, addr = serve(model, tmp_path)
+    worker = daemon._serving.worker
+    real_step, held = worker.engine.step, threading.Event()
+
+    def first_step_waits_for_the_burst():
+        if not held.is_set():
+            deadline = time.monotonic() + 30
+            while worker._commands.qsize() < 3 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            held.set()
+        return real_step()
+
+    worker.engine.step = first_step_waits_for_the_burst
+    start = prompt_ids(600, 256, seed=103)
+    prompts = [start + prompt_ids(8, 256, seed=110 + i) for i in range(4)]
+    results = [None] * 4
+    try:
+        with ExecutorClient(addr, ClientAuth(token=ALICE)) as alice:
+            def call(i):
+                results[i] = collect(alice.stub.Generate(request(prompts[i], n=4), timeout=120))
+
+            first = threading.Thread(target=call, args=(0,))
+            first.start()
+            deadline = time.monotonic() + 30
+            while not worker._streams and time.monotonic() < deadline:  # the first is in the engine first
+                time.sleep(0.005)
+            others = [threading.Thread(target=call, args=(i,)) for i in (1, 2, 3)]
+            for t in others:
+                t.start()
+            for t in [first, *others]:
+                t.join(150)
+        assert held.is_set() and all(r is not None for r in results)
+        assert results[0][2].cached_prompt_tokens == 0
+        # 37 full pages of 16 shared, and the 8 start tokens of the 38th copied
+        assert [r[2].cached_prompt_tokens for r in results[1:]] == [600] * 3
+        want, _ = helm_generate(model, prompts, split=2, max_new_tokens=4, page_size=PAGE_SIZE)
+        assert [r[0] for r in results] == want
     finally:
         daemon.drain(5)
         server.stop(0).wait(5)
