@@ -329,8 +329,9 @@ class Engine:
         budget = self.max_step_tokens - len(schedule)
         # Once a request cannot start, none after it does (arrival order: a later request never
         # overtakes a waiting one), but started ones after it go on. A request waiting for a shared
-        # prefill keeps its place: a slot, and every page it may grow to, as if it had started on
-        # no kept pages (a later one starts beside it only where it would have beside that).
+        # prefill keeps its place: a slot, and the pages it will hold once started, every page it
+        # may grow to but those it will share with the request it waits for (in that one's
+        # reservation); a later one starts beside it only where it would have beside that.
         closed, held_pages, held_slots, reserved = False, 0, 0, None
         leaders = [seq for seq in self.waiting if seq.request_id in self._kv_pages]  # started, prefilling
         for seq in list(self.waiting):
@@ -341,8 +342,9 @@ class Engine:
                 if closed or len(self._kv_pages) + held_slots >= self.max_running:
                     closed = True
                     continue
-                if self._awaits_shared_prefill(seq, leaders):
-                    need = self._pages_needed(len(seq.prompt_ids), seq.stop)
+                shared = self._awaits_shared_prefill(seq, leaders)
+                if shared:
+                    need = self._pages_needed(len(seq.prompt_ids), seq.stop) - shared
                     if reserved is None:  # (the ledger's sum, once a pass until a request starts)
                         reserved = self.kv_pages_reserved
                     if not self._fits(Match(), need, reserved + held_pages):
@@ -372,15 +374,18 @@ class Engine:
             budget -= count
         return schedule
 
-    def _awaits_shared_prefill(self, seq: Sequence, leaders: list[Sequence]) -> bool:
-        """Whether one of `leaders` (started requests still computing their prompts) is computing
-        pages of its prompt that `seq`'s prompt starts with, beyond the kept ones `seq` would start
-        on now. A burst of requests on one new system prompt then computes it once, not once per
-        request: its tokens cost the same in the leader's steps whoever waits, and each follower
-        starts on the shared pages once they are kept (`_commit` indexes them as they fill), with
-        its own tokens left to compute."""
+    def _awaits_shared_prefill(self, seq: Sequence, leaders: list[Sequence]) -> int:
+        """The full pages `seq`'s prompt shares with one of `leaders` (started requests still
+        computing their prompts) that is computing some of them, beyond the kept ones `seq` would
+        start on now; 0: it need not wait. A burst of requests on one new system prompt then
+        computes it once, not once per request: its tokens cost the same in the leader's steps
+        whoever waits, and each follower starts on the shared pages once they are kept (`_commit`
+        indexes them as they fill), with its own tokens left to compute. While the leader runs,
+        those pages are in its reservation (its own or ones it shares), so the follower's place
+        leaves them out; should the leader end first, they are kept pages no one counts, and the
+        follower's start (`_reserve_kv`) counts them again."""
         if self.prefix is None or not self.wait_for_shared_prefill:
-            return False
+            return 0
         for other in leaders:
             if other.scope != seq.scope or not self.prefix.indexing(other.request_id):
                 continue  # another caller's, or its pages are not shared while it runs
@@ -389,8 +394,8 @@ class Engine:
                 shared = seq.shared_with[other.serial] = shared_pages(other.prompt_ids, seq.prompt_ids, self.page_size,
                                                                       len(seq.prompt_ids) - 1)
             if not self.prefix.kept_through(seq.prompt_ids, seq.scope, shared, seq.page_keys):
-                return True  # (where they are kept, by it or by an earlier request, `seq` starts on them now)
-        return False
+                return shared  # (where they are kept, by it or by an earlier request, `seq` starts on them now)
+        return 0
 
     def _reserve_kv(self, seq: Sequence, reuse: bool = True, held: int = 0) -> bool:
         """Hold the pages `seq` may grow to, if the plan's budget has them free beside `held` (pages

@@ -474,3 +474,30 @@ def test_a_burst_at_a_tight_budget_fits_by_counting_shared_pages_once(path):
     for seq, prompt in zip(seqs, prompts):
         assert seq.finish_reason == "length", seq.error
         assert seq.output_ids == hf_greedy(path, prompt, 6)
+
+
+def test_a_waiting_requests_place_leaves_out_the_pages_it_will_share(path):
+    """A budget of 32 pages: the leader (16 shared + 3 own tokens, 40 new: 15 pages), a follower on
+    the same 16 tokens (6 pages, 4 of them the leader's) and an unrelated request of 14 pages. The
+    follower's place is its 2 own pages, so the unrelated request starts beside it while it waits
+    (15 + 2 + 14 fit; holding all 6 would have kept it out until the follower started); every step
+    the ledger stays within the budget and the pages in use within the ledger."""
+    eng = budget_engine(path, sequences=2, context=64, prefill_chunk=4, max_running=4)
+    assert eng.kv_budget_pages == 32
+    system = prompt_ids(16, 256, seed=220)
+    leader, follower, unrelated = (
+        eng.add_request(system + prompt_ids(3, 256, seed=221), stop=StopCriteria(max_new_tokens=40, ignore_eos=True)),
+        eng.add_request(system + prompt_ids(3, 256, seed=222), stop=StopCriteria(max_new_tokens=2, ignore_eos=True)),
+        eng.add_request(prompt_ids(20, 256, seed=223), stop=StopCriteria(max_new_tokens=36, ignore_eos=True)))
+    eng.step()
+    started = set(eng._kv_pages)
+    assert started == {leader.request_id, unrelated.request_id}, started  # the follower waits, keeping 2 pages
+    assert eng.kv_pages_reserved + 2 <= 32
+    while eng.has_work():
+        eng.step()
+        for st in (s.kv.stats() for s in eng.model.stages if s.kv):
+            assert st.device_pages_used + st.host_pages_used - st.cached_pages <= eng.kv_pages_reserved <= 32
+    assert follower.reused_tokens == 16
+    for seq, n in ((leader, 40), (follower, 2), (unrelated, 36)):
+        assert seq.finish_reason == "length", seq.error
+        assert seq.output_ids == hf_greedy(path, seq.prompt_ids, n)
