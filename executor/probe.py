@@ -70,12 +70,22 @@ def _torch_threads(threads: int):
 
 
 def _best_seconds(fn: Callable[[], object], reps: int) -> float:
-    fn()  # warm-up: page faults, packing buffers, PyTorch's first-call dispatch
-    best = float("inf")
+    return _best_seconds_each({"fn": fn}, reps)["fn"]
+
+
+def _best_seconds_each(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """The best of `reps` timed calls of each function, taken in turns (one call of each per
+    round), so that a burst of another process's work slows one round of every candidate rather
+    than every run of one of them: a race decided by one candidate's bad luck picks a path that
+    can be twice as slow for as long as the process runs."""
+    for fn in fns.values():
+        fn()  # warm-up: page faults, packing buffers, PyTorch's first-call dispatch
+    best = dict.fromkeys(fns, float("inf"))
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
     return best
 
 
@@ -131,16 +141,14 @@ def gemm_candidates(dtype: torch.dtype, threads: int, rows: int, reps: int, path
     x = torch.randn(rows, k, generator=gen)
     out = torch.empty(rows, n)
     flops = 2.0 * rows * n * k
-    rates = {}
+    calls = {}
     for path in paths or candidate_paths(dtype):
-        if path == "gemv":
-            ks = kernels.KernelSet(kernels.KERNEL_ISA)
-        else:
-            ks = kernels.KernelSet(kernels.KERNEL_ISA, routes={dtype: (path, kernels.MAX_TILE_B + 1)})
-        with _torch_threads(threads):
-            seconds = _best_seconds(lambda: ks.linear(x, w, out, num_threads=threads), reps)
-        rates[path] = round(flops / seconds / 1e9, 1)
-    return rates
+        ks = kernels.KernelSet(kernels.KERNEL_ISA, routes=None if path == "gemv" else
+                               {dtype: (path, kernels.MAX_TILE_B + 1)})
+        calls[path] = lambda ks=ks: ks.linear(x, w, out, num_threads=threads)
+    with _torch_threads(threads):
+        seconds = _best_seconds_each(calls, reps)
+    return {path: round(flops / s / 1e9, 1) for path, s in seconds.items()}
 
 
 def gemm_route(dtype: torch.dtype, threads: int, quick: bool = False,
@@ -148,7 +156,7 @@ def gemm_route(dtype: torch.dtype, threads: int, quick: bool = False,
     """The fastest path for a prompt chunk of this weight dtype, the batch from which it beats the
     GEMV tiles (min_rows) and its rate: {path, min_rows, gflops, candidates}."""
     from executor import kernels
-    reps = 1 if quick else 3
+    reps = 2 if quick else 3
     candidates = gemm_candidates(dtype, threads, PROBE_ROWS, reps, shape=shape)
     path = max(candidates, key=candidates.get)
     min_rows = kernels.MAX_TILE_B + 1
@@ -247,9 +255,11 @@ def attention_kernel_max_queries(dtype: torch.dtype, threads: int, reps: int,
                 v = torch.cat([buf[i, 1] for i in range(used)], 1)[:, :keys]
                 fused_prompt_attention(q, k, v, prefix, hq, scale)
 
-            ours = _best_seconds(lambda: kernels.paged_attention(qkv, out, layout, table, 0, prefix, hq, scale,
-                                                                 num_threads=threads), reps)
-            if ours > _best_seconds(fused, reps):
+            def ours() -> None:
+                kernels.paged_attention(qkv, out, layout, table, 0, prefix, hq, scale, num_threads=threads)
+
+            race = _best_seconds_each({"ours": ours, "fused": fused}, reps)
+            if race["ours"] > race["fused"]:
                 break
             longest = n
     return longest

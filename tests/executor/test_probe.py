@@ -31,6 +31,28 @@ def test_gemm_route_is_the_fastest_candidate_and_its_crossover():
     assert "torch_fp32" not in fp32["candidates"]  # for fp32 weights it is the "torch" call
 
 
+def test_candidates_are_timed_in_turns_and_each_keeps_its_best(monkeypatch):
+    """A burst of other work must slow one round of every candidate, not all of one candidate's
+    runs: the calls alternate after one warm-up each, and each candidate's best call is kept."""
+    from executor import probe
+
+    calls, clock = [], iter(range(1000))
+    monkeypatch.setattr(probe.time, "perf_counter", lambda: next(clock) * 1.0)
+    cost = {"a": [5, 1, 3], "b": [2, 4, 9]}  # each timed call's seconds, in the order they are called
+
+    def timed(name):
+        def call():
+            calls.append(name)
+            if len(calls) > 2:  # past the warm-ups: the clock advances by the call's cost
+                for _ in range(cost[name].pop(0) - 1):
+                    next(clock)
+        return call
+
+    best = probe._best_seconds_each({"a": timed("a"), "b": timed("b")}, reps=3)
+    assert calls == ["a", "b", "a", "b", "a", "b", "a", "b"]
+    assert best == {"a": 1.0, "b": 2.0}
+
+
 def test_probe_rows_fill_a_valid_machine_profile_and_give_kernel_routes():
     from executor import kernels
     from executor.probe import gemm_routes, probe_cpu_kernels
