@@ -59,6 +59,17 @@ log = logging.getLogger(__name__)
 _POSITION, _WRITE_SLOT, _WRITE_ROW, _TABLE = 0, 1, 2, 3  # columns of the index tensor
 
 
+def ready_profiler_for_graphs() -> None:
+    """For a process that will profile CUDA graphs (the CUDA tests, tools/bench_gpu.py): one empty
+    profiler session before any capture. Graphs captured before the profiler's first use can fail
+    to replay under it, or be missing from its trace (pytorch#75504); PyTorch's own workaround is
+    this session. Nothing without CUDA."""
+    if torch.cuda.is_available():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]):
+            pass
+
+
 def _buckets(n: int) -> list[int]:
     """Every bucket up to bucket(n): 1, 2, 4, ..."""
     return [1 << i for i in range(bucket(max(1, n)).bit_length())]

@@ -21,6 +21,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_sessionstart(session):
+    from executor.device_step import ready_profiler_for_graphs
+
+    ready_profiler_for_graphs()  # the CUDA tests profile graph replays
+
+
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
     """Factory: `checkpoint(arch, dtype="fp32", seed=0, **overrides) -> Path`.
