@@ -381,9 +381,10 @@ class Engine:
         computes it once, not once per request: its tokens cost the same in the leader's steps
         whoever waits, and each follower starts on the shared pages once they are kept (`_commit`
         indexes them as they fill), with its own tokens left to compute. While the leader runs,
-        those pages are in its reservation (its own or ones it shares), so the follower's place
-        leaves them out; should the leader end first, they are kept pages no one counts, and the
-        follower's start (`_reserve_kv`) counts them again."""
+        those pages are in the ledger (its own, or kept ones it shares), so the follower's place
+        leaves them out. Should the leader end first, they are kept pages no one counts, which
+        the follower's start (`_reserve_kv`) counts again; the leader's end took at least as many
+        out of the ledger, and no later request starts before the follower, so it still fits."""
         if self.prefix is None or not self.wait_for_shared_prefill:
             return 0
         for other in leaders:

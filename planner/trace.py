@@ -331,19 +331,14 @@ def _peak_live_values(graph, num_units: int) -> list[int]:
 
 
 # transformers 5.24 renamed the KV cache `past_key_values` → `cache` (forward keyword and output
-# field) and drops the old names in 5.40; the trace speaks whichever the installed version does.
-def _cache_keyword(model) -> str:
-    import inspect
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def _returned_cache(out):
+# field) and drops the old names in 5.40; the trace passes the cache back under the name the
+# model returned it by.
+def _returned_cache(out) -> tuple[str, Any]:
     for name in ("cache", "past_key_values"):
         cache = getattr(out, name, None)
         if cache is not None:
-            return cache
-    return None
+            return name, cache
+    return "", None
 
 
 def _kv_tensor_ids(cache) -> set[int]:
@@ -417,13 +412,12 @@ def _trace(data: dict, dtype: str, digest: str, dedupe: bool) -> TraceResult:
     try:
         out = rec.record(lambda: model(input_ids=ids, use_cache=True), {"input_ids": ids}, {"input_ids"})
         prefill_graph = rec.graph
-        cache = _returned_cache(out)
+        cache_name, cache = _returned_cache(out)
         if cache is None:
             raise PlanError(f"{architecture_name(data)} returned no KV cache (use_cache=True)")
         kv_ids = _kv_tensor_ids(cache)
         step_ids = torch.zeros(1, 1, dtype=torch.long, device="meta")
-        cache_arg = {_cache_keyword(model): cache}
-        rec.record(lambda: model(input_ids=step_ids, use_cache=True, **cache_arg),
+        rec.record(lambda: model(input_ids=step_ids, use_cache=True, **{cache_name: cache}),
                    {"input_ids": step_ids}, {"input_ids"}, kv_ids)
     except PlanError:
         raise
@@ -459,6 +453,8 @@ def _trace(data: dict, dtype: str, digest: str, dedupe: bool) -> TraceResult:
             if inp.meta.get("tainted") and a is not None and a < u:
                 for cut in range(a, u):
                     cut_sets[cut].add(inp)
+    if not any(kv[1:L + 1]):  # a forward that swallowed the cache keyword ran without one
+        raise PlanError(f"tracing {architecture_name(data)}: its decode step read no KV cache")
     act = [sum(n.meta["bytes"] for n in s) for s in cut_sets]
     out_node = next(n for n in graph.nodes if n.op == "output")
     act[-1] = sum(n.meta["bytes"] for n in out_node.all_input_nodes if n.meta.get("tainted"))

@@ -188,7 +188,8 @@ def bench_model(args, size: str, dtype: str) -> dict:
     # HELM sits next to each peer in every run, and the order flips from run to run: on a shared
     # machine the DRAM bandwidth can swing by a third within a minute, so each ratio is taken
     # within one run (paired) and the summary is the median of those, not a ratio of medians.
-    engines = ["helm"] + (["llama.cpp"] if args.llama_cpp else []) + ["hf"]
+    engines = (["llama.cpp"] if args.llama_cpp else []) + ["helm", "hf"]  # HELM between its peers
+    peers = [e for e in engines if e != "helm"]
     decode = {e: [] for e in engines}
     ttft = {(e, p): [] for e in engines for p in args.prompts}
     paired = {}  # (measure, peer) → the peer's ratio to HELM in each run (> 1: HELM faster)
@@ -209,7 +210,7 @@ def bench_model(args, size: str, dtype: str) -> dict:
             decode[engine].append(tps)
             print(f"  run {r + 1} decode {engine:>9}: {tps:6.2f} tok/s ({tps * nbytes / 1e9 / bw:.0%} of read "
                   f"{bw:.1f} GB/s) (load {os.getloadavg()[0]:.2f})", flush=True)
-        for e in engines[1:]:
+        for e in peers:
             paired.setdefault(("decode", e), []).append(got["helm"] / got[e])
         for p in args.prompts:
             got = {}
@@ -225,7 +226,7 @@ def bench_model(args, size: str, dtype: str) -> dict:
                 got[engine] = t
                 ttft[engine, p].append(t)
                 print(f"  run {r + 1} TTFT {p:>5} {engine:>9}: {t:8.0f} ms (load {os.getloadavg()[0]:.2f})", flush=True)
-            for e in engines[1:]:
+            for e in peers:
                 if e in got:
                     paired.setdefault((f"ttft@{p}", e), []).append(got[e] / got["helm"])
     del hf, helm

@@ -155,6 +155,18 @@ def test_unknown_architecture_is_a_clear_error():
         trace_model({"model_type": "t5", "architectures": ["T5Model"]})
 
 
+def test_a_decode_step_that_reads_no_kv_cache_is_an_error_not_a_plan_without_kv(monkeypatch):
+    """The cache goes back under the name the model returned it by (transformers renamed it); a
+    forward that swallows an unknown keyword (**kwargs) would run the step without it, and the plan
+    would price no KV: that must fail loudly."""
+    import planner.trace as trace_module
+
+    returned = trace_module._returned_cache
+    monkeypatch.setattr(trace_module, "_returned_cache", lambda out: ("no_such_cache", returned(out)[1]))
+    with pytest.raises(PlanError, match="decode step read no KV cache"):
+        trace_model(config_path("qwen3-8b"))
+
+
 def test_malformed_configs_are_clear_errors(tmp_path):
     with pytest.raises(PlanError, match="no 'model_type'"):
         trace_model({"hidden_size": 8})
