@@ -6,7 +6,8 @@ All run on the CPU with the same threads, batch 1, greedy, EOS ignored. In each 
 every measurement runs the engines back to back, HELM next to each peer, in an order that flips
 from run to run; each ratio is taken within a run and the table shows the median of those paired
 ratios (and their range), since a shared machine's bandwidth can swing by a third within a
-minute, more than the gaps being measured; the times shown are medians over the runs. Decode: --new-tokens after a 128-token prompt; TTFT: the prompt and its first token.
+minute, more than the gaps being measured; the times shown are medians over the runs.
+Decode: --new-tokens after a 128-token prompt; TTFT: the prompt and its first token.
 llama.cpp runs through ../shared/anchors/llama-cpp.sh (llama-bench on a GGUF of the same weights;
 its TTFT is the prompt at its measured prompt-processing rate, its decode a run from an empty
 context). transformers' bf16 prompt GEMMs are slow on CPUs without AVX512-BF16/AMX: prompts
@@ -185,10 +186,8 @@ def bench_model(args, size: str, dtype: str) -> dict:
           f"{args.threads} threads, HELM kernels {kernel_isa(helm)}, routes {helm.stages[0].ops.kernel_set.routes}")
     run_helm(helm, prompt[:8], 4)  # warm up both
     run_hf(hf, prompt[:8], 4)
-    # HELM sits next to each peer in every run, and the order flips from run to run: on a shared
-    # machine the DRAM bandwidth can swing by a third within a minute, so each ratio is taken
-    # within one run (paired) and the summary is the median of those, not a ratio of medians.
-    engines = (["llama.cpp"] if args.llama_cpp else []) + ["helm", "hf"]  # HELM between its peers
+    # HELM between its peers, the order flipping each run: every ratio is paired (the docstring)
+    engines = (["llama.cpp"] if args.llama_cpp else []) + ["helm", "hf"]
     peers = [e for e in engines if e != "helm"]
     decode = {e: [] for e in engines}
     ttft = {(e, p): [] for e in engines for p in args.prompts}
@@ -277,9 +276,9 @@ def main(argv: list[str] | None = None) -> int:
         name = f"{res['size']} {res['dtype']}"
         for p in args.prompts:
             h = res["ttft"][f"helm@{p}"]
-            cells = " ".join(f"{res['ttft'][f'{e}@{p}']:>10.0f} {_paired(res, f'ttft@{p}', e)}"
-                             if res["ttft"][f"{e}@{p}"] == res["ttft"][f"{e}@{p}"] else f"{'-':>10} {_paired(res, '', e)}"
-                             for e in engines)
+            times = {e: res["ttft"][f"{e}@{p}"] for e in engines}  # NaN: not run at this length
+            cells = " ".join((f"{times[e]:>10.0f}" if times[e] == times[e] else f"{'-':>10}") + " "
+                             + _paired(res, f"ttft@{p}", e) for e in engines)
             print(f"{name:<24} {f'TTFT {p} ms':<13} {h:>9.0f} {cells}")
         h = res["decode"]["helm"]
         cells = " ".join(f"{res['decode'][e]:>10.2f} {_paired(res, 'decode', e)}" for e in engines)
