@@ -63,6 +63,7 @@ class KernelLinear:
 
         self._linear = kernel_set.linear
         self.weight = weight
+        self.bias = bias
         self.prepared = prepare_linear(weight, bias)
         self.num_threads = num_threads
 

@@ -28,6 +28,8 @@ from typing import Iterator
 
 import torch
 
+from executor.host_memory import page_aligned
+
 log = logging.getLogger(__name__)
 
 # One page of a layer's K/V as attention reads it: K [H_kv, n, D], V [H_kv, n, D], first position.
@@ -124,16 +126,22 @@ class PagePool:
 
 
 def page_locked(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A page-locked host tensor of exactly its size. PyTorch's pinned allocator rounds every
-    allocation up to a power of two (a 75 MiB page would take 128 MiB), which would break the
-    plan's host-RAM budget; so the memory is ordinary (exact) host memory registered with the
-    driver. The caller keeps it alive until `unlock` (see PagePool)."""
-    t = torch.empty(shape, dtype=dtype)
+    """A page-locked host tensor of its size rounded up to a page. PyTorch's pinned allocator
+    rounds every allocation up to a power of two (a 75 MiB page would take 128 MiB), which would
+    break the plan's host-RAM budget; so the memory is ordinary host memory registered with the
+    driver, over pages of its own (a page shared with another registered tensor would be
+    refused: executor/host_memory.py). The caller keeps it alive until `unlock` (see PagePool)."""
+    return lock_in_place(page_aligned(shape, dtype), "KV pages")
+
+
+def lock_in_place(t: torch.Tensor, what: str) -> torch.Tensor:
+    """Page-lock host tensor t where it is (returned): a tensor over pages of its own
+    (host_memory.page_aligned), which `unlock` lets go of."""
     size = t.numel() * t.element_size()
     err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), size, 0) if size else 0
     if int(err) != 0:
         _clear_cuda_error()
-        raise MemoryError(f"could not page-lock {size} bytes of host memory for KV pages (cudaHostRegister "
+        raise MemoryError(f"could not page-lock {size} bytes of host memory for {what} (cudaHostRegister "
                           f"error {int(err)}); the locked-memory limit (ulimit -l) may be too low")
     return t
 
@@ -210,7 +218,7 @@ def unlock(tensors: list[torch.Tensor]) -> None:
                     continue
                 if int(err) != 0:  # left pending, the next kernel launch would report it as its own
                     _clear_cuda_error()
-                    log.warning("cudaHostUnregister of a %d-byte KV page failed (error %d)",
+                    log.warning("cudaHostUnregister of a %d-byte page-locked tensor failed (error %d)",
                                 t.numel() * t.element_size(), int(err))
         tensors.clear()
 
@@ -248,18 +256,20 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, page_size: int = 512, device_pages: int | None = None,
-                 host_pages: int | None = None, slab: bool = False):
+                 host_pages: int | None = None, slab: bool = False, pin_pages: bool = False):
         """device_pages: pages on `device` (None: unbounded); host_pages: pages the full device
         pool may evict to, in pinned host memory (None: unbounded; 0: none, a full device pool
         is out of KV memory). A cache with an unbounded device pool never evicts. slab: the
-        device pool is one buffer of fixed page slots (PagePool; the loader decides)."""
+        device pool is one buffer of fixed page slots (PagePool; the loader decides). pin_pages:
+        a cache in host memory whose pages are page-locked, where CUDA is (a CPU stage whose
+        prompt steps run on the GPU copies K/V to and from them: executor/streamed_prefill.py)."""
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
         self.num_layers, self.num_kv_heads, self.head_dim, self.dtype = num_layers, num_kv_heads, head_dim, dtype
         self.device = torch.device(device)
         shape = (num_layers, 2, num_kv_heads, page_size, head_dim)
-        self.device_pool = PagePool(self.device, shape, dtype, device_pages, slab=slab)
+        self.device_pool = PagePool(self.device, shape, dtype, device_pages, pin_memory=pin_pages, slab=slab)
         self.host_pool = PagePool(torch.device("cpu"), shape, dtype, host_pages, pin_memory=True) \
             if device_pages is not None and host_pages != 0 else None
         self._seqs: dict[object, SequencePages] = {}

@@ -15,11 +15,13 @@ import torch
 from executor.backends import make_backend, resolve_backend
 from executor.device_step import ResidentDecode
 from executor.errors import WeightsError
+from executor.host_memory import page_aligned
 from executor.kv_cache import KVCache
 from executor.model_config import ModelConfig
 from executor.placement import Placement, StageSpec, resolve_device
 from executor.probe import DTYPES, measured_choice
 from executor.stage import BlockWeights, HeadWeights, Stage
+from executor.streamed_prefill import StreamedPrefill
 from executor.weights import CheckpointReader
 from planner.step_shape import MAX_RUNNING_SEQUENCES
 
@@ -139,15 +141,21 @@ def _load_stage(reader: CheckpointReader, cfg: ModelConfig, spec: StageSpec, pla
     H, V, D, I = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.intermediate_size
     ops = make_backend(backend, device, placement.cpu_threads, *choice,
                        fused_prompt=placement.flash_attention is not False)
+    # a CPU stage whose prompt steps the plan streams to the GPU: its projections on pages of
+    # their own, which can be page-locked where they are (executor/streamed_prefill.py)
+    streams = spec.device == "cpu" and placement.stream_prefill_min_rows is not None and \
+        spec.unit_start < cfg.num_layers + 1 and spec.unit_end > 1
 
     def get(name, shape, dtype=wdtype):
         return reader.get(name, shape, dtype, device)
 
-    def fused(parts, dtype=wdtype):
-        """Tensors [(name, shape)] stacked along dim 0, each read into its rows of one buffer."""
+    def fused(parts, dtype=wdtype, streamed=False):
+        """Tensors [(name, shape)] stacked along dim 0, each read into its rows of one buffer
+        (streamed: a projection a streaming stage copies to the GPU, on pages of its own)."""
         if device.type != "cpu":
             return torch.cat([get(name, shape, dtype) for name, shape in parts])
-        out = torch.empty((sum(shape[0] for _, shape in parts), *parts[0][1][1:]), dtype=dtype)
+        shape = (sum(shape[0] for _, shape in parts), *parts[0][1][1:])
+        out = page_aligned(shape, dtype) if streamed and streams else torch.empty(shape, dtype=dtype)
         row = 0
         for name, shape in parts:
             reader.get(name, shape, dtype, device, out=out[row:row + shape[0]])
@@ -163,23 +171,23 @@ def _load_stage(reader: CheckpointReader, cfg: ModelConfig, spec: StageSpec, pla
         p = f"model.layers.{layer}."
         qkv = fused([(p + "self_attn.q_proj.weight", (cfg.q_dim, H)),
                      (p + "self_attn.k_proj.weight", (cfg.kv_dim, H)),
-                     (p + "self_attn.v_proj.weight", (cfg.kv_dim, H))])
+                     (p + "self_attn.v_proj.weight", (cfg.kv_dim, H))], streamed=True)
         qkv_bias = None
         if cfg.attention_bias:
             qkv_bias = fused([(p + "self_attn.q_proj.bias", (cfg.q_dim,)),
                               (p + "self_attn.k_proj.bias", (cfg.kv_dim,)),
                               (p + "self_attn.v_proj.bias", (cfg.kv_dim,))], f32)
-        gate_up = fused([(p + "mlp.gate_proj.weight", (I, H)), (p + "mlp.up_proj.weight", (I, H))])
+        gate_up = fused([(p + "mlp.gate_proj.weight", (I, H)), (p + "mlp.up_proj.weight", (I, H))], streamed=True)
         blocks.append(BlockWeights.of(
             ops,
             input_norm=get(p + "input_layernorm.weight", (H,), f32),
             qkv=qkv, qkv_bias=qkv_bias,
             q_norm=get(p + "self_attn.q_norm.weight", (D,), f32) if cfg.qk_norm else None,
             k_norm=get(p + "self_attn.k_norm.weight", (D,), f32) if cfg.qk_norm else None,
-            o=get(p + "self_attn.o_proj.weight", (H, cfg.q_dim)),
+            o=fused([(p + "self_attn.o_proj.weight", (H, cfg.q_dim))], streamed=True),
             post_norm=get(p + "post_attention_layernorm.weight", (H,), f32),
             gate_up=gate_up,
-            down=get(p + "mlp.down_proj.weight", (H, I)),
+            down=fused([(p + "mlp.down_proj.weight", (H, I))], streamed=True),
         ))
 
     head = None
@@ -200,5 +208,9 @@ def _load_stage(reader: CheckpointReader, cfg: ModelConfig, spec: StageSpec, pla
         kv = KVCache(
             num_layers=len(blocks), num_kv_heads=cfg.num_kv_heads, head_dim=D, dtype=wdtype, device=device,
             page_size=placement.page_size_tokens, device_pages=device_pages, host_pages=host_pages, slab=slab,
+            pin_pages=streams,  # copied to and from the GPU by the streamed prompt steps
         )
-    return Stage(cfg, spec.unit_start, spec.unit_end, device, embedding, blocks, head, kv, ops)
+    streamed = None
+    if streams and blocks:
+        streamed = StreamedPrefill(cfg, blocks, kv, resolve_device("cuda"), placement.stream_prefill_min_rows)
+    return Stage(cfg, spec.unit_start, spec.unit_end, device, embedding, blocks, head, kv, ops, streamed=streamed)

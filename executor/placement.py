@@ -57,6 +57,9 @@ class Placement:
     flash_attention: bool | None = None
     cpu_threads: int | None = None  # threads of the CPU stages' kernels (and torch); None: torch's count
     kernel_choice: KernelChoice | None = None  # the plan's profile's; None: measured at load
+    # Prompt steps of at least this many tokens run the CPU stages' blocks on the GPU, their weights
+    # streamed (executor/streamed_prefill.py; the plan's prefill policy); None: on the CPU
+    stream_prefill_min_rows: int | None = None
 
     @property
     def split_k(self) -> int:
@@ -102,6 +105,8 @@ class Placement:
             raise PlacementError("a KV budget needs both a batch of at least 1 sequence and a context")
         if self.max_running is not None and self.max_running < 1:
             raise PlacementError(f"a running batch needs at least 1 sequence, got {self.max_running}")
+        if self.stream_prefill_min_rows is not None and self.stream_prefill_min_rows < 1:
+            raise PlacementError(f"streamed prompt steps need at least 1 token, got {self.stream_prefill_min_rows}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise PlacementError(f"CPU threads must be >= 1, got {self.cpu_threads}")
 

@@ -55,7 +55,7 @@ class HeadWeights:
 class Stage:
     def __init__(self, config: ModelConfig, unit_start: int, unit_end: int, device: torch.device,
                  embedding: torch.Tensor | None, blocks: list[BlockWeights], head: HeadWeights | None,
-                 kv: KVCache | None, ops=None):
+                 kv: KVCache | None, ops=None, streamed=None):
         self.config = config
         self.unit_start, self.unit_end = unit_start, unit_end
         self.device = torch.device(device)
@@ -70,6 +70,8 @@ class Stage:
         self.attention = self.ops.attention(config, kv) if blocks else None
         self.fused = self.ops.fused_blocks(config, blocks, kv, self.attention) if blocks else None  # None: op by op
         self._staging: dict[str, PinnedStaging] = {}  # CPU → CUDA copies, by what they carry
+        # a CPU stage's prompt steps on the GPU, weights streamed (executor/streamed_prefill.py); None: here
+        self.streamed = streamed
 
     def __repr__(self) -> str:
         return f"Stage(units {self.unit_start}..{self.unit_end - 1} on {self.device}, backend={self.backend})"
@@ -83,7 +85,9 @@ class Stage:
         if self.blocks:
             for s in batch.slices:
                 self.kv.reserve(s.seq_id, s.start + s.count)
-            if self.fused is not None and self.fused.accepts(batch):
+            if self.streamed is not None and self.streamed.accepts(batch):
+                x = self.streamed(x, batch)
+            elif self.fused is not None and self.fused.accepts(batch):
                 x = self.fused(x, batch)
             else:
                 positions = self._to_device(batch.positions, "positions")

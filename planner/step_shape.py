@@ -10,6 +10,11 @@ from __future__ import annotations
 PREFILL_CHUNK_TOKENS = 512      # the executor prefills a long prompt in steps of at most this many tokens
 MAX_STEP_TOKENS = 2048          # tokens in one step at most: decodes plus prompt chunks (without a plan)
 MAX_RUNNING_SEQUENCES = 64      # sequences in one step at most (the daemon's default --max-batch)
+# A CPU stage's prompt steps streamed to the GPU (executor/streamed_prefill.py): each weight crosses
+# the link in pieces of at most this many bytes, into a ring of this many device slots (one being
+# copied while one is multiplied, one spare so a copy never waits for the product before it)
+STREAM_PIECE_BYTES = 32 << 20
+STREAM_SLOTS = 3
 
 
 def step_tokens(batch: int, context: int) -> int:

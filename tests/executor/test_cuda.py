@@ -618,3 +618,27 @@ def test_a_plan_loading_beside_a_serving_engine_captures_its_graphs_while_that_e
     assert not errors and len(seqs) > 3
     assert all(s.finish_reason == "length" and len(s.output_ids) == 2 for s in seqs), \
         [(s.finish_reason, s.error) for s in seqs if s.finish_reason != "length"]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
+def test_streamed_prompt_steps_on_cuda_match_transformers_in_a_loop(checkpoint, arch):
+    """The CPU stage's prompt steps on the GPU, their weights streamed from page-locked host memory
+    in pieces of a few rows through the ring of 3 device slots (every projection crosses in many
+    pieces, so a slot is overwritten while products before it may still read it, unless the
+    events order them); the chunks' K/V written back into the stage's page-locked pages, which
+    later chunks copy in and the CPU kernels' decode reads. Repeated: a missing wait shows as a
+    wrong token in some run."""
+    from tests.executor.test_streamed_prefill import streamed_engine
+    from executor.request_params import SamplingParams, StopCriteria
+
+    path = checkpoint(arch, "fp32")
+    prompt = prompt_ids(70, 256, seed=31)
+    want = hf_greedy(path, prompt, 8)
+    for _ in range(3):
+        engine, streamed = streamed_engine(path, split=3, min_rows=2, piece_bytes=4096, prefill_chunk=24)
+        assert streamed.device.type == "cuda" and streamed.blocks[0].gate_up.weight.is_pinned()
+        assert engine.model.stages[1].device.type == "cuda"
+        seq = engine.generate([prompt], SamplingParams(), StopCriteria(max_new_tokens=8, ignore_eos=True))[0]
+        pages = engine.model.stages[0].kv.device_pool
+        assert pages.pin_memory
+        assert seq.output_ids == want

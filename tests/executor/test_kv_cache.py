@@ -206,7 +206,7 @@ def test_a_failed_unregister_clears_the_runtime_error_and_says_so(monkeypatch, c
     held = [torch.ones(4)]
     with caplog.at_level("WARNING"):
         kv_cache.unlock(held)
-    assert cleared == [1] and held == [] and "cudaHostUnregister of a 16-byte KV page failed" in caplog.text
+    assert cleared == [1] and held == [] and "cudaHostUnregister of a 16-byte page-locked tensor failed" in caplog.text
 
 
 def test_a_free_whose_synchronise_fails_keeps_the_sequence_and_its_pages(monkeypatch):

@@ -1,0 +1,114 @@
+"""A CPU stage's prompt steps run with their weights streamed to the GPU (executor/streamed_prefill.py).
+
+Without CUDA the same code runs with CPU tensors for the device: its piece-by-piece products,
+the K/V it copies out of and back into the stage's pages, and the attention over a sequence's
+cached keys are what these tests hold to transformers' tokens (tests/executor/test_cuda.py runs
+it on a GPU).
+"""
+from dataclasses import replace
+
+import pytest
+import torch
+
+from executor.engine import Engine
+from executor.loader import load_model
+from executor.model_config import ModelConfig
+from executor.placement import Placement
+from executor.request_params import SamplingParams, StopCriteria
+from executor.streamed_prefill import StreamedPrefill
+from tests.executor.helpers import hf_greedy, prompt_ids
+
+FAMILIES = ["qwen3", "llama", "qwen2", "mistral"]
+
+
+def streamed_engine(path, split, min_rows, page_size=8, piece_bytes=None, backend="auto", **engine_kw):
+    cfg = ModelConfig.from_dir(path)
+    placement = replace(Placement.from_split(cfg.num_units, split, page_size_tokens=page_size),
+                        stream_prefill_min_rows=min_rows)
+    placement.validate()
+    model = load_model(path, placement, cfg, backend=backend)
+    streamed = model.stages[0].streamed
+    if piece_bytes is not None:  # pieces of a few rows: every projection crosses in several
+        streamed.piece_bytes = piece_bytes
+    return Engine(model, eos_token_ids=(), **engine_kw), streamed
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_streamed_prompt_steps_give_transformers_tokens(checkpoint, arch):
+    """fp32, CPU stage of embedding + 2 blocks streamed, prompt in chunks of 16 over pages of 8:
+    later chunks attend over keys the first wrote back into the pages; decode then runs the CPU
+    kernels over those pages."""
+    path = checkpoint(arch, "fp32")
+    prompt = prompt_ids(40, 256, seed=21)
+    want = hf_greedy(path, prompt, 10)
+    engine, streamed = streamed_engine(path, split=3, min_rows=2, piece_bytes=1024, prefill_chunk=16)
+    assert streamed is not None and len(streamed.blocks) == 2
+    seq = engine.generate([prompt], SamplingParams(), StopCriteria(max_new_tokens=10, ignore_eos=True))[0]
+    assert seq.output_ids == want
+
+
+def test_only_steps_of_min_rows_stream(checkpoint, monkeypatch):
+    """Steps below the threshold (decode, a short last chunk) run on the stage's own kernels; each
+    projection crosses in pieces of whole rows, as many as its bytes need."""
+    path = checkpoint("qwen3", "fp32")
+    engine, streamed = streamed_engine(path, split=2, min_rows=8, piece_bytes=4096, prefill_chunk=16)
+    steps, pieces = [], []
+    run, upload = StreamedPrefill.__call__, StreamedPrefill._upload
+    monkeypatch.setattr(StreamedPrefill, "__call__", lambda self, x, b: (steps.append(b.num_tokens), run(self, x, b))[1])
+    monkeypatch.setattr(StreamedPrefill, "_upload", lambda self, w: (pieces.append(w.shape[0]), upload(self, w))[1])
+    prompt = prompt_ids(37, 256, seed=22)  # chunks of 16, 16 and 5 tokens
+    seq = engine.generate([prompt], SamplingParams(), StopCriteria(max_new_tokens=4, ignore_eos=True))[0]
+    assert steps == [16, 16]
+    assert seq.output_ids == hf_greedy(path, prompt, 4)
+    block = streamed.blocks[0]  # one block: units 0..1 on the CPU
+    per_step = []
+    for name in ("qkv", "o", "gate_up", "down"):
+        n, k = getattr(block, name).weight.shape
+        rows = max(1, 4096 // (k * 4))
+        per_step += [rows] * (n // rows) + ([n % rows] if n % rows else [])
+    assert pieces == per_step * 2
+
+
+def test_a_batch_of_prompts_and_decodes_streams_together(checkpoint):
+    """Two prompts whose chunks share steps with the other's decodes: each sequence attends over
+    its own pages only, and the tokens equal each prompt run alone without streaming."""
+    path = checkpoint("llama", "fp32")
+    prompts = [prompt_ids(30, 256, seed=23), prompt_ids(12, 256, seed=24)]
+    stop = StopCriteria(max_new_tokens=8, ignore_eos=True)
+    engine, _ = streamed_engine(path, split=2, min_rows=4, prefill_chunk=8)
+    got = [s.output_ids for s in engine.generate(prompts, SamplingParams(), stop)]
+    assert got == [hf_greedy(path, p, 8) for p in prompts]
+
+
+def test_bf16_streamed_prefill_is_as_close_to_transformers_as_the_cpu_kernels(checkpoint):
+    """bf16: the prompt's logits with the CPU stage's blocks streamed stay within the suite's bf16
+    tolerance of transformers' fp32 logits (tests/executor/test_correctness.py), as the stage's
+    own kernels do."""
+    from tests.executor.helpers import hf_model
+    path = checkpoint("qwen3", "bf16")
+    prompt = prompt_ids(24, 256, seed=25)
+    with torch.no_grad():
+        want = hf_model(path, torch.float32)(torch.tensor([prompt])).logits[0, -1]
+    error = {}
+    for min_rows in (None, 1):
+        engine, streamed = streamed_engine(path, split=3, min_rows=min_rows)
+        assert (streamed is not None) == (min_rows is not None)
+        first = []
+        run = engine._run_stages
+        engine._run_stages = lambda ids, batch: (first.append(run(ids, batch)), first[-1])[1]
+        engine.generate([prompt], SamplingParams(), StopCriteria(max_new_tokens=1, ignore_eos=True))
+        error[min_rows] = (first[0][-1] - want).abs().max().item()
+    assert error[1] <= 1.25 and error[None] <= 1.25, error
+
+
+def test_the_stage_without_a_policy_streams_nothing(checkpoint):
+    path = checkpoint("qwen3", "fp32")
+    cfg = ModelConfig.from_dir(path)
+    model = load_model(path, Placement.from_split(cfg.num_units, 3), cfg)
+    assert model.stages[0].streamed is None
+
+
+def test_a_streamed_policy_needs_a_positive_row_count():
+    from executor.errors import PlacementError
+    with pytest.raises(PlacementError, match="at least 1 token"):
+        replace(Placement.from_split(6, 3), stream_prefill_min_rows=0).validate()
