@@ -76,6 +76,7 @@ def placement_for(plan, config: ModelConfig, page_size_tokens: int | None = None
         max_running=running_sequences(plan.workload.batch_size * -(-plan.workload.context_tokens // kv.page_size_tokens)),
         flash_attention=plan.machine.gpu.flash_attention if plan.machine.gpu is not None else None,
         kernel_choice=kernel_choice_of(plan),
+        stream_prefill_min_rows=plan.partition.stream_prefill_min_rows,
     )
     placement.validate()
     placement = fit_page_size(placement, config)

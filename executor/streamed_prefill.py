@@ -91,7 +91,10 @@ class StreamedPrefill:
         return len(self._slots) * self.piece_bytes
 
     def accepts(self, batch) -> bool:
-        return batch.num_tokens >= self.min_rows
+        """A step whose prompt chunks (slices of more than one token) hold min_rows tokens: the
+        size the plan priced streamed. Decode steps, however many sequences, stay on the CPU (the
+        plan prices decode there); a decode riding along with prompt chunks streams with them."""
+        return sum(s.count for s in batch.slices if s.count > 1) >= self.min_rows
 
     def __call__(self, x: torch.Tensor, batch) -> torch.Tensor:
         """x: [T, H] fp32 on the host → [T, H] fp32 on the host after the stage's blocks, their K/V

@@ -36,7 +36,7 @@ from typing import Callable
 
 from planner.machine import DeviceCalibration, GpuProfile, MachineProfile
 from planner.ir import SharedWeight, UnitIR
-from planner.step_shape import PREFILL_CHUNK_TOKENS
+from planner.step_shape import MAX_STEP_TOKENS, PREFILL_CHUNK_TOKENS, STREAM_PIECE_BYTES, STREAM_SLOTS
 from planner.units import GIB, fmt_bytes
 from planner.working_set import cpu_working_bytes, gpu_working_bytes
 
@@ -148,6 +148,121 @@ def unit_prefill_ms(unit: UnitIR, rates: DeviceRates, batch: int, prompt: int, p
     return t_proj + t_attn
 
 
+def streamed_block_prefill_ms(unit: UnitIR, gpu: DeviceRates, link, batch: int, prompt: int,
+                              prefix: int = 0) -> float:
+    """A CPU-stage block's prompt step run on the GPU with its weights streamed over the link
+    (executor/streamed_prefill.py): the weights' crossing overlapped with the GPU's work on them
+    (the slower of the two), then the K/V the step copies: the sequences' cached prefix in, the
+    step's own tokens back out to the stage's host pages."""
+    upload = 1e3 * unit.weight_bytes / (link.h2d_gibps * GIB)
+    kv = batch * unit.kv_bytes_per_token
+    copies = 1e3 * (kv * prefix / (link.h2d_gibps * GIB) + kv * prompt / (link.d2h_gibps * GIB))
+    return max(upload, unit_prefill_ms(unit, gpu, batch, prompt, prefix)) + copies
+
+
+def streamed_handoff_ms(units: tuple[UnitIR, ...], k: int, link, rows: int) -> float:
+    """The streamed step's hidden state to the GPU and back: rows of the first block's input."""
+    act = 1e3 * rows * units[0].act_bytes_per_token
+    return link.h2d_latency_us / 1e3 + act / (link.h2d_gibps * GIB) + link.d2h_latency_us / 1e3 + \
+        act / (link.d2h_gibps * GIB)
+
+
+def stream_prefill_min_rows(units: tuple[UnitIR, ...], k: int, machine: MachineProfile, calibration=None,
+                            dtype: str | None = None) -> int | None:
+    """The fewest tokens of a prompt step from which the CPU stage's blocks (units [1, k)) finish
+    sooner on the GPU with their weights streamed than on the CPU (at no cached prefix, where the
+    CPU's attention is cheapest); None where they never do within MAX_STEP_TOKENS, or where there
+    is nothing to stream to: no GPU stage beside a CPU stage with blocks, no measured link, or a
+    GPU on which flash attention does not run (the streamed steps' attention needs it, as the
+    GPU stage's prompt chunks do)."""
+    gpu = machine.gpu
+    if gpu is None or machine.link is None or not gpu.flash_attention or not 1 < k < len(units):
+        return None
+    blocks = [u for u in units[1:k] if u.kind == "block"]
+    if not blocks:
+        return None
+    calibration = calibration or machine.calibration
+    cpu_rates = device_rates(machine, "cpu", calibration, dtype)
+    gpu_rates = device_rates(machine, "cuda", calibration, dtype)
+
+    def gain(rows: int) -> float:  # ms the stream saves on a step of `rows` tokens (one sequence)
+        saved = sum(n * (unit_prefill_ms(u, cpu_rates, 1, rows)
+                         - streamed_block_prefill_ms(u, gpu_rates, machine.link, 1, rows)) for u, n in _alike(blocks))
+        return saved - streamed_handoff_ms(units, k, machine.link, rows)
+
+    if gain(MAX_STEP_TOKENS) <= 0:
+        return None
+    lo, hi = 1, MAX_STEP_TOKENS  # the stream wins at hi; the CPU's time grows with rows faster than the stream's
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if gain(mid) > 0:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def stream_ring_bytes(units: tuple[UnitIR, ...], k: int) -> int:
+    """Device memory of the streamed steps' ring of weight pieces (the executor's slots are no
+    larger than its largest weight, which a block's bytes bound)."""
+    return STREAM_SLOTS * min(STREAM_PIECE_BYTES, max(u.weight_bytes for u in units[1:k] if u.kind == "block"))
+
+
+def _size_gpu(k: int, units: tuple[UnitIR, ...], machine: MachineProfile, gpu_weights: int, gpu_budget_bytes: int,
+              needed: int, dev_page: int, ring: int, *, offload: bool, watermark: float, dtype: str | None,
+              batch: int, context: int, page_size_tokens: int, pages: int) -> tuple[list[str], tuple[int, int, int, int]]:
+    """(why the GPU stage does not fit, [] when it does; (device pages, host pages, working set,
+    GPU bytes)) of split k: where its KV pages live, and the VRAM it works in beside them, `ring`
+    (the streamed prompt steps' weight pieces) included."""
+    if k == len(units):
+        return [], (needed, 0, 0, 0)
+    gpu = machine.gpu
+
+    def work(device_pages: int) -> int:  # sequences: what the whole KV budget holds, wherever its pages live
+        return ring + gpu_working_bytes(units[k:], dtype=dtype, batch=batch, context=context,
+                                        page_size_tokens=page_size_tokens, budget_pages=batch * pages,
+                                        device_pages=device_pages, device_page_bytes=dev_page,
+                                        stream_workspace_bytes=(gpu.stream_workspace_bytes or 0) if gpu else 0,
+                                        flash_attention=gpu.flash_attention if gpu else None)
+
+    device_pages, host_pages = needed, 0
+    if offload and dev_page:
+        room = max(0, gpu_budget_bytes - gpu_weights - work(0))
+        # the decode graphs' gather grows with the pool: the most pages under the watermark that
+        # fit beside it. Below `needed` what they need only grows with their number (bisect); all
+        # of them may fit where fewer do not, since a sequence then never streams its chunks.
+        def fits(pages: int) -> bool:
+            return gpu_weights + pages * dev_page + work(pages) <= gpu_budget_bytes
+
+        top = min(needed, int(watermark * room // dev_page))
+        lo, hi = 0, top - (top == needed)
+        if top == needed and fits(top):
+            lo = hi = top
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        device_pages = max(lo, 0)
+        host_pages = needed - device_pages
+    gpu_work = work(device_pages)
+    gpu_bytes = gpu_weights + device_pages * dev_page + gpu_work
+    reasons = []
+    if gpu is None:
+        reasons.append("machine profile has no GPU")
+    elif gpu_weights > gpu_budget_bytes:
+        reasons.append(f"cuda weights need {fmt_bytes(gpu_weights)} > {fmt_bytes(gpu_budget_bytes)} usable VRAM")
+    elif gpu_bytes > gpu_budget_bytes:
+        reasons.append(f"cuda needs {fmt_bytes(gpu_bytes)} (weights {fmt_bytes(gpu_weights)} + KV "
+                       f"{fmt_bytes(device_pages * dev_page)} + working set {fmt_bytes(gpu_work)}) > "
+                       f"{fmt_bytes(gpu_budget_bytes)} usable VRAM")
+    elif host_pages and device_pages < MIN_DEVICE_PAGES_WITH_OFFLOAD:
+        reasons.append(f"cuda weights leave room for {device_pages} KV page(s) of {fmt_bytes(dev_page)}; "
+                       f"offload needs >= {MIN_DEVICE_PAGES_WITH_OFFLOAD}")
+    return reasons, (device_pages, host_pages, gpu_work, gpu_bytes)
+
+
 def stage_weight_bytes(units: tuple[UnitIR, ...], start: int, end: int,
                        shared: tuple[SharedWeight, ...]) -> int:
     """Resident weight bytes of units [start, end): a tied weight is held once per device."""
@@ -207,7 +322,10 @@ class SplitCost:
     host_bytes: int             # CPU weights + CPU KV + offloaded pages + working set
     gpu_budget_bytes: int
     host_budget_bytes: int
-    gpu_work_bytes: int = 0     # the GPU stage's working set (planner/working_set.py)
+    gpu_work_bytes: int = 0     # the GPU stage's working set (planner/working_set.py), the ring below included
+    # prompt steps of at least this many tokens run the CPU stage's blocks on the GPU, weights
+    # streamed (stream_prefill_min_rows); None: on the CPU
+    stream_prefill_min_rows: int | None = None
     cpu_work_bytes: int = 0     # the CPU stage's, in host memory
 
     def stage_ms(self, device: str) -> float:
@@ -262,54 +380,25 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
     cpu_weights = stage_weight_bytes(units, 0, k, shared)
     reasons = []
 
-    # -- where the GPU stage's KV pages live, and the VRAM the stage works in beside them
-    def work(device_pages: int) -> int:  # sequences: what the whole KV budget holds, wherever its pages live
-        return gpu_working_bytes(units[k:], dtype=dtype, batch=batch, context=context, page_size_tokens=page_size_tokens,
-                                 budget_pages=batch * pages, device_pages=device_pages, device_page_bytes=dev_page,
-                                 stream_workspace_bytes=(machine.gpu.stream_workspace_bytes or 0) if has_gpu else 0,
-                                 flash_attention=machine.gpu.flash_attention if has_gpu else None)
-
-    device_pages, host_pages = needed, 0
-    if k < n and offload and dev_page:
-        room = max(0, gpu_budget_bytes - gpu_weights - work(0))
-        # the decode graphs' gather grows with the pool: the most pages under the watermark that
-        # fit beside it. Below `needed` what they need only grows with their number (bisect); all
-        # of them may fit where fewer do not, since a sequence then never streams its chunks.
-        def fits(pages: int) -> bool:
-            return gpu_weights + pages * dev_page + work(pages) <= gpu_budget_bytes
-
-        top = min(needed, int(watermark * room // dev_page))
-        lo, hi = 0, top - (top == needed)
-        if top == needed and fits(top):
-            lo = hi = top
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid - 1
-        device_pages = max(lo, 0)
-        host_pages = needed - device_pages
-    gpu_work = work(device_pages) if k < n else 0
-    gpu_bytes = gpu_weights + device_pages * dev_page + gpu_work if k < n else 0
+    # The CPU stage's prompt steps streamed to the GPU from some size on, where that is faster
+    # (the policy the plan records); their ring of weight pieces is part of the GPU's working set,
+    # or, where the split does not fit with it, the split streams nothing.
+    stream_rows = stream_prefill_min_rows(units, k, machine, calibration, dtype) if k < n and has_gpu else None
+    for ring in ((stream_ring_bytes(units, k), 0) if stream_rows else (0,)):
+        gpu_reasons, sized = _size_gpu(k, units, machine, gpu_weights, gpu_budget_bytes, needed, dev_page, ring,
+                                       offload=offload, watermark=watermark, dtype=dtype, batch=batch,
+                                       context=context, page_size_tokens=page_size_tokens, pages=pages)
+        if not gpu_reasons:
+            break
+    stream_rows = stream_rows if ring else None
+    device_pages, host_pages, gpu_work, gpu_bytes = sized
+    reasons = list(gpu_reasons)
     cpu_pages = batch * pages if cpu_kv_tok else 0
     # the sequences the KV budget holds bound the host's step, wherever the pages live
     cpu_work = cpu_working_bytes(units[:k], dtype=dtype, batch=batch, context=context,
                                  page_size_tokens=page_size_tokens, budget_pages=batch * pages, gpu_units=units[k:])
     host_bytes = cpu_weights + cpu_pages * cpu_page + host_pages * dev_page + cpu_work
 
-    if k < n and not has_gpu:
-        reasons.append("machine profile has no GPU")
-    elif k < n:
-        if gpu_weights > gpu_budget_bytes:
-            reasons.append(f"cuda weights need {fmt_bytes(gpu_weights)} > {fmt_bytes(gpu_budget_bytes)} usable VRAM")
-        elif gpu_bytes > gpu_budget_bytes:
-            reasons.append(f"cuda needs {fmt_bytes(gpu_bytes)} (weights {fmt_bytes(gpu_weights)} + KV "
-                           f"{fmt_bytes(device_pages * dev_page)} + working set {fmt_bytes(gpu_work)}) > "
-                           f"{fmt_bytes(gpu_budget_bytes)} usable VRAM")
-        elif host_pages and device_pages < MIN_DEVICE_PAGES_WITH_OFFLOAD:
-            reasons.append(f"cuda weights leave room for {device_pages} KV page(s) of {fmt_bytes(dev_page)}; "
-                           f"offload needs >= {MIN_DEVICE_PAGES_WITH_OFFLOAD}")
     if host_bytes > host_budget_bytes:
         reasons.append(f"host needs {fmt_bytes(host_bytes)} (weights {fmt_bytes(cpu_weights)} + KV "
                        f"{fmt_bytes(host_bytes - cpu_weights - cpu_work)} + working set {fmt_bytes(cpu_work)}) > "
@@ -335,8 +424,13 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
                                   link.h2d_gibps if link else 0.0, step_bytes)
             proj += alike * p
             attn += alike * a
-            if logits or u.kind != "head":
+            if device == "cpu" and u.kind == "block" and stream_rows is not None and batch * prompt >= stream_rows:
+                prefill += alike * streamed_block_prefill_ms(u, device_rates(machine, "cuda", calibration, dtype), link,
+                                                             batch, prompt, prefix)
+            elif logits or u.kind != "head":
                 prefill += alike * unit_prefill_ms(u, rates, batch, prompt, prefix)
+        if device == "cpu" and stream_rows is not None and batch * prompt >= stream_rows:
+            prefill += streamed_handoff_ms(units, k, link, batch * prompt)
         blocks = sum(n for u, n in groups if u.kind == "block")
         overhead = blocks * rates.calibration.delta_ms_per_block
         stages.append(StageCost(
@@ -356,4 +450,5 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
     return SplitCost(split_k=k, feasible=not reasons, reason="; ".join(reasons), stages=tuple(stages),
                      comm_ms=comm, comm_prefill_ms=comm_prefill, kv=kv, gpu_bytes=gpu_bytes,
                      host_bytes=host_bytes, gpu_budget_bytes=gpu_budget_bytes,
-                     host_budget_bytes=host_budget_bytes, gpu_work_bytes=gpu_work, cpu_work_bytes=cpu_work)
+                     host_budget_bytes=host_budget_bytes, gpu_work_bytes=gpu_work, cpu_work_bytes=cpu_work,
+                     stream_prefill_min_rows=stream_rows)

@@ -88,6 +88,10 @@ class Partition:
     num_units: int                      # num_blocks + 2
     forced: bool                        # chosen with --split rather than by the search
     stages: tuple[StagePlan, ...]       # the non-empty stages, cpu first
+    # Prompt steps of at least this many tokens run the CPU stage's blocks on the GPU with their
+    # weights streamed over the link, where the cost model priced that faster than the CPU
+    # (planner.cost.stream_prefill_min_rows; executor/streamed_prefill.py); absent: on the CPU
+    stream_prefill_min_rows: int | None = field(default=None, metadata=OMIT_IF_NONE)
 
 
 @dataclass(frozen=True)
@@ -296,6 +300,9 @@ def header_lines(plan: Plan) -> list[str]:
     lines = [line1, line2, "Why: " + _why(plan)]
     if plan.longest_context is not None:
         lines.append(_longest_line(plan.longest_context))
+    if p.stream_prefill_min_rows is not None:
+        lines.append(f"Prompt steps of >= {p.stream_prefill_min_rows} tokens run the CPU stage's blocks on the GPU, "
+                     "their weights streamed over the link (priced faster than the CPU from there on).")
     if plan.recalibration is not None:
         lines.append(_calibration_line(plan))
     return lines

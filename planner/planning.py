@@ -293,7 +293,8 @@ def _assemble(identity: ModelIdentity, ir: IRSummary, machine: MachineProfile, w
         plan_version=(parent.plan_version + 1) if parent else 1, digest="",
         parent_digest=parent.digest if parent else None, tool_version=tool_version(),
         model=identity, machine=machine, workload=workload, limits=limits,
-        partition=Partition(split_k=chosen.split_k, num_units=n, forced=split_k is not None, stages=stages),
+        partition=Partition(split_k=chosen.split_k, num_units=n, forced=split_k is not None, stages=stages,
+                            stream_prefill_min_rows=chosen.stream_prefill_min_rows),
         kv=replace(kv_settings, **asdict(kv)),  # the layout the search chose, on the plan's KV settings
         calibration=calibration,
         recalibration=recalibration,

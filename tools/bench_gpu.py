@@ -4,7 +4,8 @@ checkpoint with a real model's dimensions (default Qwen3-8B, bf16):
 1. The GPU capped (default 8 GiB, the RTX 4060 case): HELM's plan for that cap (the search picks
    k) against Hugging Face Accelerate's `device_map="auto"` with `max_memory={0: cap, "cpu": ...}`,
    the same prompt and new tokens, greedy: decode tok/s, TTFT, and HELM's measured vs predicted
-   time per stage.
+   time per stage; where the plan streams the CPU stage's prompt steps to the GPU, their TTFT
+   streamed and on the CPU, in turns, at the prompt and at --long-prompt-tokens.
    Then δ and the η factors are fitted to that request's report and a second request, of another
    length, is measured against the fitted plan (the fit's error out of sample).
 2. All on the GPU (split 0): decode ms/token at the context against the HBM roofline, the bytes a
@@ -54,6 +55,7 @@ from planner.cost import weight_read_bytes  # noqa: E402
 from planner.errors import PlanError  # noqa: E402
 from planner.machine import load_machine, save_machine  # noqa: E402
 from planner.planning import make_plan, replan, workload_for  # noqa: E402
+from planner.predict import predict_ttft_ms  # noqa: E402
 from planner.profile import placeholder_machine, profile_machine, stderr_progress  # noqa: E402
 from planner.units import GIB, fmt_bytes, parse_bytes  # noqa: E402
 from tools.make_model import make_model  # noqa: E402
@@ -137,6 +139,29 @@ def decode_profile(engine: Engine, ids: list[int], steps: int = 8) -> dict:
                     for n, v in top]}
 
 
+def streamed_prefill_ttft(engine: Engine, plan, prompts: list[list[int]], rounds: int = 2) -> dict:
+    """TTFT of each prompt with the CPU stage's prompt steps streamed to the GPU (the plan's
+    policy, executor/streamed_prefill.py) and on the CPU's kernels, in turns (best of `rounds`
+    each), beside the plan's prediction; {} where the plan streams nothing."""
+    stage = engine.model.stages[0]
+    streamed = stage.streamed
+    if streamed is None:
+        return {}
+    out = {"stream_prefill_min_rows": plan.partition.stream_prefill_min_rows,
+           "ring_bytes": fmt_bytes(streamed.device_bytes)}
+    for ids in prompts:
+        best = {"streamed": float("inf"), "cpu": float("inf")}
+        for _ in range(rounds):
+            for how in best:
+                stage.streamed = streamed if how == "streamed" else None
+                best[how] = min(best[how], _request(engine, None, ids, 1).ttft_ms)
+        stage.streamed = streamed
+        out[f"prompt_{len(ids)}"] = {"streamed_ms": round(best["streamed"], 1), "cpu_ms": round(best["cpu"], 1),
+                                     "speedup": round(best["cpu"] / best["streamed"], 2),
+                                     "predicted_streamed_ms": round(predict_ttft_ms(plan, len(ids)), 3)}
+    return out
+
+
 @contextlib.contextmanager
 def _env(name: str, value: str):
     """The environment variable `name` set to `value` for the block, as it was after."""
@@ -156,14 +181,17 @@ def _ms_per_token(seq) -> float:
 
 
 def run_helm(model_dir: Path, plan, config: ModelConfig, ids: list[int], new_tokens: int,
-             eager_too: bool = False, refit: bool = False, smoke: bool = False, profile: bool = False) -> dict:
+             eager_too: bool = False, refit: bool = False, smoke: bool = False, profile: bool = False,
+             ttft_prompts: list[list[int]] = ()) -> dict:
     """One greedy request on the plan's split: per-stage measured vs predicted; then the same
     request without a Recorder for TTFT and decode tok/s (and with it: `..._recorded`).
     eager_too: the same request again with the GPU stage's decode steps run eagerly, not as CUDA
     graphs. refit: fit δ and the η factors to this request's report (planner.calibrate), then
     measure a second request of another length against the fitted plan: the fit's error out of
     sample. smoke (no CUDA): the GPU stage's code on the CPU, its decode on the static step.
-    profile (implied by eager_too): where the static decode step's time goes (decode_profile)."""
+    profile (implied by eager_too): where the static decode step's time goes (decode_profile).
+    ttft_prompts: TTFT of each with the CPU stage's prompt steps streamed and not (where the plan
+    streams them: streamed_prefill_ttft)."""
     placement = placement_for(plan, config)
     t0 = time.perf_counter()
     if torch.cuda.is_available():
@@ -184,6 +212,8 @@ def run_helm(model_dir: Path, plan, config: ModelConfig, ids: list[int], new_tok
            "predicted_ms_per_token": plan.prediction.ms_per_token, "stages": _stage_rows(recorder)}
     if torch.cuda.is_available():
         out["gpu_memory"] = _gpu_memory(plan, model, after_load)
+    if ttft_prompts:
+        out["streamed_prefill"] = streamed_prefill_ttft(engine, plan, list(ttft_prompts))
     step = model.stages[-1].fused
     if isinstance(step, ResidentDecode):
         out["decode_path"] = "cuda graphs" if step.graphs else "static step, eager"
@@ -306,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-memory", default="8GiB", help="the cap of run 1 (default 8GiB)")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--split", type=int, help="run 1 at this split (units on the CPU) instead of the search's")
+    p.add_argument("--long-prompt-tokens", type=int, default=1024,
+                   help="run 1 also times this prompt's TTFT with the CPU stage's prompt steps streamed and not")
     p.add_argument("--context", type=int, default=1024, help="run 2's context: prompt + new tokens reach it")
     p.add_argument("--work", default="/tmp/helm-bench-gpu", help="checkpoint and profile go here (reused)")
     p.add_argument("--out", help="write the results as JSON here")
@@ -335,7 +368,9 @@ def main(argv: list[str] | None = None) -> int:
         save_machine(machine, machine_file)
     cap = parse_bytes(args.gpu_memory)
     ids = prompt(args.prompt_tokens, config.vocab_size)
-    workload = workload_for(args.prompt_tokens, args.new_tokens)
+    # run 1's context holds the long prompt too (its TTFT is timed on the same engine)
+    workload = workload_for(args.prompt_tokens, args.new_tokens,
+                            context_tokens=max(args.prompt_tokens, args.long_prompt_tokens) + args.new_tokens)
     def save() -> None:   # after every run: a run cut off by a time limit keeps what finished
         if args.out:
             Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
@@ -352,16 +387,18 @@ def main(argv: list[str] | None = None) -> int:
 
     # 1. capped: HELM's plan against Accelerate
     if not args.skip_capped:
-        capped = make_plan(model_dir, machine, workload=workload,
+        capped = make_plan(model_dir, machine, workload=workload, split_k=args.split,
                            gpu_memory_bytes=min(cap, machine.gpu.vram_total_bytes))
         with _env(COMPILE_ENV, "0"):
             results["capped"] = {"helm": run_helm(model_dir, capped, config, ids, args.new_tokens, refit=True,
-                                                  smoke=smoke)}
+                                                  smoke=smoke, ttft_prompts=[ids, prompt(args.long_prompt_tokens,
+                                                                                         config.vocab_size, seed=2)])}
         save()
         if not smoke and not args.skip_accelerate:
             results["capped"]["accelerate"] = run_accelerate(model_dir, ids, args.new_tokens, cap)
             acc, helm = results["capped"]["accelerate"], results["capped"]["helm"]
             results["capped"]["decode_speedup"] = round(helm["decode_tok_s"] / acc["decode_tok_s"], 2)
+            results["capped"]["ttft_speedup"] = round(acc["ttft_ms"] / helm["ttft_ms"], 2)
 
     # 2. all on the GPU, at the context (3. again, compiled)
     long_ids = prompt(max(1, args.context - args.new_tokens), config.vocab_size, seed=1)
@@ -404,6 +441,14 @@ def main(argv: list[str] | None = None) -> int:
                      f"(predicted {c['helm']['predicted_ms_per_token']} ms/token, measured "
                      f"{c['helm']['decode_ms_per_token']})" + (f"; Accelerate {c['accelerate']['decode_tok_s']} tok/s: "
                                                                f"{c['decode_speedup']}x" if "accelerate" in c else ""))
+        if "accelerate" in c:
+            lines.append(f"TTFT at {args.prompt_tokens} tokens: HELM {c['helm']['ttft_ms']} ms, Accelerate "
+                         f"{c['accelerate']['ttft_ms']} ms: {c['ttft_speedup']}x")
+        for key, t in c["helm"].get("streamed_prefill", {}).items():
+            if key.startswith("prompt_"):
+                lines.append(f"TTFT of {key.removeprefix('prompt_')} tokens, CPU stage's prompt steps streamed to the "
+                             f"GPU: {t['streamed_ms']} ms (predicted {t['predicted_streamed_ms']}), on the CPU "
+                             f"{t['cpu_ms']} ms: {t['speedup']}x")
     for name, _, _ in runs:
         run = results[name]
         profile = run.get("decode_profile", {})

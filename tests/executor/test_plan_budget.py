@@ -54,3 +54,24 @@ def test_a_budget_needs_a_sequence_and_a_context():
         with pytest.raises(PlacementError):
             replace(base, **bad).validate()
     replace(base, kv_sequences=2, context_tokens=16).validate()
+
+
+def test_a_plan_records_its_streaming_policy_and_the_placement_follows_it(tmp_path):
+    """The laptop's Qwen3-8B plan: its CPU stage's prompt steps stream from the plan's row count
+    (written, read back), which the executor's placement carries."""
+    import json
+
+    from planner.machine import load_machine
+    from planner.plan import load_plan, save_plan
+    from planner.planning import make_plan
+
+    config = "tools/model_configs/qwen3-8b.json"
+    plan = make_plan(config, load_machine("plans/machines/laptop-rtx4060-i7-13700h.yaml"), source=config)
+    rows = plan.partition.stream_prefill_min_rows
+    assert rows is not None and 1 <= rows <= plan.workload.prompt_tokens
+    save_plan(plan, tmp_path / "p.yaml")
+    assert load_plan(tmp_path / "p.yaml").partition.stream_prefill_min_rows == rows
+    assert "Prompt steps of >= %d tokens" % rows in plan.to_yaml()
+    with open(config) as f:
+        placement = placement_for(plan, ModelConfig.from_dict(json.load(f)))
+    assert placement.stream_prefill_min_rows == rows

@@ -112,3 +112,18 @@ def test_a_streamed_policy_needs_a_positive_row_count():
     from executor.errors import PlacementError
     with pytest.raises(PlacementError, match="at least 1 token"):
         replace(Placement.from_split(6, 3), stream_prefill_min_rows=0).validate()
+
+
+def test_decode_steps_stay_on_the_cpu_however_many_sequences_they_hold(checkpoint, monkeypatch):
+    """Eight sequences decoding together make steps of 8 tokens, at the threshold; they are not
+    prompt chunks, so they run on the stage's kernels. Each prompt's own chunk streams."""
+    path = checkpoint("qwen3", "fp32")
+    engine, _ = streamed_engine(path, split=2, min_rows=8, prefill_chunk=16)
+    steps = []
+    run = StreamedPrefill.__call__
+    monkeypatch.setattr(StreamedPrefill, "__call__",
+                        lambda self, x, b: (steps.append(sorted(s.count for s in b.slices)), run(self, x, b))[1])
+    prompts = [prompt_ids(9, 256, seed=40 + i) for i in range(8)]
+    seqs = engine.generate(prompts, SamplingParams(), StopCriteria(max_new_tokens=6, ignore_eos=True))
+    assert steps and all(max(counts) > 1 for counts in steps)  # every streamed step carried a prompt chunk
+    assert [s.output_ids for s in seqs] == [hf_greedy(path, p, 6) for p in prompts]

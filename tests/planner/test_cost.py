@@ -261,3 +261,74 @@ def test_a_stage_of_different_blocks_costs_each_as_its_own():
                    for u in (*units[:3], odd, *units[4:])) + 4 * 0.5
     assert c.stage_ms("cpu") == pytest.approx(expected)
     assert c.stages[0].read_bytes_per_step == step
+
+
+def _flash(m):
+    """The machine with flash attention known to run on its GPU (what streamed prompt steps need)."""
+    from dataclasses import replace
+    return replace(m, gpu=replace(m.gpu, flash_attention=True))
+
+
+def test_streamed_prompt_steps_start_where_the_link_beats_the_cpus_gemms():
+    """Blocks of 256 MiB doing 256 Mi FLOP per token: on the CPU (100 GFLOP/s, 10 GiB/s) a step of
+    r tokens takes max(r · 2.68 ms, 25 ms); streamed, 25 ms crossing a 10 GiB/s link (the GPU's
+    work on it, 2.5 ms of HBM reads, hidden under it) plus the K/V copies and the hand-off: the
+    stream wins from the first r whose GEMMs outlast the crossing, r = 10."""
+    from planner.cost import stream_prefill_min_rows, streamed_block_prefill_ms, unit_prefill_ms
+
+    m = _flash(machine(cpu_gflops=100.0, gpu_gflops=10000.0, link_gibps=10.0))
+    units, _ = model_units(8, 256 * MIB, 64 * MIB, 64 * MIB)
+    assert 256 * MIB / 100e9 * 9 < 256 * MIB / (10 * GIB) < 256 * MIB / 100e9 * 10
+    assert stream_prefill_min_rows(units, 5, m) == 10
+    cpu, gpu = device_rates(m, "cpu"), device_rates(m, "cuda")
+    block = units[1]
+    crossing = 1e3 * 256 * MIB / (10 * GIB)
+    kv = 1e3 * 16 * 4096 / (10 * GIB)  # a 16-token step's K/V back to the host (no prefix)
+    assert streamed_block_prefill_ms(block, gpu, m.link, 1, 16) == pytest.approx(crossing + kv)
+    # a 16-token prompt (the helper's) is priced streamed: embedding on the CPU, 4 blocks streamed,
+    # the hidden state there and back
+    handoff = 2 * (10e-3 + 1e3 * 16 * 8192 / (10 * GIB))
+    streamed = split(5, units, (), m).stages[0]
+    plain = split(5, units, (), machine(cpu_gflops=100.0, gpu_gflops=10000.0, link_gibps=10.0)).stages[0]
+    embedding = unit_prefill_ms(units[0], cpu, 1, 16)
+    assert streamed.prefill_ms == pytest.approx(embedding + 4 * (crossing + kv) + handoff)
+    assert plain.prefill_ms == pytest.approx(embedding + 4 * unit_prefill_ms(block, cpu, 1, 16))
+    assert streamed.prefill_ms < plain.prefill_ms
+    # a 4-token prompt stays on the CPU, as the executor runs it
+    assert split(5, units, (), m, prompt=4).stages[0].prefill_ms == \
+        pytest.approx(unit_prefill_ms(units[0], cpu, 1, 4) + 4 * unit_prefill_ms(block, cpu, 1, 4))
+
+
+def test_nothing_streams_without_a_place_to_stream_to():
+    from dataclasses import replace
+    from planner.cost import stream_prefill_min_rows
+
+    units, _ = model_units(8, 256 * MIB, 64 * MIB, 64 * MIB)
+    m = _flash(machine())
+    assert stream_prefill_min_rows(units, 5, m) is not None
+    assert stream_prefill_min_rows(units, 5, machine()) is None          # flash attention not known to run
+    assert stream_prefill_min_rows(units, 5, replace(m, link=None)) is None
+    assert stream_prefill_min_rows(units, 1, m) is None                  # only the embedding on the CPU
+    assert stream_prefill_min_rows(units, len(units), m) is None         # no GPU stage
+    slow_link = _flash(machine(link_gibps=0.001))
+    assert stream_prefill_min_rows(units, 5, slow_link) is None          # the CPU wins at every step size
+
+
+def test_the_ring_of_streamed_weight_pieces_is_vram_the_split_needs_or_it_streams_nothing():
+    """The ring (3 slots of min(32 MiB, a block)) is part of the GPU stage's working set; a split
+    that fits only without it is planned without streaming, not refused."""
+    from planner.step_shape import STREAM_PIECE_BYTES, STREAM_SLOTS
+    from tests.planner.helpers import with_vram
+
+    units, _ = model_units(8, 256 * MIB, 64 * MIB, 64 * MIB)
+    m, plain = _flash(machine()), machine()
+    with_ring, without = split(5, units, (), m), split(5, units, (), plain)
+    ring = STREAM_SLOTS * STREAM_PIECE_BYTES
+    assert with_ring.stream_prefill_min_rows is not None and without.stream_prefill_min_rows is None
+    assert with_ring.gpu_work_bytes - without.gpu_work_bytes == ring
+    assert with_ring.gpu_bytes - without.gpu_bytes == ring
+    tight = without.gpu_bytes + ring // 2  # fits the split, not its ring
+    squeezed = split(5, units, (), with_vram(m, tight), gpu_budget_bytes=tight)
+    assert squeezed.feasible and squeezed.stream_prefill_min_rows is None
+    assert squeezed.gpu_bytes == without.gpu_bytes
+

@@ -19,13 +19,14 @@ def test_the_gpu_benchmark_runs_end_to_end_in_smoke_mode(tmp_path, capsys, monke
     def measured_like():
         m = placeholder()
         return replace(m, gpu=replace(m.gpu, gemv_gibps=400.0, decode_block_ms=0.151, decode_block_roofline_ms=0.15,
-                                      decode_block="mock block"),
+                                      decode_block="mock block", flash_attention=True),
                        calibration=replace(m.calibration, cuda=DeviceCalibration(delta_ms_per_block=0.001)))
 
     monkeypatch.setattr(bench_gpu, "placeholder_machine", measured_like)
     out = tmp_path / "bench.json"
     assert bench_gpu.main(["--smoke", "--work", str(tmp_path / "work"), "--new-tokens", "24", "--prompt-tokens", "8",
-                           "--context", "64", "--compiled", "--paged-decode", "--out", str(out)]) == 0
+                           "--context", "64", "--compiled", "--paged-decode", "--long-prompt-tokens", "40", "--split", "3",
+                           "--out", str(out)]) == 0
     results = json.loads(out.read_text())
     assert results["smoke"] and results["model"] == "tiny"
     helm = results["capped"]["helm"]
@@ -33,6 +34,14 @@ def test_the_gpu_benchmark_runs_end_to_end_in_smoke_mode(tmp_path, capsys, monke
     assert helm["decode_ms_per_token_recorded"] > 0        # the same request with the Recorder's predictions
     assert all(r["measured_ms"] > 0 and r["predicted_ms"] > 0 for r in helm["stages"])
     assert helm["decode_path"] == "static step, eager"  # the GPU stage's code, on the CPU
+    # run 1 at split 3: two blocks on the CPU, whose prompt steps the plan streams from some size
+    # on (flash attention runs on the profile's GPU): TTFT streamed and not, at both prompts
+    assert helm["split_k"] == 3
+    streamed = helm["streamed_prefill"]
+    assert 1 <= streamed["stream_prefill_min_rows"] <= 40
+    assert {k for k in streamed if k.startswith("prompt_")} == {"prompt_8", "prompt_40"}
+    assert all(t["streamed_ms"] > 0 and t["cpu_ms"] > 0 and t["predicted_streamed_ms"] > 0
+               for k, t in streamed.items() if k.startswith("prompt_"))
     fit = helm["after_fit"]  # fitted to this request, checked on another
     assert fit["prompt_tokens"] == 8 and {r["phase"] for r in fit["stages"]} == {"prefill", "decode"}
     assert results["all_gpu"]["split_k"] == 0 and results["all_gpu"]["hbm_roofline_ms"] > 0
