@@ -114,15 +114,23 @@ def usable_rows(plan: Plan, report, min_samples: int = MIN_STAGE_SAMPLES, label:
     return out
 
 
-def _prefill_rows(report, device: str) -> tuple[list, str]:
-    """A device's prefill rows that enter the prefill fit, or none and why."""
+def _prefill_rows(plan: Plan, report, device: str) -> tuple[list, str]:
+    """A device's prefill rows that enter the prefill fit, or none and why. The CPU's prompt steps
+    the plan streams to the GPU (steps of at least its stream_prefill_min_rows tokens on average)
+    measure the link and the GPU, not the CPU's η: left out of its fit, and said so."""
     rows = [r for r in report.rows if r.device == device and r.phase == "prefill"
             and r.samples >= MIN_PREFILL_ROW_SAMPLES and r.measured_mean_ms >= MIN_STEP_MS]
+    streamed_from = plan.partition.stream_prefill_min_rows
+    streamed = [r for r in rows if device == "cpu" and streamed_from is not None and r.tokens_mean >= streamed_from]
+    rows = [r for r in rows if r not in streamed]
+    left_out = (f"{len(streamed)} prefill bucket(s) of >= {streamed_from} tokens a step left out: the plan streams "
+                "them to the GPU, so they time the link and the GPU, not this CPU") if streamed else ""
     steps = sum(r.samples for r in rows)
     if steps >= MIN_PREFILL_STEPS:
-        return rows, ""
-    return [], (f"η_c and η_attn kept: {steps} prefill step(s) in buckets with >= {MIN_PREFILL_ROW_SAMPLES} "
-                f"steps, the prefill fit needs >= {MIN_PREFILL_STEPS} (send prompts of several lengths)")
+        return rows, left_out
+    return [], "; ".join(filter(None, (
+        f"η_c and η_attn kept: {steps} prefill step(s) in buckets with >= {MIN_PREFILL_ROW_SAMPLES} steps, the "
+        f"prefill fit needs >= {MIN_PREFILL_STEPS} (send prompts of several lengths)", left_out)))
 
 
 def _key(row) -> tuple[int, str, int]:
@@ -144,7 +152,7 @@ def recalibrate(plan: Plan, report, source: str, min_samples: int = MIN_STAGE_SA
         decode = fit_decode(plan, device, rows)
         calibration = with_values(calibration, device, eta_kv=decode.shape, delta_ms_per_block=decode.delta,
                                   eta_memory=decode.level)
-        prefill_rows, prefill_note = _prefill_rows(report, device)
+        prefill_rows, prefill_note = _prefill_rows(plan, report, device)
         prefill = fit_prefill(plan, prefill_rows, calibration) if prefill_rows else None
         if prefill is not None:
             calibration = with_values(calibration, device, eta_attn=prefill.shape, eta_compute=prefill.level)

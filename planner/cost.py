@@ -360,11 +360,14 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
                    machine: MachineProfile, *, batch: int, context: int, prompt: int,
                    page_size_tokens: int, watermark: float, offload: bool,
                    gpu_budget_bytes: int, host_budget_bytes: int, calibration=None,
-                   prefix: int = 0, dtype: str | None = None, logits: bool = True) -> SplitCost:
+                   prefix: int = 0, dtype: str | None = None, logits: bool = True,
+                   stream_prefill: bool | int = True) -> SplitCost:
     """Cost and feasibility of putting units [0, k) on the CPU and [k, N) on the GPU. The prefill
     figures are for `prompt` tokens after `prefix` cached ones (0: the whole prompt at once),
     the output projection included only with `logits` (a prompt's last chunk); `dtype`: the
-    weights' (selects the CPU kernels' measured rates, see device_rates)."""
+    weights' (selects the CPU kernels' measured rates, see device_rates). stream_prefill: the CPU
+    stage's prompt steps run on the GPU with their weights streamed from where the cost model
+    prices that faster (True), never (False), or from that many tokens (an existing plan's)."""
     n = len(units)
     if not 0 <= k <= n:
         raise ValueError(f"split {k} out of range 0..{n}")
@@ -383,7 +386,12 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
     # The CPU stage's prompt steps streamed to the GPU from some size on, where that is faster
     # (the policy the plan records); their ring of weight pieces is part of the GPU's working set,
     # or, where the split does not fit with it, the split streams nothing.
-    stream_rows = stream_prefill_min_rows(units, k, machine, calibration, dtype) if k < n and has_gpu else None
+    if stream_prefill is True:
+        stream_rows = stream_prefill_min_rows(units, k, machine, calibration, dtype) if k < n and has_gpu else None
+    else:
+        stream_rows = stream_prefill or None
+    if not (has_gpu and 1 < k < n and any(u.kind == "block" for u in units[1:k])):
+        stream_rows = None  # nothing to stream, or nowhere to stream it to
     for ring in ((stream_ring_bytes(units, k), 0) if stream_rows else (0,)):
         gpu_reasons, sized = _size_gpu(k, units, machine, gpu_weights, gpu_budget_bytes, needed, dev_page, ring,
                                        offload=offload, watermark=watermark, dtype=dtype, batch=batch,

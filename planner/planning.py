@@ -167,8 +167,10 @@ def make_plan(model: str | Path | dict, machine: MachineProfile | None = None, *
 
 
 def plan_space(plan: Plan) -> SearchSpace:
-    """The search space a plan was scored in (its workload, budgets and KV settings)."""
-    return _space(plan.model.dtype, plan.workload, plan.limits, plan.kv)
+    """The search space a plan was scored in (its workload, budgets and KV settings), with the
+    policy it chose for its CPU stage's prompt steps (what the executor runs)."""
+    return replace(_space(plan.model.dtype, plan.workload, plan.limits, plan.kv),
+                   stream_prefill=plan.partition.stream_prefill_min_rows or False)
 
 
 def _space(dtype: str, workload: Workload, limits: Limits, kv: KVPlan) -> SearchSpace:

@@ -25,6 +25,9 @@ class SearchSpace:
     gpu_budget_bytes: int
     host_budget_bytes: int
     dtype: str | None = None    # the weights' (selects the CPU kernels' measured rates)
+    # The CPU stage's prompt steps streamed to the GPU: True, from where the cost model prices it
+    # faster (the search); False, never; a number, from that many tokens (an existing plan's policy)
+    stream_prefill: bool | int = True
 
 
 def evaluate_at(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight, ...], machine: MachineProfile,
@@ -35,7 +38,8 @@ def evaluate_at(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight, .
                           prompt=space.prompt, page_size_tokens=space.page_size_tokens,
                           watermark=space.watermark, offload=space.offload,
                           gpu_budget_bytes=space.gpu_budget_bytes, host_budget_bytes=space.host_budget_bytes,
-                          calibration=calibration, prefix=prefix, dtype=space.dtype, logits=logits)
+                          calibration=calibration, prefix=prefix, dtype=space.dtype, logits=logits,
+                          stream_prefill=space.stream_prefill)
 
 
 def evaluate_all(units: tuple[UnitIR, ...], shared: tuple[SharedWeight, ...], machine: MachineProfile,

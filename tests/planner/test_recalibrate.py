@@ -163,7 +163,18 @@ def test_prefill_is_fitted_with_the_decode_fit_values(dev_plan):
     assert len(prefill) == 9 and all(abs(r.error_after_pct) < 3 for r in prefill), prefill
 
 
-def test_recovers_prefill_calibration_per_device(split_plan):
+@pytest.fixture(scope="module")
+def unstreamed_split_plan(laptop):
+    """split_plan on a laptop whose profile does not say flash attention runs: its CPU stage's
+    prompt steps stay on the CPU (planner.cost.stream_prefill_min_rows), so they time its η_c."""
+    machine = replace(laptop, gpu=replace(laptop.gpu, flash_attention=None))
+    plan = make_plan(config_path("qwen3-0.6b"), machine, split_k=15, source=rel_source("qwen3-0.6b"))
+    assert plan.partition.stream_prefill_min_rows is None
+    return plan
+
+
+def test_recovers_prefill_calibration_per_device(unstreamed_split_plan):
+    split_plan = unstreamed_split_plan
     truth = Calibration(cpu=DeviceCalibration(eta_kv=0.9, delta_ms_per_block=0.8, eta_compute=1.3, eta_attn=0.6),
                         cuda=DeviceCalibration(eta_kv=0.85, delta_ms_per_block=0.14, eta_compute=0.7))
     result = recalibrate(split_plan, synthetic_report(split_plan, truth, LONG, seed=10, prompts=PROMPTS),
@@ -504,3 +515,21 @@ def test_recalibrate_from_a_live_daemon_and_apply(checkpoint, tmp_path, capsys):
     finally:
         daemon.signal()
         assert daemon.wait(60) == 0, daemon.log_path.read_text()
+
+
+def test_prompt_steps_streamed_to_the_gpu_are_left_out_of_the_cpus_prefill_fit(split_plan):
+    """split_plan streams its CPU stage's prompt steps from a few dozen tokens: chunks of 128 and
+    more time the link and the GPU there, not the CPU, so the CPU's η_c and η_attn are kept (and
+    the fit says why) while the GPU's are fitted as before; the written plan still streams, from
+    the size its calibration prices."""
+    rows = split_plan.partition.stream_prefill_min_rows
+    assert rows is not None and rows <= min(PROMPTS)
+    truth = Calibration(cpu=DeviceCalibration(eta_kv=0.9, delta_ms_per_block=0.8, eta_compute=1.3, eta_attn=0.6),
+                        cuda=DeviceCalibration(eta_kv=0.85, delta_ms_per_block=0.14, eta_compute=0.7))
+    result = recalibrate(split_plan, synthetic_report(split_plan, truth, LONG, seed=10, prompts=PROMPTS),
+                         "synthetic")
+    fits = {f.device: f for f in result.fits}
+    assert fits["cpu"].prefill is None and "left out: the plan streams them to the GPU" in fits["cpu"].note
+    assert result.plan.calibration.cpu.eta_compute == split_plan.calibration.cpu.eta_compute
+    assert fits["cuda"].prefill.eta_compute == pytest.approx(0.7, rel=RECOVERY_TOLERANCE)
+    assert result.plan.partition.stream_prefill_min_rows is not None
