@@ -83,12 +83,18 @@ def test_a_batch_of_prompts_and_decodes_streams_together(checkpoint):
 def test_bf16_streamed_prefill_is_as_close_to_transformers_as_the_cpu_kernels(checkpoint):
     """bf16: the prompt's logits with the CPU stage's blocks streamed stay within the suite's bf16
     tolerance of transformers' fp32 logits (tests/executor/test_correctness.py), as the stage's
-    own kernels do."""
+    own kernels do; on CUDA, where the streamed products take bf16 inputs as the GPU stage's do,
+    no further than transformers' own bf16 model there."""
     from tests.executor.helpers import hf_model
     path = checkpoint("qwen3", "bf16")
     prompt = prompt_ids(24, 256, seed=25)
     with torch.no_grad():
         want = hf_model(path, torch.float32)(torch.tensor([prompt])).logits[0, -1]
+        bound = 1.25
+        if torch.cuda.is_available():
+            half = hf_model(path, torch.bfloat16).cuda()
+            own = (half(torch.tensor([prompt]).cuda()).logits[0, -1].float().cpu() - want).abs().max().item()
+            bound = max(bound, own)
     error = {}
     for min_rows in (None, 1):
         engine, streamed = streamed_engine(path, split=3, min_rows=min_rows)
@@ -98,7 +104,7 @@ def test_bf16_streamed_prefill_is_as_close_to_transformers_as_the_cpu_kernels(ch
         engine._run_stages = lambda ids, batch: (first.append(run(ids, batch)), first[-1])[1]
         engine.generate([prompt], SamplingParams(), StopCriteria(max_new_tokens=1, ignore_eos=True))
         error[min_rows] = (first[0][-1] - want).abs().max().item()
-    assert error[1] <= 1.25 and error[None] <= 1.25, error
+    assert error[1] <= bound and error[None] <= 1.25, (error, bound)
 
 
 def test_the_stage_without_a_policy_streams_nothing(checkpoint):
