@@ -21,5 +21,5 @@ def page_aligned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    buf = mmap.mmap(-1, nbytes)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # anonymous and private, as malloc maps a large block
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)

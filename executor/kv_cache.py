@@ -54,7 +54,8 @@ class PagePool:
     at load, where a plan that does not fit fails, never mid-request."""
 
     def __init__(self, device: torch.device, page_shape: tuple[int, ...], dtype: torch.dtype,
-                 capacity_pages: int | None, pin_memory: bool = False, slab: bool = False):
+                 capacity_pages: int | None, pin_memory: bool = False, slab: bool = False,
+                 pin_optional: bool = False):
         if capacity_pages is not None and capacity_pages < 0:
             raise ValueError(f"capacity_pages must be >= 0, got {capacity_pages}")
         if slab and not capacity_pages:
@@ -64,6 +65,7 @@ class PagePool:
         self.dtype = dtype
         self.capacity_pages = capacity_pages
         self.pin_memory = pin_memory and self.device.type == "cpu" and torch.cuda.is_available()
+        self.pin_optional = pin_optional  # a page that cannot be locked is an ordinary one (else: MemoryError)
         self.page_bytes = math.prod(page_shape) * torch.empty((), dtype=dtype).element_size()
         self.used_pages = 0
         self._free: list[torch.Tensor] = []
@@ -102,8 +104,18 @@ class PagePool:
         if self._free:
             buf = self._free.pop()
         elif self.pin_memory:
-            buf = page_locked(self.page_shape, self.dtype)
-            self._locked.append(buf)
+            try:
+                buf = page_locked(self.page_shape, self.dtype)
+            except MemoryError as e:
+                if not self.pin_optional:
+                    raise
+                # pages the host computes in, page-locked only so copies to the GPU run asynchronously:
+                # ordinary ones from here on (the copies wait for the host, nothing else changes)
+                log.warning("%s: this pool's pages are ordinary host memory from here on", e)
+                self.pin_memory = False
+                buf = torch.empty(self.page_shape, dtype=self.dtype)
+            else:
+                self._locked.append(buf)
         else:
             buf = torch.empty(self.page_shape, dtype=self.dtype, device=self.device)
         self.used_pages += 1  # after the allocation: one that raises takes no page
@@ -269,7 +281,8 @@ class KVCache:
         self.num_layers, self.num_kv_heads, self.head_dim, self.dtype = num_layers, num_kv_heads, head_dim, dtype
         self.device = torch.device(device)
         shape = (num_layers, 2, num_kv_heads, page_size, head_dim)
-        self.device_pool = PagePool(self.device, shape, dtype, device_pages, pin_memory=pin_pages, slab=slab)
+        self.device_pool = PagePool(self.device, shape, dtype, device_pages, pin_memory=pin_pages, slab=slab,
+                                    pin_optional=True)
         self.host_pool = PagePool(torch.device("cpu"), shape, dtype, host_pages, pin_memory=True) \
             if device_pages is not None and host_pages != 0 else None
         self._seqs: dict[object, SequencePages] = {}

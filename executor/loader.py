@@ -22,6 +22,7 @@ from executor.placement import Placement, StageSpec, resolve_device
 from executor.probe import DTYPES, measured_choice
 from executor.stage import BlockWeights, HeadWeights, Stage
 from executor.streamed_prefill import StreamedPrefill
+from planner.profile import flash_attention_runs
 from executor.weights import CheckpointReader
 from planner.step_shape import MAX_RUNNING_SEQUENCES
 
@@ -53,11 +54,17 @@ def kv_pools(placement: Placement, planned_device: str) -> tuple[int | None, int
 
 
 def load_model(model_dir: str | Path, placement: Placement, config: ModelConfig | None = None,
-               backend: str = "auto", kv_slab: bool | None = None) -> LoadedModel:
+               backend: str = "auto", kv_slab: bool | None = None,
+               streamed_prefill: bool | None = None) -> LoadedModel:
     """Stages of `placement` with weights from `model_dir`. backend: CPU-stage kernels (auto|helm|torch).
     kv_slab: whether a GPU stage's bounded device KV pool is one slab, which its static decode
     step (executor/device_step.py) needs; None: where the stage runs on CUDA. True also gives it
-    to a GPU stage that runs on the CPU (no CUDA here), which is how the CPU tests run that step."""
+    to a GPU stage that runs on the CPU (no CUDA here), which is how the CPU tests run that step.
+    streamed_prefill: whether a CPU stage whose plan streams its prompt steps to the GPU does so
+    (executor/streamed_prefill.py); None: where there is CUDA and flash attention runs the model's
+    attention there (without CUDA the stage's own kernels beat PyTorch on the same CPU). True
+    runs that code in any case, with CPU tensors for the device where there is no CUDA: how the
+    tests run it."""
     backend = resolve_backend(backend)
     model_dir = Path(model_dir)
     config = config or ModelConfig.from_dir(model_dir)
@@ -70,7 +77,9 @@ def load_model(model_dir: str | Path, placement: Placement, config: ModelConfig 
     choice = _kernel_choice(placement, config, backend)
     reader = CheckpointReader(model_dir)
     try:
-        stages = [_load_stage(reader, config, spec, placement, backend, choice, kv_slab) for spec in placement.stages]
+        stream = "auto" if streamed_prefill is None else streamed_prefill
+        stages = [_load_stage(reader, config, spec, placement, backend, choice, kv_slab, stream)
+                  for spec in placement.stages]
         _check_every_tensor_used(reader, config)
     finally:
         reader.close()
@@ -132,7 +141,7 @@ def _check_every_tensor_used(reader: CheckpointReader, cfg: ModelConfig) -> None
 
 
 def _load_stage(reader: CheckpointReader, cfg: ModelConfig, spec: StageSpec, placement: Placement,
-                backend: str, choice: tuple[dict, int], kv_slab: bool | None) -> Stage:
+                backend: str, choice: tuple[dict, int], kv_slab: bool | None, stream: bool | str) -> Stage:
     device = resolve_device(spec.device)
     if spec.device == "cuda" and device.type == "cpu":
         log.info("no CUDA device: the GPU stage (units %d..%d) runs its code on the CPU",
@@ -141,9 +150,19 @@ def _load_stage(reader: CheckpointReader, cfg: ModelConfig, spec: StageSpec, pla
     H, V, D, I = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.intermediate_size
     ops = make_backend(backend, device, placement.cpu_threads, *choice,
                        fused_prompt=placement.flash_attention is not False)
+    gpu = resolve_device("cuda")
+    if stream == "auto":  # where there is CUDA, and flash attention runs there for this model
+        stream = gpu.type == "cuda"
+        if stream and spec.device == "cpu" and placement.stream_prefill_min_rows is not None and \
+                not flash_attention_runs(gpu, wdtype, cfg.num_heads, cfg.num_kv_heads, D):
+            # the chunks' attention over their cached keys takes flash attention, as the GPU
+            # stage's do: anything else builds a chunk × context mask the plan did not price
+            log.warning("the plan streams the CPU stage's prompt steps to the GPU, but flash attention does not "
+                        "run this model's %s attention there: they run on the CPU", str(wdtype).removeprefix("torch."))
+            stream = False
     # a CPU stage whose prompt steps the plan streams to the GPU: its projections on pages of
     # their own, which can be page-locked where they are (executor/streamed_prefill.py)
-    streams = spec.device == "cpu" and placement.stream_prefill_min_rows is not None and \
+    streams = stream and spec.device == "cpu" and placement.stream_prefill_min_rows is not None and \
         spec.unit_start < cfg.num_layers + 1 and spec.unit_end > 1
 
     def get(name, shape, dtype=wdtype):
@@ -212,5 +231,8 @@ def _load_stage(reader: CheckpointReader, cfg: ModelConfig, spec: StageSpec, pla
         )
     streamed = None
     if streams and blocks:
-        streamed = StreamedPrefill(cfg, blocks, kv, resolve_device("cuda"), placement.stream_prefill_min_rows)
+        try:
+            streamed = StreamedPrefill(cfg, blocks, kv, gpu, placement.stream_prefill_min_rows)
+        except MemoryError as e:  # page-locking refused (a locked-memory limit): slower, not broken
+            log.warning("the plan streams the CPU stage's prompt steps to the GPU, but %s: they run on the CPU", e)
     return Stage(cfg, spec.unit_start, spec.unit_end, device, embedding, blocks, head, kv, ops, streamed=streamed)

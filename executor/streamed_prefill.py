@@ -31,7 +31,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from executor.attention import TorchAttention, fused_prompt_attention
+from executor.attention import TorchAttention, fused_prompt_attention, without_cudnn_attention
 from executor.backends import TorchBackend
 from executor.kv_cache import KVCache, lock_in_place, unlock
 from executor.rope import inverse_frequencies
@@ -76,10 +76,12 @@ class StreamedPrefill:
         self._locked: list[torch.Tensor] = []
         self._copy_stream = None
         if self.device.type == "cuda":
-            # copied by DMA from where they are: page-locked in place (pages of their own, the loader's)
+            without_cudnn_attention()  # as the GPU stage: its flash kernels, not cuDNN's (executor/attention.py)
+            # copied by DMA from where they are: page-locked in place (pages of their own, the
+            # loader's); the finalizer first, so a lock that fails midway lets go of those before it
+            weakref.finalize(self, unlock, self._locked)
             for w in weights:
                 self._locked.append(lock_in_place(w, "weights streamed to the GPU"))
-            weakref.finalize(self, unlock, self._locked)
             self._copy_stream = torch.cuda.Stream(self.device)
             self._slot_free = [torch.cuda.Event() for _ in self._slots]  # the compute stream is done with it
             for e in self._slot_free:

@@ -385,14 +385,19 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
 
     # The CPU stage's prompt steps streamed to the GPU from some size on, where that is faster
     # (the policy the plan records); their ring of weight pieces is part of the GPU's working set,
-    # or, where the split does not fit with it, the split streams nothing.
+    # or, where the search finds the split does not fit with it, the split streams nothing. An
+    # existing plan's policy (a number) is what its executor runs: priced whatever this step's
+    # budget, which is only a question asked of the plan (predict).
     if stream_prefill is True:
         stream_rows = stream_prefill_min_rows(units, k, machine, calibration, dtype) if k < n and has_gpu else None
     else:
         stream_rows = stream_prefill or None
     if not (has_gpu and 1 < k < n and any(u.kind == "block" for u in units[1:k])):
         stream_rows = None  # nothing to stream, or nowhere to stream it to
-    for ring in ((stream_ring_bytes(units, k), 0) if stream_rows else (0,)):
+    rings = (stream_ring_bytes(units, k),) if stream_rows else (0,)
+    if stream_rows and stream_prefill is True:
+        rings += (0,)
+    for ring in rings:
         gpu_reasons, sized = _size_gpu(k, units, machine, gpu_weights, gpu_budget_bytes, needed, dev_page, ring,
                                        offload=offload, watermark=watermark, dtype=dtype, batch=batch,
                                        context=context, page_size_tokens=page_size_tokens, pages=pages)

@@ -196,7 +196,8 @@ def run_helm(model_dir: Path, plan, config: ModelConfig, ids: list[int], new_tok
     t0 = time.perf_counter()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    model = load_model(model_dir, placement, config, **({"backend": "torch", "kv_slab": True} if smoke else {}))
+    model = load_model(model_dir, placement, config,
+                       **({"backend": "torch", "kv_slab": True, "streamed_prefill": True} if smoke else {}))
     load_s = time.perf_counter() - t0
     after_load = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
     engine = Engine(model, eos_token_ids=(), prefix_cache=False)  # each request computes its whole prompt

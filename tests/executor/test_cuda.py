@@ -620,25 +620,46 @@ def test_a_plan_loading_beside_a_serving_engine_captures_its_graphs_while_that_e
         [(s.finish_reason, s.error) for s in seqs if s.finish_reason != "length"]
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
-def test_streamed_prompt_steps_on_cuda_match_transformers_in_a_loop(checkpoint, arch):
+@pytest.mark.parametrize("arch,slow", [("qwen3", None), ("llama", None), ("qwen2", None),
+                                       ("qwen3", "products"), ("qwen3", "copies")])
+def test_streamed_prompt_steps_on_cuda_match_transformers_in_a_loop(checkpoint, arch, slow, monkeypatch):
     """The CPU stage's prompt steps on the GPU, their weights streamed from page-locked host memory
     in pieces of a few rows through the ring of 3 device slots (every projection crosses in many
-    pieces, so a slot is overwritten while products before it may still read it, unless the
-    events order them); the chunks' K/V written back into the stage's page-locked pages, which
-    later chunks copy in and the CPU kernels' decode reads. Repeated: a missing wait shows as a
-    wrong token in some run."""
-    from tests.executor.test_streamed_prefill import streamed_engine
+    pieces, so a slot is refilled while products before it may still read it, unless the events
+    order them); the chunks' K/V written back into the stage's page-locked pages, which later
+    chunks copy in and the CPU kernels' decode reads. slow: every product, or every copy, starts
+    after a spin on its stream, so a missing wait (a copy into a slot a product still reads, a
+    product of a slot whose copy has not landed) reads the wrong weights every time, not by chance."""
+    import executor.streamed_prefill as sp
     from executor.request_params import SamplingParams, StopCriteria
+    from executor.streamed_prefill import StreamedPrefill
+    from tests.executor.test_streamed_prefill import streamed_engine
 
+    spin = 500_000  # cycles: a fraction of a millisecond, longer than a piece's copy or product
+    if slow == "products":
+        linear = torch.nn.functional.linear
+
+        class SlowProducts:
+            @staticmethod
+            def linear(*args, **kwargs):
+                torch.cuda._sleep(spin)
+                return linear(*args, **kwargs)
+        monkeypatch.setattr(sp, "F", SlowProducts)
+    elif slow == "copies":
+        upload = StreamedPrefill._upload
+
+        def slow_upload(self, piece):
+            with torch.cuda.stream(self._copy_stream):
+                torch.cuda._sleep(spin)
+            return upload(self, piece)
+        monkeypatch.setattr(StreamedPrefill, "_upload", slow_upload)
     path = checkpoint(arch, "fp32")
     prompt = prompt_ids(70, 256, seed=31)
     want = hf_greedy(path, prompt, 8)
-    for _ in range(3):
+    for _ in range(3 if slow is None else 1):
         engine, streamed = streamed_engine(path, split=3, min_rows=2, piece_bytes=4096, prefill_chunk=24)
         assert streamed.device.type == "cuda" and streamed.blocks[0].gate_up.weight.is_pinned()
         assert engine.model.stages[1].device.type == "cuda"
         seq = engine.generate([prompt], SamplingParams(), StopCriteria(max_new_tokens=8, ignore_eos=True))[0]
-        pages = engine.model.stages[0].kv.device_pool
-        assert pages.pin_memory
+        assert engine.model.stages[0].kv.device_pool.pin_memory
         assert seq.output_ids == want

@@ -228,3 +228,25 @@ def test_a_free_whose_synchronise_fails_keeps_the_sequence_and_its_pages(monkeyp
     kv._copy_stream = None
     kv.free("a")
     assert kv.sequences() == [] and (kv.device_pool.used_pages, kv.host_pool.used_pages) == (0, 0)
+
+
+def test_a_compute_pool_whose_page_cannot_be_locked_takes_ordinary_pages(monkeypatch, caplog):
+    """A CPU stage's own pages are page-locked only so copies to the GPU run asynchronously
+    (executor/streamed_prefill.py): where the driver refuses, the pool goes on with ordinary pages
+    and says so; a pool whose pages must be locked (KV offload's host pool) still fails."""
+    from executor.kv_cache import PagePool
+
+    def refuse(shape, dtype):
+        raise MemoryError("could not page-lock 64 bytes of host memory for KV pages")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kv_cache, "page_locked", refuse)
+    optional = PagePool(torch.device("cpu"), (4, 4), torch.float32, None, pin_memory=True, pin_optional=True)
+    required = PagePool(torch.device("cpu"), (4, 4), torch.float32, None, pin_memory=True)
+    with caplog.at_level("WARNING"):
+        page = optional.allocate()
+    assert page.shape == (4, 4) and not optional.pin_memory and "ordinary host memory" in caplog.text
+    assert optional.allocate() is not None and optional.used_pages == 2
+    with pytest.raises(MemoryError, match="page-lock"):
+        required.allocate()
+    assert required.used_pages == 0

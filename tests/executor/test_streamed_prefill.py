@@ -26,7 +26,7 @@ def streamed_engine(path, split, min_rows, page_size=8, piece_bytes=None, backen
     placement = replace(Placement.from_split(cfg.num_units, split, page_size_tokens=page_size),
                         stream_prefill_min_rows=min_rows)
     placement.validate()
-    model = load_model(path, placement, cfg, backend=backend)
+    model = load_model(path, placement, cfg, backend=backend, streamed_prefill=True)
     streamed = model.stages[0].streamed
     if piece_bytes is not None:  # pieces of a few rows: every projection crosses in several
         streamed.piece_bytes = piece_bytes
@@ -110,8 +110,38 @@ def test_bf16_streamed_prefill_is_as_close_to_transformers_as_the_cpu_kernels(ch
 def test_the_stage_without_a_policy_streams_nothing(checkpoint):
     path = checkpoint("qwen3", "fp32")
     cfg = ModelConfig.from_dir(path)
-    model = load_model(path, Placement.from_split(cfg.num_units, 3), cfg)
+    model = load_model(path, Placement.from_split(cfg.num_units, 3), cfg, streamed_prefill=True)
     assert model.stages[0].streamed is None
+
+
+def test_without_cuda_a_streaming_plan_keeps_its_prompt_steps_on_the_cpus_kernels(checkpoint):
+    """Streaming to a GPU that is not there would run the CPU stage's prompt steps in PyTorch on
+    the same CPU, slower than its kernels: only where CUDA is (or a test asks)."""
+    path = checkpoint("qwen3", "fp32")
+    cfg = ModelConfig.from_dir(path)
+    placement = replace(Placement.from_split(cfg.num_units, 3), stream_prefill_min_rows=4)
+    model = load_model(path, placement, cfg)
+    assert (model.stages[0].streamed is not None) == torch.cuda.is_available()
+
+
+def test_a_refused_page_lock_leaves_the_prompt_steps_on_the_cpu(checkpoint, monkeypatch, caplog):
+    """Page-locking the CPU stage's weights can be refused (a locked-memory limit): the plan loads
+    and serves, its prompt steps on the CPU, and the log says why."""
+    from executor import loader
+
+    def refuse(*args, **kwargs):
+        raise MemoryError("could not page-lock 4096 bytes of host memory for weights streamed to the GPU")
+
+    monkeypatch.setattr(loader, "StreamedPrefill", refuse)
+    path = checkpoint("qwen3", "fp32")
+    cfg = ModelConfig.from_dir(path)
+    placement = replace(Placement.from_split(cfg.num_units, 3), stream_prefill_min_rows=4)
+    with caplog.at_level("WARNING"):
+        model = load_model(path, placement, cfg, streamed_prefill=True)
+    assert model.stages[0].streamed is None and "they run on the CPU" in caplog.text
+    prompt = prompt_ids(12, 256, seed=26)
+    seq = Engine(model, eos_token_ids=()).generate([prompt], SamplingParams(), StopCriteria(max_new_tokens=3, ignore_eos=True))[0]
+    assert seq.output_ids == hf_greedy(path, prompt, 3)
 
 
 def test_a_streamed_policy_needs_a_positive_row_count():

@@ -332,3 +332,24 @@ def test_the_ring_of_streamed_weight_pieces_is_vram_the_split_needs_or_it_stream
     assert squeezed.feasible and squeezed.stream_prefill_min_rows is None
     assert squeezed.gpu_bytes == without.gpu_bytes
 
+
+
+def test_an_existing_plans_policy_is_priced_whatever_the_budget_a_prediction_asks_about():
+    """The search drops streaming where the ring does not fit beside the split; a plan's recorded
+    policy is what its executor runs, so a prediction for another step (a bigger KV budget that
+    leaves no room for the ring) still prices its prompt steps streamed."""
+    from tests.planner.helpers import with_vram
+
+    units, _ = model_units(8, 256 * MIB, 64 * MIB, 64 * MIB)
+    m = _flash(machine())
+    planned = split(5, units, (), m)
+    rows = planned.stream_prefill_min_rows
+    tight = split(5, units, (), machine()).gpu_bytes + 1 * MIB  # the ring does not fit
+    squeezed = with_vram(m, tight)
+    searched = split(5, units, (), squeezed, gpu_budget_bytes=tight)
+    recorded = split(5, units, (), squeezed, gpu_budget_bytes=tight, stream_prefill=rows)
+    off = split(5, units, (), squeezed, gpu_budget_bytes=tight, stream_prefill=False)
+    assert searched.stream_prefill_min_rows is None and searched.stages[0].prefill_ms == off.stages[0].prefill_ms
+    assert recorded.stream_prefill_min_rows == rows
+    assert recorded.stages[0].prefill_ms == pytest.approx(planned.stages[0].prefill_ms)
+    assert recorded.stages[0].prefill_ms < off.stages[0].prefill_ms
