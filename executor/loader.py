@@ -23,6 +23,7 @@ from executor.probe import DTYPES, measured_choice
 from executor.stage import BlockWeights, HeadWeights, Stage
 from executor.streamed_prefill import StreamedPrefill
 from planner.profile import flash_attention_runs
+from planner.units import fmt_bytes
 from executor.weights import CheckpointReader
 from planner.step_shape import MAX_RUNNING_SEQUENCES
 
@@ -233,6 +234,9 @@ def _load_stage(reader: CheckpointReader, cfg: ModelConfig, spec: StageSpec, pla
     if streams and blocks:
         try:
             streamed = StreamedPrefill(cfg, blocks, kv, gpu, placement.stream_prefill_min_rows)
+            log.info("CPU stage units %d..%d: prompt steps of >= %d tokens run on %s, %s of weights streamed "
+                     "through a %s ring", spec.unit_start, spec.unit_end - 1, streamed.min_rows, gpu,
+                     fmt_bytes(streamed.weight_bytes), fmt_bytes(streamed.device_bytes))
         except MemoryError as e:  # page-locking refused (a locked-memory limit): slower, not broken
             log.warning("the plan streams the CPU stage's prompt steps to the GPU, but %s: they run on the CPU", e)
     return Stage(cfg, spec.unit_start, spec.unit_end, device, embedding, blocks, head, kv, ops, streamed=streamed)

@@ -68,6 +68,7 @@ class StreamedPrefill:
                             qkv_bias=None if b.qkv.bias is None else b.qkv.bias.float().to(**on))
                        for b in blocks]
         weights = [getattr(b, name).weight for b in blocks for name in _LINEARS]
+        self.weight_bytes = sum(w.numel() * w.element_size() for w in weights)  # what crosses per streamed step
         # no larger than the largest weight, a row of the widest at least
         self.piece_bytes = max(min(piece_bytes, max(w.numel() * w.element_size() for w in weights)),
                                max(w[0].numel() * w.element_size() for w in weights))
