@@ -237,7 +237,8 @@ def _generate(args) -> int:
     load_s = time.perf_counter() - t0
     engine = Engine(model)
     seq = engine.add_request(prompt_ids, sampling, stop)
-    recorder = Recorder(plan, args.plan, config.architecture, kernel_isa(model)) if plan is not None else None
+    recorder = Recorder(plan, args.plan, config.architecture, kernel_isa(model),
+                        stream_prefill=model.stream_prefill) if plan is not None else None
     engine.on_step = recorder.record_step if recorder is not None else None
 
     decoder = IncrementalDecoder(tokenizer) if tokenizer and not args.json else None

@@ -37,6 +37,13 @@ class LoadedModel:
     placement: Placement
     model_dir: Path
 
+    @property
+    def stream_prefill(self) -> int | bool:
+        """What its CPU stages run of the plan's streaming policy: prompt steps of this many tokens
+        streamed to the GPU (executor/streamed_prefill.py), or False: none (what a Recorder
+        measures it against; where the load could not stream, not the plan's)."""
+        return next((s.streamed.min_rows for s in self.stages if s.streamed is not None), False)
+
     def free_sequence(self, seq_id) -> None:
         for stage in self.stages:
             if stage.kv is not None:
@@ -239,4 +246,5 @@ def _load_stage(reader: CheckpointReader, cfg: ModelConfig, spec: StageSpec, pla
                      fmt_bytes(streamed.weight_bytes), fmt_bytes(streamed.device_bytes))
         except MemoryError as e:  # page-locking refused (a locked-memory limit): slower, not broken
             log.warning("the plan streams the CPU stage's prompt steps to the GPU, but %s: they run on the CPU", e)
+            kv.device_pool.pin_memory = False  # nothing copies its pages to the GPU then
     return Stage(cfg, spec.unit_start, spec.unit_end, device, embedding, blocks, head, kv, ops, streamed=streamed)

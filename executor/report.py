@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from planner.plan import Plan
-from planner.predict import predict_step
+from planner.predict import AS_PLANNED, predict_step
 from planner.report import PHASES, PlanSummary, Report, ReportRow, context_bucket
 
 PERCENTILE_SAMPLE = 4096  # steps kept per row for p50/p99 (a uniform reservoir); means use every step
@@ -67,8 +67,12 @@ class Recorder:
     """Measured and predicted time of every step of one plan. `record` runs on the engine
     thread, `report` on any thread."""
 
-    def __init__(self, plan: Plan, source: str, architecture: str, kernel_isa: str):
+    def __init__(self, plan: Plan, source: str, architecture: str, kernel_isa: str,
+                 stream_prefill: bool | int | str = AS_PLANNED):
+        """stream_prefill: the policy the loaded model runs for its CPU stage's prompt steps, where
+        not the plan's (LoadedModel.stream_prefill_min_rows, or False): what it is measured against."""
         self.plan = plan
+        self.stream_prefill = stream_prefill
         self.summary = PlanSummary.of(plan, source)
         self.architecture = architecture
         self.kernel_isa = kernel_isa
@@ -82,7 +86,7 @@ class Recorder:
     def _predict(self, phase: str, context: int, batch: int, tokens: int) -> tuple[StagePredicted, ...]:
         """The cost model's time per stage for one step (planner.predict.predict_step); the link
         term goes to the stage that receives the hidden state (its clock includes the copy)."""
-        step = predict_step(self.plan, phase, context, batch, tokens)
+        step = predict_step(self.plan, phase, context, batch, tokens, stream_prefill=self.stream_prefill)
         return tuple(StagePredicted(ms + (step.link_ms if i else 0.0), roof + (step.link_ms if i else 0.0))
                      for i, (ms, roof) in enumerate(step.stages))
 

@@ -117,9 +117,7 @@ class StreamedPrefill:
             attn = torch.empty(x.shape[0], h_q * d, dtype=torch.float32, device=dev)
             for s in batch.slices:
                 rows = slice(s.offset, s.offset + s.count)
-                past_k, past_v = self._cached(layer, s.seq_id, s.start)
-                keys = torch.cat((past_k, k[rows].transpose(0, 1)), 1)  # [H_kv, start + count, D]
-                values = torch.cat((past_v, v[rows].transpose(0, 1)), 1)
+                keys, values = self._keys(layer, s.seq_id, s.start, k[rows], v[rows])  # [H_kv, start + count, D]
                 attn[rows] = fused_prompt_attention(q[rows], keys, values, s.start, h_q, self.scale).float()
                 self._write_back(layer, s.seq_id, s.start, k[rows], v[rows])
             del q, qk, k, v
@@ -173,22 +171,19 @@ class StreamedPrefill:
         if self._copy_stream is not None:
             self._slot_free[slot].record(torch.cuda.current_stream(self.device))
 
-    def _cached(self, layer: int, seq_id, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the sequence's positions < length for `layer`, [H_kv, length, D] each on the
-        device, copied page by page from the stage's host pages."""
-        cfg = self.config
-        if length == 0:
-            empty = torch.empty(cfg.num_kv_heads, 0, cfg.head_dim, dtype=self.kv.dtype, device=self.device)
-            return empty, empty
-        page = self.kv.page_size
-        pages = self.kv.pages_of(seq_id)[:-(-length // page)]
-        # one copy per page (a page's layer slice is contiguous), then one device copy into
-        # [2, H_kv, pages·P, D]
-        staged = torch.empty(len(pages), *pages[0].data[layer].shape, dtype=self.kv.dtype, device=self.device)
-        for i, p in enumerate(pages):
-            staged[i].copy_(p.data[layer], non_blocking=True)
-        kv = staged.permute(1, 2, 0, 3, 4).reshape(2, cfg.num_kv_heads, len(pages) * page, cfg.head_dim)
-        return kv[0, :, :length], kv[1, :, :length]
+    def _keys(self, layer: int, seq_id, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the sequence's positions < start + n for `layer`, [H_kv, start + n, D] each on
+        the device, in one buffer: the cached pages copied in whole (a page's layer slice is
+        contiguous: one copy each), then this step's k, v [n, H_kv, D] over the positions from start."""
+        cfg, page, n = self.config, self.kv.page_size, k.shape[0]
+        cached = -(-start // page)  # pages holding positions < start
+        buf = torch.empty(2, cfg.num_kv_heads, max(cached * page, start + n), cfg.head_dim, dtype=self.kv.dtype,
+                          device=self.device)
+        for i, p in enumerate(self.kv.pages_of(seq_id)[:cached]):
+            buf[:, :, i * page:(i + 1) * page].copy_(p.data[layer], non_blocking=True)
+        buf[0, :, start:start + n] = k.transpose(0, 1)
+        buf[1, :, start:start + n] = v.transpose(0, 1)
+        return buf[0, :, :start + n], buf[1, :, :start + n]
 
     def _write_back(self, layer: int, seq_id, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """K/V [n, H_kv, D] (cache dtype, on the device) of positions start.. into the sequence's

@@ -173,10 +173,12 @@ def stream_prefill_min_rows(units: tuple[UnitIR, ...], k: int, machine: MachineP
     sooner on the GPU with their weights streamed than on the CPU (at no cached prefix, where the
     CPU's attention is cheapest); None where they never do within MAX_STEP_TOKENS, or where there
     is nothing to stream to: no GPU stage beside a CPU stage with blocks, no measured link, or a
-    GPU on which flash attention does not run (the streamed steps' attention needs it, as the
-    GPU stage's prompt chunks do)."""
+    GPU on which flash attention does not run, or weights in another dtype than half precision,
+    which flash attention takes (the streamed steps' attention needs it, as the GPU stage's prompt
+    chunks do; the executor streams only where it runs for the model: executor/loader.py)."""
     gpu = machine.gpu
-    if gpu is None or machine.link is None or not gpu.flash_attention or not 1 < k < len(units):
+    if gpu is None or machine.link is None or not gpu.flash_attention or not 1 < k < len(units) or \
+            dtype not in ("bfloat16", "float16"):
         return None
     blocks = [u for u in units[1:k] if u.kind == "block"]
     if not blocks:
@@ -255,12 +257,17 @@ def _size_gpu(k: int, units: tuple[UnitIR, ...], machine: MachineProfile, gpu_we
         reasons.append(f"cuda weights need {fmt_bytes(gpu_weights)} > {fmt_bytes(gpu_budget_bytes)} usable VRAM")
     elif gpu_bytes > gpu_budget_bytes:
         reasons.append(f"cuda needs {fmt_bytes(gpu_bytes)} (weights {fmt_bytes(gpu_weights)} + KV "
-                       f"{fmt_bytes(device_pages * dev_page)} + working set {fmt_bytes(gpu_work)}) > "
+                       f"{fmt_bytes(device_pages * dev_page)} + working set {fmt_bytes(gpu_work)}{_ring_note(ring)}) > "
                        f"{fmt_bytes(gpu_budget_bytes)} usable VRAM")
     elif host_pages and device_pages < MIN_DEVICE_PAGES_WITH_OFFLOAD:
-        reasons.append(f"cuda weights leave room for {device_pages} KV page(s) of {fmt_bytes(dev_page)}; "
-                       f"offload needs >= {MIN_DEVICE_PAGES_WITH_OFFLOAD}")
+        reasons.append(f"cuda weights leave room for {device_pages} KV page(s) of {fmt_bytes(dev_page)}"
+                       f"{_ring_note(ring, ' beside')}; offload needs >= {MIN_DEVICE_PAGES_WITH_OFFLOAD}")
     return reasons, (device_pages, host_pages, gpu_work, gpu_bytes)
+
+
+def _ring_note(ring: int, how: str = ",") -> str:
+    return f"{how} the streamed prompt steps' ring of {fmt_bytes(ring)}" + (" included" if how == "," else "") \
+        if ring else ""
 
 
 def stage_weight_bytes(units: tuple[UnitIR, ...], start: int, end: int,
@@ -420,6 +427,9 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
     stages = []
     link = machine.link
     streamed = host_pages / needed if needed else 0.0
+    # the step's prompt tokens (batch·prompt: a mean over steps may make them fractional) reach the
+    # policy's threshold: the executor streams it (executor/streamed_prefill.py accepts)
+    streams_step = stream_rows is not None and round(batch * prompt, 6) >= stream_rows
     for device, start, end in (("cpu", 0, k), ("cuda", k, n)):
         if start == end:
             continue
@@ -437,12 +447,12 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
                                   link.h2d_gibps if link else 0.0, step_bytes)
             proj += alike * p
             attn += alike * a
-            if device == "cpu" and u.kind == "block" and stream_rows is not None and batch * prompt >= stream_rows:
+            if device == "cpu" and u.kind == "block" and streams_step:
                 prefill += alike * streamed_block_prefill_ms(u, device_rates(machine, "cuda", calibration, dtype), link,
                                                              batch, prompt, prefix)
             elif logits or u.kind != "head":
                 prefill += alike * unit_prefill_ms(u, rates, batch, prompt, prefix)
-        if device == "cpu" and stream_rows is not None and batch * prompt >= stream_rows:
+        if device == "cpu" and streams_step:
             prefill += streamed_handoff_ms(units, k, link, batch * prompt)
         blocks = sum(n for u, n in groups if u.kind == "block")
         overhead = blocks * rates.calibration.delta_ms_per_block

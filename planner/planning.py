@@ -301,8 +301,10 @@ def _assemble(identity: ModelIdentity, ir: IRSummary, machine: MachineProfile, w
         calibration=calibration,
         recalibration=recalibration,
         prediction=prediction_of(chosen, workload),
+        # at the plan's own policy: where it streams, the ring stays in VRAM at every context
         longest_context=None if model_max is None else longest_context(
-            chosen.split_k, units, shared, machine, space, calibration, model_max),
+            chosen.split_k, units, shared, machine, replace(space, stream_prefill=chosen.stream_prefill_min_rows or False),
+            calibration, model_max),
         search=Search(objective=objective,
                       best_feasible_k=best.split_k if best else None,
                       candidates=tuple(_candidate(c) for c in costs)),

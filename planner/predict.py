@@ -43,17 +43,24 @@ class StepCost:
     link_ms: float                            # the hand-off; the receiving stage's clock includes it
 
 
+AS_PLANNED = "as planned"  # predict_step's streaming policy: the plan's own
+
+
 def predict_step(plan: Plan, phase: str, context: float, batch: float, tokens: float,
-                 calibration: Calibration | None = None) -> StepCost:
+                 calibration: Calibration | None = None, stream_prefill: bool | int | str = AS_PLANNED) -> StepCost:
     """The cost model for one executor step of `plan` (with `calibration`, default the plan's).
     Decode: `batch` sequences at mean context `context`. Prefill (a step with prompt chunks):
     `batch` chunks of tokens/batch tokens each, ending at `context` on average, so each after the
     cached prefix that implies (the step's decodes, a few tokens, are left out). Arguments may be
-    means over many steps (recalibration's rows), hence floats."""
+    means over many steps (recalibration's rows), hence floats. stream_prefill: the CPU stage's
+    prompt steps streamed to the GPU from that many tokens, or never (False), where the executor
+    runs another policy than the plan's (it could not page-lock the weights, say)."""
     decode = phase == "decode"
     chunk = max(1.0, tokens / max(batch, 1.0))
     space = replace(plan_space(plan), batch=batch, context=context if decode else max(context, 1.0),
                     prompt=plan.workload.prompt_tokens if decode else chunk)
+    if stream_prefill != AS_PLANNED:
+        space = replace(space, stream_prefill=stream_prefill)
     cost = evaluate_at(plan.partition.split_k, plan.ir.units, plan.ir.shared_weights, plan.machine, space,
                        calibration or plan.calibration, prefix=0 if decode else max(0.0, context - chunk))
     if decode:

@@ -202,7 +202,7 @@ def run_helm(model_dir: Path, plan, config: ModelConfig, ids: list[int], new_tok
     after_load = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
     engine = Engine(model, eos_token_ids=(), prefix_cache=False)  # each request computes its whole prompt
     _request(engine, None, ids, 2)  # warm-up: the request's prompt chunks and a decode step
-    recorder = Recorder(plan, "bench", config.architecture, kernel_isa(model))
+    recorder = Recorder(plan, "bench", config.architecture, kernel_isa(model), stream_prefill=model.stream_prefill)
     recorded = _request(engine, recorder, ids, new_tokens)
     # timed again without the recorder: its predictions run on the engine thread, once per new
     # context, so a single request pays for every one of them (reported apart)
@@ -239,7 +239,7 @@ def run_helm(model_dir: Path, plan, config: ModelConfig, ids: list[int], new_tok
             # The fitted model at the split that runs (the re-run search may move k: reported).
             here = replace(plan, partition=replace(plan.partition, forced=True))
             fitted = replan(here, searched.calibration, searched.recalibration)
-            check = Recorder(fitted, "bench", config.architecture, kernel_isa(model))
+            check = Recorder(fitted, "bench", config.architecture, kernel_isa(model), stream_prefill=model.stream_prefill)
             other = ids[: max(8, len(ids) // 2)]
             again = _request(engine, check, other, new_tokens)
             out["after_fit"] = {"prompt_tokens": len(other), "decode_ms_per_token": _ms_per_token(again),

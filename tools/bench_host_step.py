@@ -55,7 +55,8 @@ def host_step_ms(model_dir: Path, steps: int) -> list[dict]:
     rows = []
     for name, params in SETTINGS.items():
         for recorded in (False, True):
-            recorder = Recorder(plan, "bench_host_step", config.architecture, kernel_isa(model)) if recorded else None
+            recorder = Recorder(plan, "bench_host_step", config.architecture, kernel_isa(model),
+                                stream_prefill=model.stream_prefill) if recorded else None
             engine.on_step = recorder.record_step if recorder is not None else None
             engine.add_request(list(range(10, 10 + PROMPT)), params,
                                StopCriteria(max_new_tokens=steps + 1, ignore_eos=True))

@@ -149,7 +149,7 @@ class Daemon:
 
         summary = PlanSummary.of(plan, source.label)
         isa = kernel_isa(model)
-        recorder = Recorder(plan, source.label, self.config.architecture, isa)
+        recorder = Recorder(plan, source.label, self.config.architecture, isa, stream_prefill=model.stream_prefill)
         stages = tuple(StageInfo(i, spec.device, str(stage.device), stage.unit_start, stage.unit_end,
                                  stage.backend, placement.page_size_tokens, None)
                        for i, (spec, stage) in enumerate(zip(placement.stages, model.stages)))

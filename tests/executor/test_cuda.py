@@ -633,7 +633,7 @@ def test_streamed_prompt_steps_on_cuda_match_transformers_in_a_loop(checkpoint, 
     import executor.streamed_prefill as sp
     from executor.request_params import SamplingParams, StopCriteria
     from executor.streamed_prefill import StreamedPrefill
-    from tests.executor.test_streamed_prefill import streamed_engine
+    from tests.executor.test_streamed_prefill import count_streamed_steps, streamed_engine
 
     spin = 500_000  # cycles: a fraction of a millisecond, longer than a piece's copy or product
     if slow == "products":
@@ -656,6 +656,7 @@ def test_streamed_prompt_steps_on_cuda_match_transformers_in_a_loop(checkpoint, 
     path = checkpoint(arch, "fp32")
     prompt = prompt_ids(70, 256, seed=31)
     want = hf_greedy(path, prompt, 8)
+    steps = count_streamed_steps(monkeypatch)
     for _ in range(3 if slow is None else 1):
         engine, streamed = streamed_engine(path, split=3, min_rows=2, piece_bytes=4096, prefill_chunk=24)
         assert streamed.device.type == "cuda" and streamed.blocks[0].gate_up.weight.is_pinned()
@@ -663,3 +664,4 @@ def test_streamed_prompt_steps_on_cuda_match_transformers_in_a_loop(checkpoint, 
         seq = engine.generate([prompt], SamplingParams(), StopCriteria(max_new_tokens=8, ignore_eos=True))[0]
         assert engine.model.stages[0].kv.device_pool.pin_memory
         assert seq.output_ids == want
+    assert steps[:3] == [24, 24, 22]  # the prompt's chunks streamed

@@ -75,3 +75,23 @@ def test_a_plan_records_its_streaming_policy_and_the_placement_follows_it(tmp_pa
     with open(config) as f:
         placement = placement_for(plan, ModelConfig.from_dict(json.load(f)))
     assert placement.stream_prefill_min_rows == rows
+
+
+def test_a_recorder_measures_a_model_against_the_policy_it_runs():
+    """A model that could not stream its plan's prompt steps (the weights' page lock refused) is
+    measured against their CPU time: its Recorder is given the policy the load runs."""
+    from dataclasses import replace as swap
+
+    from executor.report import Recorder
+    from planner.machine import load_machine
+    from planner.planning import make_plan
+    from planner.predict import predict_step
+
+    config = "tools/model_configs/qwen3-8b.json"
+    plan = make_plan(config, load_machine("plans/machines/laptop-rtx4060-i7-13700h.yaml"), source=config)
+    assert plan.partition.stream_prefill_min_rows is not None
+    streamed = Recorder(plan, "test", "Qwen3ForCausalLM", "test").predict("prefill", 512, 1, 512)[0].ms
+    on_cpu = Recorder(plan, "test", "Qwen3ForCausalLM", "test", stream_prefill=False).predict("prefill", 512, 1, 512)[0].ms
+    unstreamed = swap(plan, partition=swap(plan.partition, stream_prefill_min_rows=None))
+    assert on_cpu == pytest.approx(predict_step(unstreamed, "prefill", 512, 1, 512).stages[0][0])
+    assert on_cpu > 5 * streamed  # the CPU's GEMMs against the link's crossing

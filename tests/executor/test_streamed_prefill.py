@@ -21,6 +21,14 @@ from tests.executor.helpers import hf_greedy, prompt_ids
 FAMILIES = ["qwen3", "llama", "qwen2", "mistral"]
 
 
+def count_streamed_steps(monkeypatch) -> list[int]:
+    """The token counts of the steps the streamed path runs, from here on (a test whose tokens the
+    CPU kernels would give as well must show the streamed path ran)."""
+    steps, run = [], StreamedPrefill.__call__
+    monkeypatch.setattr(StreamedPrefill, "__call__", lambda self, x, b: (steps.append(b.num_tokens), run(self, x, b))[1])
+    return steps
+
+
 def streamed_engine(path, split, min_rows, page_size=8, piece_bytes=None, backend="auto", **engine_kw):
     cfg = ModelConfig.from_dir(path)
     placement = replace(Placement.from_split(cfg.num_units, split, page_size_tokens=page_size),
@@ -34,7 +42,7 @@ def streamed_engine(path, split, min_rows, page_size=8, piece_bytes=None, backen
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
-def test_streamed_prompt_steps_give_transformers_tokens(checkpoint, arch):
+def test_streamed_prompt_steps_give_transformers_tokens(checkpoint, arch, monkeypatch):
     """fp32, CPU stage of embedding + 2 blocks streamed, prompt in chunks of 16 over pages of 8:
     later chunks attend over keys the first wrote back into the pages; decode then runs the CPU
     kernels over those pages."""
@@ -43,7 +51,9 @@ def test_streamed_prompt_steps_give_transformers_tokens(checkpoint, arch):
     want = hf_greedy(path, prompt, 10)
     engine, streamed = streamed_engine(path, split=3, min_rows=2, piece_bytes=1024, prefill_chunk=16)
     assert streamed is not None and len(streamed.blocks) == 2
+    steps = count_streamed_steps(monkeypatch)
     seq = engine.generate([prompt], SamplingParams(), StopCriteria(max_new_tokens=10, ignore_eos=True))[0]
+    assert steps == [16, 16, 8]  # every chunk streamed, the decodes not
     assert seq.output_ids == want
 
 
@@ -69,14 +79,16 @@ def test_only_steps_of_min_rows_stream(checkpoint, monkeypatch):
     assert pieces == per_step * 2
 
 
-def test_a_batch_of_prompts_and_decodes_streams_together(checkpoint):
+def test_a_batch_of_prompts_and_decodes_streams_together(checkpoint, monkeypatch):
     """Two prompts whose chunks share steps with the other's decodes: each sequence attends over
     its own pages only, and the tokens equal each prompt run alone without streaming."""
     path = checkpoint("llama", "fp32")
     prompts = [prompt_ids(30, 256, seed=23), prompt_ids(12, 256, seed=24)]
     stop = StopCriteria(max_new_tokens=8, ignore_eos=True)
     engine, _ = streamed_engine(path, split=2, min_rows=4, prefill_chunk=8)
+    steps = count_streamed_steps(monkeypatch)
     got = [s.output_ids for s in engine.generate(prompts, SamplingParams(), stop)]
+    assert len(steps) >= 4 and max(steps) > 8  # the second prompt's chunks with the first's, and decodes
     assert got == [hf_greedy(path, p, 8) for p in prompts]
 
 
@@ -114,14 +126,22 @@ def test_the_stage_without_a_policy_streams_nothing(checkpoint):
     assert model.stages[0].streamed is None
 
 
-def test_without_cuda_a_streaming_plan_keeps_its_prompt_steps_on_the_cpus_kernels(checkpoint):
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_a_streaming_plan_streams_only_where_cuda_and_flash_attention_are(checkpoint, dtype):
     """Streaming to a GPU that is not there would run the CPU stage's prompt steps in PyTorch on
-    the same CPU, slower than its kernels: only where CUDA is (or a test asks)."""
-    path = checkpoint("qwen3", "fp32")
+    the same CPU, slower than its kernels; on a GPU whose flash attention does not take the model's
+    attention (fp32) they would build masks the plan did not price: by default neither streams
+    (a test asks with streamed_prefill=True). The model says which policy it runs."""
+    from planner.profile import flash_attention_runs
+
+    path = checkpoint("qwen3", dtype)
     cfg = ModelConfig.from_dir(path)
     placement = replace(Placement.from_split(cfg.num_units, 3), stream_prefill_min_rows=4)
     model = load_model(path, placement, cfg)
-    assert (model.stages[0].streamed is not None) == torch.cuda.is_available()
+    runs = torch.cuda.is_available() and flash_attention_runs(torch.device("cuda"), cfg.dtype, cfg.num_heads,
+                                                             cfg.num_kv_heads, cfg.head_dim)
+    assert (model.stages[0].streamed is not None) == runs
+    assert model.stream_prefill == (4 if runs else False)
 
 
 def test_a_refused_page_lock_leaves_the_prompt_steps_on_the_cpu(checkpoint, monkeypatch, caplog):

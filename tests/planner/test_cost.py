@@ -263,6 +263,9 @@ def test_a_stage_of_different_blocks_costs_each_as_its_own():
     assert c.stages[0].read_bytes_per_step == step
 
 
+BF16 = "bfloat16"  # streamed prompt steps need half-precision weights (flash attention)
+
+
 def _flash(m):
     """The machine with flash attention known to run on its GPU (what streamed prompt steps need)."""
     from dataclasses import replace
@@ -279,7 +282,7 @@ def test_streamed_prompt_steps_start_where_the_link_beats_the_cpus_gemms():
     m = _flash(machine(cpu_gflops=100.0, gpu_gflops=10000.0, link_gibps=10.0))
     units, _ = model_units(8, 256 * MIB, 64 * MIB, 64 * MIB)
     assert 256 * MIB / 100e9 * 9 < 256 * MIB / (10 * GIB) < 256 * MIB / 100e9 * 10
-    assert stream_prefill_min_rows(units, 5, m) == 10
+    assert stream_prefill_min_rows(units, 5, m, dtype=BF16) == 10
     cpu, gpu = device_rates(m, "cpu"), device_rates(m, "cuda")
     block = units[1]
     crossing = 1e3 * 256 * MIB / (10 * GIB)
@@ -288,14 +291,14 @@ def test_streamed_prompt_steps_start_where_the_link_beats_the_cpus_gemms():
     # a 16-token prompt (the helper's) is priced streamed: embedding on the CPU, 4 blocks streamed,
     # the hidden state there and back
     handoff = 2 * (10e-3 + 1e3 * 16 * 8192 / (10 * GIB))
-    streamed = split(5, units, (), m).stages[0]
-    plain = split(5, units, (), machine(cpu_gflops=100.0, gpu_gflops=10000.0, link_gibps=10.0)).stages[0]
+    streamed = split(5, units, (), m, dtype=BF16).stages[0]
+    plain = split(5, units, (), machine(cpu_gflops=100.0, gpu_gflops=10000.0, link_gibps=10.0), dtype=BF16).stages[0]
     embedding = unit_prefill_ms(units[0], cpu, 1, 16)
     assert streamed.prefill_ms == pytest.approx(embedding + 4 * (crossing + kv) + handoff)
     assert plain.prefill_ms == pytest.approx(embedding + 4 * unit_prefill_ms(block, cpu, 1, 16))
     assert streamed.prefill_ms < plain.prefill_ms
     # a 4-token prompt stays on the CPU, as the executor runs it
-    assert split(5, units, (), m, prompt=4).stages[0].prefill_ms == \
+    assert split(5, units, (), m, prompt=4, dtype=BF16).stages[0].prefill_ms == \
         pytest.approx(unit_prefill_ms(units[0], cpu, 1, 4) + 4 * unit_prefill_ms(block, cpu, 1, 4))
 
 
@@ -305,13 +308,14 @@ def test_nothing_streams_without_a_place_to_stream_to():
 
     units, _ = model_units(8, 256 * MIB, 64 * MIB, 64 * MIB)
     m = _flash(machine())
-    assert stream_prefill_min_rows(units, 5, m) is not None
-    assert stream_prefill_min_rows(units, 5, machine()) is None          # flash attention not known to run
-    assert stream_prefill_min_rows(units, 5, replace(m, link=None)) is None
-    assert stream_prefill_min_rows(units, 1, m) is None                  # only the embedding on the CPU
-    assert stream_prefill_min_rows(units, len(units), m) is None         # no GPU stage
+    assert stream_prefill_min_rows(units, 5, m, dtype=BF16) is not None
+    assert stream_prefill_min_rows(units, 5, machine(), dtype=BF16) is None          # flash attention not known to run
+    assert stream_prefill_min_rows(units, 5, replace(m, link=None), dtype=BF16) is None
+    assert stream_prefill_min_rows(units, 1, m, dtype=BF16) is None                  # only the embedding on the CPU
+    assert stream_prefill_min_rows(units, len(units), m, dtype=BF16) is None         # no GPU stage
     slow_link = _flash(machine(link_gibps=0.001))
-    assert stream_prefill_min_rows(units, 5, slow_link) is None          # the CPU wins at every step size
+    assert stream_prefill_min_rows(units, 5, slow_link, dtype=BF16) is None          # the CPU wins at every step size
+    assert stream_prefill_min_rows(units, 5, m, dtype="float32") is None    # flash attention takes half precision
 
 
 def test_the_ring_of_streamed_weight_pieces_is_vram_the_split_needs_or_it_streams_nothing():
@@ -322,13 +326,13 @@ def test_the_ring_of_streamed_weight_pieces_is_vram_the_split_needs_or_it_stream
 
     units, _ = model_units(8, 256 * MIB, 64 * MIB, 64 * MIB)
     m, plain = _flash(machine()), machine()
-    with_ring, without = split(5, units, (), m), split(5, units, (), plain)
+    with_ring, without = split(5, units, (), m, dtype=BF16), split(5, units, (), plain, dtype=BF16)
     ring = STREAM_SLOTS * STREAM_PIECE_BYTES
     assert with_ring.stream_prefill_min_rows is not None and without.stream_prefill_min_rows is None
     assert with_ring.gpu_work_bytes - without.gpu_work_bytes == ring
     assert with_ring.gpu_bytes - without.gpu_bytes == ring
     tight = without.gpu_bytes + ring // 2  # fits the split, not its ring
-    squeezed = split(5, units, (), with_vram(m, tight), gpu_budget_bytes=tight)
+    squeezed = split(5, units, (), with_vram(m, tight), gpu_budget_bytes=tight, dtype=BF16)
     assert squeezed.feasible and squeezed.stream_prefill_min_rows is None
     assert squeezed.gpu_bytes == without.gpu_bytes
 
@@ -342,13 +346,13 @@ def test_an_existing_plans_policy_is_priced_whatever_the_budget_a_prediction_ask
 
     units, _ = model_units(8, 256 * MIB, 64 * MIB, 64 * MIB)
     m = _flash(machine())
-    planned = split(5, units, (), m)
+    planned = split(5, units, (), m, dtype=BF16)
     rows = planned.stream_prefill_min_rows
-    tight = split(5, units, (), machine()).gpu_bytes + 1 * MIB  # the ring does not fit
+    tight = split(5, units, (), machine(), dtype=BF16).gpu_bytes + 1 * MIB  # the ring does not fit
     squeezed = with_vram(m, tight)
-    searched = split(5, units, (), squeezed, gpu_budget_bytes=tight)
-    recorded = split(5, units, (), squeezed, gpu_budget_bytes=tight, stream_prefill=rows)
-    off = split(5, units, (), squeezed, gpu_budget_bytes=tight, stream_prefill=False)
+    searched = split(5, units, (), squeezed, gpu_budget_bytes=tight, dtype=BF16)
+    recorded = split(5, units, (), squeezed, gpu_budget_bytes=tight, stream_prefill=rows, dtype=BF16)
+    off = split(5, units, (), squeezed, gpu_budget_bytes=tight, stream_prefill=False, dtype=BF16)
     assert searched.stream_prefill_min_rows is None and searched.stages[0].prefill_ms == off.stages[0].prefill_ms
     assert recorded.stream_prefill_min_rows == rows
     assert recorded.stages[0].prefill_ms == pytest.approx(planned.stages[0].prefill_ms)
