@@ -19,6 +19,7 @@ import logging
 import math
 import sys
 import time
+from dataclasses import replace
 
 from executor.errors import HelmError, RequestError
 from planner.step_shape import MAX_RUNNING_SEQUENCES
@@ -88,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--page-size", type=int, help="KV page size in tokens (default: plan's, else 512)")
     gen.add_argument("--device-kv-pages", type=int, help="KV pages the GPU-side stage may hold (default: plan's, else unbounded)")
     gen.add_argument("--threads", type=int, help="CPU-stage threads (default: the plan's profiled cores, else torch's)")
+    gen.add_argument("--stream-prefill", type=int, metavar="N",
+                     help="with --split: prompt steps of at least N tokens run the CPU stage's blocks on the GPU, "
+                          "their weights streamed over the link (where CUDA and flash attention run; a plan "
+                          "states its own, partition.stream_prefill_min_rows)")
     gen.add_argument("--kernels", choices=("auto", "helm", "torch"), default="auto",
                      help="CPU-stage kernels: helm (Cython SIMD), torch (reference), auto (helm when built)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -196,10 +201,17 @@ def _placement(args, config):
     if args.device_kv_pages is not None:
         kv["device_kv_pages"] = args.device_kv_pages
     if args.plan:
+        if args.stream_prefill is not None:
+            raise RequestError("--stream-prefill goes with --split: a plan states its own policy "
+                               "(partition.stream_prefill_min_rows, priced by its cost model)")
         plan = load_checked_plan(args.plan, args.model, config)
         return placement_for(plan, config, cpu_threads=args.threads, **kv), plan
     split = config.num_units if args.split is None else args.split
-    return fit_page_size(Placement.from_split(config.num_units, split, **kv), config).with_threads(args.threads), None
+    placement = Placement.from_split(config.num_units, split, **kv)
+    if args.stream_prefill is not None:
+        placement = replace(placement, stream_prefill_min_rows=args.stream_prefill)
+        placement.validate()
+    return fit_page_size(placement, config).with_threads(args.threads), None
 
 
 def _generate(args) -> int:
@@ -316,7 +328,7 @@ def _generate_remote(args) -> int:
     from executor.server.messages import GenerateSpec, GenerationResult
 
     offline_only = [f"--{n.replace('_', '-')}" for n in ("plan", "split", "page_size", "device_kv_pages", "threads",
-                                                          "report")
+                                                          "stream_prefill", "report")
                     if getattr(args, n) is not None] + (["--kernels"] if args.kernels != "auto" else [])
     if offline_only or args.model:
         raise RequestError(f"{', '.join(offline_only or ['--model'])}: offline only; with --addr the daemon's "

@@ -261,7 +261,7 @@ def test_flags_out_of_range_are_refused_by_name(capsys, argv, message):
     assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag,value", [("--threads", "3"), ("--report", "r.json")])
+@pytest.mark.parametrize("flag,value", [("--threads", "3"), ("--report", "r.json"), ("--stream-prefill", "32")])
 def test_offline_flags_are_refused_with_addr(capsys, flag, value):
     """With --addr the daemon decides these: accepting them silently did nothing."""
     code = main(["generate", "--addr", "127.0.0.1:1", "--prompt-ids", "1", flag, value])
@@ -317,3 +317,24 @@ def test_client_commands_never_load_torch():
             "print('torch' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+def test_stream_prefill_goes_with_a_split_not_a_plan(checkpoint, capsys, tmp_path):
+    """--stream-prefill N sets a --split run's policy (streamed only where CUDA and flash attention
+    are: the tokens are the same either way); a plan states its own, so with --plan it is refused,
+    and N must be a token count."""
+    path = checkpoint("qwen3", "fp32")
+    prompt = ",".join(map(str, prompt_ids(12, 256, seed=8)))
+    code, out, err = run(capsys, "--model", str(path), "--split", "3", "--stream-prefill", "4", "--prompt-ids", prompt,
+                         "--max-new-tokens", "6", "--ignore-eos", "--json")
+    assert code == 0, err
+    want, _ = helm_generate(path, [prompt_ids(12, 256, seed=8)], split=3, max_new_tokens=6)
+    assert json.loads(out)["token_ids"] == want[0]
+    code, _, err = run(capsys, "--model", str(path), "--split", "3", "--stream-prefill", "0", "--prompt-ids", prompt)
+    assert code == 2 and "at least 1 token" in err
+    plan = tmp_path / "plan.yaml"
+    from planner.planning import plan_for_split
+    from planner.plan import save_plan
+    save_plan(plan_for_split(str(path), split_k=3), plan)
+    code, _, err = run(capsys, "--model", str(path), "--plan", str(plan), "--stream-prefill", "4", "--prompt-ids", prompt)
+    assert code == 2 and "--stream-prefill goes with --split" in err
