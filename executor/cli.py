@@ -206,6 +206,8 @@ def _placement(args, config):
                                "(partition.stream_prefill_min_rows, priced by its cost model)")
         plan = load_checked_plan(args.plan, args.model, config)
         return placement_for(plan, config, cpu_threads=args.threads, **kv), plan
+    if args.stream_prefill is not None and args.split is None:
+        raise RequestError("--stream-prefill goes with --split: the CPU stage whose prompt steps stream")
     split = config.num_units if args.split is None else args.split
     placement = Placement.from_split(config.num_units, split, **kv)
     if args.stream_prefill is not None:

@@ -112,7 +112,7 @@ class PagePool:
                 # pages the host computes in, page-locked only so copies to the GPU run asynchronously:
                 # ordinary ones from here on (the copies wait for the host, nothing else changes)
                 log.warning("%s: this pool's pages are ordinary host memory from here on", e)
-                self.pin_memory = False
+                self.unpin()
                 buf = torch.empty(self.page_shape, dtype=self.dtype)
             else:
                 self._locked.append(buf)
@@ -120,6 +120,12 @@ class PagePool:
             buf = torch.empty(self.page_shape, dtype=self.dtype, device=self.device)
         self.used_pages += 1  # after the allocation: one that raises takes no page
         return buf
+
+    def unpin(self) -> None:
+        """New pages are ordinary host memory from here on (pages already locked stay so), and
+        freed ones are kept as an ordinary host pool keeps them."""
+        self.pin_memory = False
+        self.keep_free = max(1, KEEP_FREE_HOST_BYTES // self.page_bytes)
 
     @property
     def free_pages(self) -> int:

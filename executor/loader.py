@@ -246,5 +246,5 @@ def _load_stage(reader: CheckpointReader, cfg: ModelConfig, spec: StageSpec, pla
                      fmt_bytes(streamed.weight_bytes), fmt_bytes(streamed.device_bytes))
         except MemoryError as e:  # page-locking refused (a locked-memory limit): slower, not broken
             log.warning("the plan streams the CPU stage's prompt steps to the GPU, but %s: they run on the CPU", e)
-            kv.device_pool.pin_memory = False  # nothing copies its pages to the GPU then
+            kv.device_pool.unpin()  # nothing copies its pages to the GPU then
     return Stage(cfg, spec.unit_start, spec.unit_end, device, embedding, blocks, head, kv, ops, streamed=streamed)

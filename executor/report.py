@@ -70,7 +70,8 @@ class Recorder:
     def __init__(self, plan: Plan, source: str, architecture: str, kernel_isa: str,
                  stream_prefill: bool | int | str = AS_PLANNED):
         """stream_prefill: the policy the loaded model runs for its CPU stage's prompt steps, where
-        not the plan's (LoadedModel.stream_prefill_min_rows, or False): what it is measured against."""
+        not the plan's (LoadedModel.stream_prefill): what it is measured against, and what the
+        report says ran."""
         self.plan = plan
         self.stream_prefill = stream_prefill
         self.summary = PlanSummary.of(plan, source)
@@ -123,4 +124,6 @@ class Recorder:
                     predicted_roofline_ms=roofline,
                     error_pct=(measured - predicted) / predicted * 100 if predicted > 0 else 0.0))
             steps = self._steps
-        return Report(self.summary, self.architecture, self.kernel_isa, steps, time.time_ns(), tuple(rows))
+        ran = self.plan.partition.stream_prefill_min_rows if self.stream_prefill == AS_PLANNED else self.stream_prefill
+        return Report(self.summary, self.architecture, self.kernel_isa, steps, time.time_ns(), tuple(rows),
+                      ran or None)

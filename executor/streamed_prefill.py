@@ -9,8 +9,9 @@ the stream faster than the CPU's kernels) the CPU stage's blocks run on the GPU 
 - each projection's weight crosses in pieces of at most `piece_bytes` (whole rows) into a ring of
   `slots` device buffers, on a copy stream, while the compute stream multiplies the pieces before
   it (a piece of rows is a block of the output's columns, so the product is the same);
-- norms, rotation and attention run in PyTorch on the GPU, a sequence's cached K/V (the stage's
-  own host pages, page-locked) copied in for each layer;
+- norms, rotation and attention run in PyTorch on the GPU: a chunk with nothing cached before it
+  by flash attention, a later one streaming over the sequence's cached pages (the stage's own
+  host pages, page-locked), copied in one at a time, then over its own keys;
 - the chunk's K/V go back into those host pages, where the stage's decode steps (our kernels)
   read them, and the hidden state goes back to the host for the next stage.
 
@@ -25,13 +26,15 @@ and all, without streams.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import weakref
 
 import torch
 import torch.nn.functional as F
 
-from executor.attention import TorchAttention, fused_prompt_attention, without_cudnn_attention
+from executor.attention import (TorchAttention, fused_prompt_attention, streaming_attention,
+                                without_cudnn_attention)
 from executor.backends import TorchBackend
 from executor.kv_cache import KVCache, lock_in_place, unlock
 from executor.rope import inverse_frequencies
@@ -117,8 +120,16 @@ class StreamedPrefill:
             attn = torch.empty(x.shape[0], h_q * d, dtype=torch.float32, device=dev)
             for s in batch.slices:
                 rows = slice(s.offset, s.offset + s.count)
-                keys, values = self._keys(layer, s.seq_id, s.start, k[rows], v[rows])  # [H_kv, start + count, D]
-                attn[rows] = fused_prompt_attention(q[rows], keys, values, s.start, h_q, self.scale).float()
+                own = (k[rows].transpose(0, 1), v[rows].transpose(0, 1), s.start)  # [H_kv, count, D] each
+                if s.start == 0:  # nothing cached: the chunk's own keys, flash attention on CUDA
+                    attn[rows] = fused_prompt_attention(q[rows], own[0], own[1], 0, h_q, self.scale).float()
+                else:
+                    # over the cached pages one at a time, then its own keys (online softmax): device
+                    # memory of a page, not of the whole context, as the GPU stage's prompt chunks
+                    # stream over pages parked on the host (planner/working_set.py prices that)
+                    pages = itertools.chain(self._cached(layer, s.seq_id, s.start), [own])
+                    attn[rows] = streaming_attention(q[rows].view(s.count, h_q, d), pages, self.scale,
+                                                     positions[rows], first_query=s.start).reshape(s.count, h_q * d)
                 self._write_back(layer, s.seq_id, s.start, k[rows], v[rows])
             del q, qk, k, v
             x = self._linear(attn, w.o.weight, residual=x)
@@ -171,19 +182,15 @@ class StreamedPrefill:
         if self._copy_stream is not None:
             self._slot_free[slot].record(torch.cuda.current_stream(self.device))
 
-    def _keys(self, layer: int, seq_id, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the sequence's positions < start + n for `layer`, [H_kv, start + n, D] each on
-        the device, in one buffer: the cached pages copied in whole (a page's layer slice is
-        contiguous: one copy each), then this step's k, v [n, H_kv, D] over the positions from start."""
-        cfg, page, n = self.config, self.kv.page_size, k.shape[0]
-        cached = -(-start // page)  # pages holding positions < start
-        buf = torch.empty(2, cfg.num_kv_heads, max(cached * page, start + n), cfg.head_dim, dtype=self.kv.dtype,
-                          device=self.device)
-        for i, p in enumerate(self.kv.pages_of(seq_id)[:cached]):
-            buf[:, :, i * page:(i + 1) * page].copy_(p.data[layer], non_blocking=True)
-        buf[0, :, start:start + n] = k.transpose(0, 1)
-        buf[1, :, start:start + n] = v.transpose(0, 1)
-        return buf[0, :, :start + n], buf[1, :, :start + n]
+    def _cached(self, layer: int, seq_id, length: int):
+        """K and V of the sequence's positions < length for `layer`, a page at a time on the device
+        (k, v [H_kv, n, D], first position): each page's layer slice copied in whole, as it is
+        needed (asynchronously from a page-locked page), let go once attention has read it."""
+        page = self.kv.page_size
+        for i, p in enumerate(self.kv.pages_of(seq_id)[:-(-length // page)]):
+            n = min(page, length - i * page)
+            kv = p.data[layer].to(self.device, non_blocking=True)  # [2, H_kv, P, D]
+            yield kv[0, :, :n], kv[1, :, :n], i * page
 
     def _write_back(self, layer: int, seq_id, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """K/V [n, H_kv, D] (cache dtype, on the device) of positions start.. into the sequence's

@@ -116,15 +116,16 @@ def usable_rows(plan: Plan, report, min_samples: int = MIN_STAGE_SAMPLES, label:
 
 def _prefill_rows(plan: Plan, report, device: str) -> tuple[list, str]:
     """A device's prefill rows that enter the prefill fit, or none and why. The CPU's prompt steps
-    the plan streams to the GPU (steps of at least its stream_prefill_min_rows tokens on average)
-    measure the link and the GPU, not the CPU's η: left out of its fit, and said so."""
+    the measured load streamed to the GPU (`plan`: as it ran; steps of at least its
+    stream_prefill_min_rows tokens on average) time the link and the GPU, not the CPU's η: left
+    out of its fit, and said so."""
     rows = [r for r in report.rows if r.device == device and r.phase == "prefill"
             and r.samples >= MIN_PREFILL_ROW_SAMPLES and r.measured_mean_ms >= MIN_STEP_MS]
     streamed_from = plan.partition.stream_prefill_min_rows
     streamed = [r for r in rows if device == "cpu" and streamed_from is not None and r.tokens_mean >= streamed_from]
     rows = [r for r in rows if r not in streamed]
-    left_out = (f"{len(streamed)} prefill bucket(s) of >= {streamed_from} tokens a step left out: the plan streams "
-                "them to the GPU, so they time the link and the GPU, not this CPU") if streamed else ""
+    left_out = (f"{len(streamed)} prefill bucket(s) of >= {streamed_from} tokens a step left out: the measured load "
+                "streamed them to the GPU, so they time the link and the GPU, not this CPU") if streamed else ""
     steps = sum(r.samples for r in rows)
     if steps >= MIN_PREFILL_STEPS:
         return rows, left_out
@@ -146,14 +147,18 @@ def recalibrate(plan: Plan, report, source: str, min_samples: int = MIN_STAGE_SA
     for i, rows in per_stage.items():
         devices.setdefault(plan.partition.stages[i].device, []).extend(rows)
 
+    # The rows are modelled as the measured load ran: its CPU stage's prompt steps streamed from
+    # the report's row count, or not at all (it may not have run the plan's policy); the next
+    # plan version's search decides the policy afresh.
+    ran = replace(plan, partition=replace(plan.partition, stream_prefill_min_rows=report.stream_prefill_min_rows))
     calibration = plan.calibration
     fits, fitted_rows = [], []
     for device, rows in devices.items():
-        decode = fit_decode(plan, device, rows)
+        decode = fit_decode(ran, device, rows)
         calibration = with_values(calibration, device, eta_kv=decode.shape, delta_ms_per_block=decode.delta,
                                   eta_memory=decode.level)
-        prefill_rows, prefill_note = _prefill_rows(plan, report, device)
-        prefill = fit_prefill(plan, prefill_rows, calibration) if prefill_rows else None
+        prefill_rows, prefill_note = _prefill_rows(ran, report, device)
+        prefill = fit_prefill(ran, prefill_rows, calibration) if prefill_rows else None
         if prefill is not None:
             calibration = with_values(calibration, device, eta_attn=prefill.shape, eta_compute=prefill.level)
         fits.append(device_fit(device, decode, prefill, prefill_note))
@@ -164,7 +169,7 @@ def recalibrate(plan: Plan, report, source: str, min_samples: int = MIN_STAGE_SA
     # and the robust weights of the fitted rows at those values.
     after = {}
     for row in report.rows:
-        model = RowModel(plan, row, calibration=calibration)
+        model = RowModel(ran, row, calibration=calibration)
         dev = calibration.for_device(row.device)
         after[_key(row)] = model.predict_at(getattr(dev, model.shape_name), dev.delta_ms_per_block,
                                             getattr(dev, model.level_name))

@@ -100,16 +100,22 @@ class Report:
     steps: int
     created_unix_ns: int
     rows: tuple[ReportRow, ...]
+    # The measured load's CPU-stage prompt steps of at least this many tokens ran on the GPU, their
+    # weights streamed (executor/streamed_prefill.py); None: none did (a load may run without its
+    # plan's policy: the weights could not be page-locked, say). Recalibration models what ran.
+    stream_prefill_min_rows: int | None = None
 
     def to_pb(self, pb):
         return pb.GetReportResponse(plan=self.plan.to_pb(pb), architecture=self.architecture,
                                     kernel_isa=self.kernel_isa, steps=self.steps,
-                                    created_unix_ns=self.created_unix_ns, rows=[r.to_pb(pb) for r in self.rows])
+                                    created_unix_ns=self.created_unix_ns, rows=[r.to_pb(pb) for r in self.rows],
+                                    stream_prefill_min_rows=self.stream_prefill_min_rows or 0)
 
     @classmethod
     def from_pb(cls, msg, pb) -> "Report":
         return cls(PlanSummary.from_pb(msg.plan), msg.architecture, msg.kernel_isa, msg.steps,
-                   msg.created_unix_ns, tuple(ReportRow.from_pb(r, pb) for r in msg.rows))
+                   msg.created_unix_ns, tuple(ReportRow.from_pb(r, pb) for r in msg.rows),
+                   msg.stream_prefill_min_rows or None)
 
     def to_dict(self) -> dict:
         """The JSON document of schemas/report.schema.json (ms floats rounded to 6 significant digits)."""
@@ -122,6 +128,7 @@ class Report:
             "architecture": self.architecture,
             "kernel_isa": self.kernel_isa,
             "steps": self.steps,
+            **({"stream_prefill_min_rows": self.stream_prefill_min_rows} if self.stream_prefill_min_rows else {}),
             "rows": [{k: _round(v) for k, v in asdict(r).items()} for r in self.rows],
         }
 
@@ -211,4 +218,5 @@ def read_report(path: str | Path):
     if created.tzinfo is None:
         created = created.replace(tzinfo=timezone.utc)
     return Report(PlanSummary(**data["plan"]), data["architecture"], data["kernel_isa"], data["steps"],
-                  round(created.timestamp() * 1e9), tuple(ReportRow(**row) for row in data["rows"]))
+                  round(created.timestamp() * 1e9), tuple(ReportRow(**row) for row in data["rows"]),
+                  data.get("stream_prefill_min_rows"))

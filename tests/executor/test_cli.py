@@ -319,19 +319,28 @@ def test_client_commands_never_load_torch():
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
 
 
-def test_stream_prefill_goes_with_a_split_not_a_plan(checkpoint, capsys, tmp_path):
+def test_stream_prefill_goes_with_a_split_not_a_plan(checkpoint, capsys, tmp_path, monkeypatch):
     """--stream-prefill N sets a --split run's policy (streamed only where CUDA and flash attention
     are: the tokens are the same either way); a plan states its own, so with --plan it is refused,
-    and N must be a token count."""
+    as it is without --split, and N must be a token count."""
+    from executor import loader
+
+    placements = []
+    load = loader.load_model
+    monkeypatch.setattr(loader, "load_model", lambda path, placement, *a, **k: (placements.append(placement),
+                                                                               load(path, placement, *a, **k))[1])
     path = checkpoint("qwen3", "fp32")
     prompt = ",".join(map(str, prompt_ids(12, 256, seed=8)))
     code, out, err = run(capsys, "--model", str(path), "--split", "3", "--stream-prefill", "4", "--prompt-ids", prompt,
                          "--max-new-tokens", "6", "--ignore-eos", "--json")
     assert code == 0, err
+    assert [p.stream_prefill_min_rows for p in placements] == [4]
     want, _ = helm_generate(path, [prompt_ids(12, 256, seed=8)], split=3, max_new_tokens=6)
     assert json.loads(out)["token_ids"] == want[0]
     code, _, err = run(capsys, "--model", str(path), "--split", "3", "--stream-prefill", "0", "--prompt-ids", prompt)
     assert code == 2 and "at least 1 token" in err
+    code, _, err = run(capsys, "--model", str(path), "--stream-prefill", "4", "--prompt-ids", prompt)
+    assert code == 2 and "--stream-prefill goes with --split" in err
     plan = tmp_path / "plan.yaml"
     from planner.planning import plan_for_split
     from planner.plan import save_plan

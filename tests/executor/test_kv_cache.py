@@ -246,6 +246,7 @@ def test_a_compute_pool_whose_page_cannot_be_locked_takes_ordinary_pages(monkeyp
     with caplog.at_level("WARNING"):
         page = optional.allocate()
     assert page.shape == (4, 4) and not optional.pin_memory and "ordinary host memory" in caplog.text
+    assert optional.keep_free == kv_cache.KEEP_FREE_HOST_BYTES // 64  # as an ordinary pool keeps freed pages
     assert optional.allocate() is not None and optional.used_pages == 2
     with pytest.raises(MemoryError, match="page-lock"):
         required.allocate()

@@ -39,15 +39,19 @@ PROMPTS = [128, 256, 512, 1024, 2048, 4096] * 2                    # prefill chu
 
 
 def synthetic_report(plan, truth: Calibration, contexts, steps: int = 64, noise: float = 0.01, seed: int = 0,
-                     disturb: dict[int, float] | None = None, batch: int = 1, prompts=()):
+                     disturb: dict[int, float] | None = None, batch: int = 1, prompts=(), streamed: bool = True):
     """A report of `plan` whose steps took what the cost model says under `truth`, times
     (1 + noise·N(0,1)) per step, and (1 + disturb[c]) for every step of the bucket starting at c.
     Each bucket gets `steps` decode steps at contexts c, c+1, ...; then each prompt length in
     `prompts` is prefilled in chunks of up to CHUNK tokens, as the engine does. Without prompts
-    one prefill step is added (reported, too few to fit)."""
+    one prefill step is added (reported, too few to fit). streamed=False: the load ran none of the
+    plan's prompt steps streamed (its Recorder says so; the steps took their CPU time)."""
     rng = random.Random(seed)
     true_plan = replace(plan, calibration=truth)
-    rec = Recorder(plan, "synthetic", plan.model.architecture, "helm-synthetic")
+    if not streamed:
+        true_plan = replace(true_plan, partition=replace(plan.partition, stream_prefill_min_rows=None))
+    rec = Recorder(plan, "synthetic", plan.model.architecture, "helm-synthetic",
+                   **({} if streamed else {"stream_prefill": False}))
     for c in contexts:
         factor = 1 + (disturb or {}).get(c, 0.0)
         for s in range(steps):
@@ -529,7 +533,32 @@ def test_prompt_steps_streamed_to_the_gpu_are_left_out_of_the_cpus_prefill_fit(s
     result = recalibrate(split_plan, synthetic_report(split_plan, truth, LONG, seed=10, prompts=PROMPTS),
                          "synthetic")
     fits = {f.device: f for f in result.fits}
-    assert fits["cpu"].prefill is None and "left out: the plan streams them to the GPU" in fits["cpu"].note
+    assert fits["cpu"].prefill is None and "left out: the measured load streamed them to the GPU" in fits["cpu"].note
     assert result.plan.calibration.cpu.eta_compute == split_plan.calibration.cpu.eta_compute
     assert fits["cuda"].prefill.eta_compute == pytest.approx(0.7, rel=RECOVERY_TOLERANCE)
     assert result.plan.partition.stream_prefill_min_rows is not None
+
+
+def test_a_load_that_did_not_stream_is_fitted_as_it_ran(split_plan, tmp_path):
+    """split_plan streams its CPU stage's prompt steps, but a load may not (its weights could not be
+    page-locked): its report says so, and the CPU's prompt steps, which took their CPU time, fit
+    the CPU's η_c and η_attn as without the policy."""
+    assert split_plan.partition.stream_prefill_min_rows is not None
+    truth = Calibration(cpu=DeviceCalibration(eta_kv=0.9, delta_ms_per_block=0.8, eta_compute=1.3, eta_attn=0.6),
+                        cuda=DeviceCalibration(eta_kv=0.85, delta_ms_per_block=0.14, eta_compute=0.7))
+    report = synthetic_report(split_plan, truth, LONG, seed=10, prompts=PROMPTS, streamed=False)
+    assert report.stream_prefill_min_rows is None
+    result = recalibrate(split_plan, report, "synthetic")
+    fits = {f.device: f for f in result.fits}
+    assert fits["cpu"].prefill is not None and "streamed" not in fits["cpu"].note
+    assert fits["cpu"].prefill.eta_compute == pytest.approx(1.3, rel=RECOVERY_TOLERANCE)
+    # what ran travels with the report: in its JSON file and in the daemon's GetReport message
+    from executor.pb import executor_pb2 as pb
+    from planner.report import Report, read_report
+
+    streamed = synthetic_report(split_plan, truth, LONG, seed=10, prompts=PROMPTS)
+    assert streamed.stream_prefill_min_rows == split_plan.partition.stream_prefill_min_rows
+    for r in (report, streamed):
+        r.write(tmp_path / "r.json")
+        assert read_report(tmp_path / "r.json").stream_prefill_min_rows == r.stream_prefill_min_rows
+        assert Report.from_pb(r.to_pb(pb), pb).stream_prefill_min_rows == r.stream_prefill_min_rows
