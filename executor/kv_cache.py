@@ -72,6 +72,7 @@ class PagePool:
         self.keep_free = (capacity_pages or 1 << 30) if self.pin_memory else \
             max(1, KEEP_FREE_HOST_BYTES // self.page_bytes) if self.device.type == "cpu" else 0
         self._locked: list[torch.Tensor] = []  # every pinned page, kept (and kept registered) while the pool lives
+        self._locked_ptrs: set[int] = set()
         if self.pin_memory:
             weakref.finalize(self, unlock, self._locked)
         self.slab = None
@@ -116,14 +117,15 @@ class PagePool:
                 buf = torch.empty(self.page_shape, dtype=self.dtype)
             else:
                 self._locked.append(buf)
+                self._locked_ptrs.add(buf.data_ptr())
         else:
             buf = torch.empty(self.page_shape, dtype=self.dtype, device=self.device)
         self.used_pages += 1  # after the allocation: one that raises takes no page
         return buf
 
     def unpin(self) -> None:
-        """New pages are ordinary host memory from here on (pages already locked stay so), and
-        freed ones are kept as an ordinary host pool keeps them."""
+        """New pages are ordinary host memory from here on, and freed ones are kept as an ordinary
+        host pool keeps them (pages already locked stay so, and are always kept for reuse)."""
         self.pin_memory = False
         self.keep_free = max(1, KEEP_FREE_HOST_BYTES // self.page_bytes)
 
@@ -139,7 +141,8 @@ class PagePool:
             # the page: a memset, once a sequence or an eviction
             buf.zero_()
         self.used_pages -= 1
-        if len(self._free) < self.keep_free:
+        # a page-locked buffer stays for reuse whatever the bound: the pool holds it registered anyway
+        if len(self._free) < self.keep_free or buf.data_ptr() in self._locked_ptrs:
             self._free.append(buf)
 
 

@@ -126,4 +126,4 @@ class Recorder:
             steps = self._steps
         ran = self.plan.partition.stream_prefill_min_rows if self.stream_prefill == AS_PLANNED else self.stream_prefill
         return Report(self.summary, self.architecture, self.kernel_isa, steps, time.time_ns(), tuple(rows),
-                      ran or None)
+                      int(ran or 0))

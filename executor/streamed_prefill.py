@@ -105,6 +105,16 @@ class StreamedPrefill:
     def __call__(self, x: torch.Tensor, batch) -> torch.Tensor:
         """x: [T, H] fp32 on the host → [T, H] fp32 on the host after the stage's blocks, their K/V
         of the step's tokens in the stage's pages (the stage marks them written)."""
+        try:
+            return self._run(x, batch)
+        except BaseException:
+            if self._copy_stream is not None:
+                # copies into and out of the sequences' page-locked pages may still be queued: they
+                # land before the engine frees those pages for others
+                torch.cuda.synchronize(self.device)
+            raise
+
+    def _run(self, x: torch.Tensor, batch) -> torch.Tensor:
         cfg, dev = self.config, self.device
         h_q, d = cfg.num_heads, cfg.head_dim
         x = x.to(dev, non_blocking=True)
@@ -125,8 +135,8 @@ class StreamedPrefill:
                     attn[rows] = fused_prompt_attention(q[rows], own[0], own[1], 0, h_q, self.scale).float()
                 else:
                     # over the cached pages one at a time, then its own keys (online softmax): device
-                    # memory of a page, not of the whole context, as the GPU stage's prompt chunks
-                    # stream over pages parked on the host (planner/working_set.py prices that)
+                    # memory of a few pages, not of the whole context, as the GPU stage's prompt
+                    # chunks stream over pages parked on the host (planner/working_set.py prices that)
                     pages = itertools.chain(self._cached(layer, s.seq_id, s.start), [own])
                     attn[rows] = streaming_attention(q[rows].view(s.count, h_q, d), pages, self.scale,
                                                      positions[rows], first_query=s.start).reshape(s.count, h_q * d)

@@ -148,9 +148,10 @@ def recalibrate(plan: Plan, report, source: str, min_samples: int = MIN_STAGE_SA
         devices.setdefault(plan.partition.stages[i].device, []).extend(rows)
 
     # The rows are modelled as the measured load ran: its CPU stage's prompt steps streamed from
-    # the report's row count, or not at all (it may not have run the plan's policy); the next
-    # plan version's search decides the policy afresh.
-    ran = replace(plan, partition=replace(plan.partition, stream_prefill_min_rows=report.stream_prefill_min_rows))
+    # the report's row count, or not at all (0: it may not have run the plan's policy; a report
+    # that does not say ran as planned); the next plan version's search decides the policy afresh.
+    ran = plan if report.stream_prefill_min_rows is None else \
+        replace(plan, partition=replace(plan.partition, stream_prefill_min_rows=report.stream_prefill_min_rows or None))
     calibration = plan.calibration
     fits, fitted_rows = [], []
     for device, rows in devices.items():

@@ -101,21 +101,22 @@ class Report:
     created_unix_ns: int
     rows: tuple[ReportRow, ...]
     # The measured load's CPU-stage prompt steps of at least this many tokens ran on the GPU, their
-    # weights streamed (executor/streamed_prefill.py); None: none did (a load may run without its
-    # plan's policy: the weights could not be page-locked, say). Recalibration models what ran.
+    # weights streamed (executor/streamed_prefill.py); 0: none did (a load may run without its
+    # plan's policy: the weights could not be page-locked, say); None: not stated (a report from
+    # before the field, which ran as planned). Recalibration models what ran.
     stream_prefill_min_rows: int | None = None
 
     def to_pb(self, pb):
         return pb.GetReportResponse(plan=self.plan.to_pb(pb), architecture=self.architecture,
                                     kernel_isa=self.kernel_isa, steps=self.steps,
                                     created_unix_ns=self.created_unix_ns, rows=[r.to_pb(pb) for r in self.rows],
-                                    stream_prefill_min_rows=self.stream_prefill_min_rows or 0)
+                                    stream_prefill_min_rows=self.stream_prefill_min_rows)
 
     @classmethod
     def from_pb(cls, msg, pb) -> "Report":
         return cls(PlanSummary.from_pb(msg.plan), msg.architecture, msg.kernel_isa, msg.steps,
                    msg.created_unix_ns, tuple(ReportRow.from_pb(r, pb) for r in msg.rows),
-                   msg.stream_prefill_min_rows or None)
+                   msg.stream_prefill_min_rows if msg.HasField("stream_prefill_min_rows") else None)
 
     def to_dict(self) -> dict:
         """The JSON document of schemas/report.schema.json (ms floats rounded to 6 significant digits)."""
@@ -128,7 +129,8 @@ class Report:
             "architecture": self.architecture,
             "kernel_isa": self.kernel_isa,
             "steps": self.steps,
-            **({"stream_prefill_min_rows": self.stream_prefill_min_rows} if self.stream_prefill_min_rows else {}),
+            **({"stream_prefill_min_rows": self.stream_prefill_min_rows} if self.stream_prefill_min_rows is not None
+               else {}),
             "rows": [{k: _round(v) for k, v in asdict(r).items()} for r in self.rows],
         }
 

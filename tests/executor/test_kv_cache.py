@@ -251,3 +251,27 @@ def test_a_compute_pool_whose_page_cannot_be_locked_takes_ordinary_pages(monkeyp
     with pytest.raises(MemoryError, match="page-lock"):
         required.allocate()
     assert required.used_pages == 0
+
+
+def test_locked_pages_are_reused_after_a_refused_lock(monkeypatch):
+    """Pages locked before a lock was refused stay registered while the pool lives: every freed one
+    is kept for reuse, whatever the ordinary pool's bound, rather than left idle beside new pages."""
+    from executor.kv_cache import PagePool
+
+    locked = []
+
+    def lock(shape, dtype):
+        if len(locked) == 4:
+            raise MemoryError("could not page-lock 64 bytes of host memory for KV pages")
+        locked.append(torch.empty(shape, dtype=dtype))
+        return locked[-1]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kv_cache, "page_locked", lock)
+    pool = PagePool(torch.device("cpu"), (4, 4), torch.float32, None, pin_memory=True, pin_optional=True)
+    pages = [pool.allocate() for _ in range(6)]  # 4 locked, then ordinary ones
+    pool.keep_free = 1  # the ordinary bound, scaled down
+    for p in pages:
+        pool.release(p)
+    again = {pool.allocate().data_ptr() for _ in range(4)}
+    assert again == {t.data_ptr() for t in locked}

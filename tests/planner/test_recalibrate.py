@@ -547,7 +547,7 @@ def test_a_load_that_did_not_stream_is_fitted_as_it_ran(split_plan, tmp_path):
     truth = Calibration(cpu=DeviceCalibration(eta_kv=0.9, delta_ms_per_block=0.8, eta_compute=1.3, eta_attn=0.6),
                         cuda=DeviceCalibration(eta_kv=0.85, delta_ms_per_block=0.14, eta_compute=0.7))
     report = synthetic_report(split_plan, truth, LONG, seed=10, prompts=PROMPTS, streamed=False)
-    assert report.stream_prefill_min_rows is None
+    assert report.stream_prefill_min_rows == 0  # said: none streamed
     result = recalibrate(split_plan, report, "synthetic")
     fits = {f.device: f for f in result.fits}
     assert fits["cpu"].prefill is not None and "streamed" not in fits["cpu"].note
@@ -562,3 +562,24 @@ def test_a_load_that_did_not_stream_is_fitted_as_it_ran(split_plan, tmp_path):
         r.write(tmp_path / "r.json")
         assert read_report(tmp_path / "r.json").stream_prefill_min_rows == r.stream_prefill_min_rows
         assert Report.from_pb(r.to_pb(pb), pb).stream_prefill_min_rows == r.stream_prefill_min_rows
+
+
+def test_a_report_from_before_the_field_ran_as_planned(split_plan, tmp_path):
+    """A report file (or a daemon) from before reports said what their load streamed ran the
+    plan's policy, which loads then always did: its streamed CPU prompt steps stay out of the CPU's
+    fit, as with the field."""
+    import json
+
+    from planner.report import read_report
+
+    truth = Calibration(cpu=DeviceCalibration(eta_kv=0.9, delta_ms_per_block=0.8, eta_compute=1.3, eta_attn=0.6),
+                        cuda=DeviceCalibration(eta_kv=0.85, delta_ms_per_block=0.14, eta_compute=0.7))
+    report = synthetic_report(split_plan, truth, LONG, seed=10, prompts=PROMPTS)
+    report.write(tmp_path / "new.json")
+    data = json.loads((tmp_path / "new.json").read_text())
+    assert data.pop("stream_prefill_min_rows") == split_plan.partition.stream_prefill_min_rows
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    old = read_report(tmp_path / "old.json")
+    assert old.stream_prefill_min_rows is None
+    cpu = {f.device: f for f in recalibrate(split_plan, old, "old").fits}["cpu"]
+    assert cpu.prefill is None and "left out: the measured load streamed them to the GPU" in cpu.note
