@@ -425,10 +425,10 @@ class KVCache:
             slot = pos % self.page_size
             take = min(n - done, self.page_size - slot)
             dst = page.data[layer]  # [2, H_kv, P, D]
-            if page.on_device or k.device == dst.device:
+            if k.device == dst.device:
                 dst[0, :, slot:slot + take].copy_(k[done:done + take].transpose(0, 1), non_blocking=True)
                 dst[1, :, slot:slot + take].copy_(v[done:done + take].transpose(0, 1), non_blocking=True)
-            else:
+            else:  # a host page (evicted, or a CPU stage's written by its streamed prompt steps)
                 if not waited:  # the page may still be on its way out (evicted)
                     torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
                     waited = True

@@ -140,7 +140,7 @@ class StreamedPrefill:
                     pages = itertools.chain(self._cached(layer, s.seq_id, s.start), [own])
                     attn[rows] = streaming_attention(q[rows].view(s.count, h_q, d), pages, self.scale,
                                                      positions[rows], first_query=s.start).reshape(s.count, h_q * d)
-                self._write_back(layer, s.seq_id, s.start, k[rows], v[rows])
+                self.kv.write(layer, s.seq_id, s.start, k[rows], v[rows])  # into its host pages, asynchronously
             del q, qk, k, v
             x = self._linear(attn, w.o.weight, residual=x)
             del attn
@@ -201,17 +201,3 @@ class StreamedPrefill:
             n = min(page, length - i * page)
             kv = p.data[layer].to(self.device, non_blocking=True)  # [2, H_kv, P, D]
             yield kv[0, :, :n], kv[1, :, :n], i * page
-
-    def _write_back(self, layer: int, seq_id, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """K/V [n, H_kv, D] (cache dtype, on the device) of positions start.. into the sequence's
-        host pages: per page, each head's run of slots (contiguous in the page), asynchronously
-        where the pages are page-locked."""
-        page = self.kv.page_size
-        pages = self.kv.pages_of(seq_id)
-        done = 0
-        while done < k.shape[0]:
-            pos = start + done
-            slot = pos % page
-            take = min(k.shape[0] - done, page - slot)
-            KVCache._write_host_page(pages[pos // page].data[layer], slot, k[done:done + take], v[done:done + take])
-            done += take

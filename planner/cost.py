@@ -160,7 +160,7 @@ def streamed_block_prefill_ms(unit: UnitIR, gpu: DeviceRates, link, batch: int, 
     return max(upload, unit_prefill_ms(unit, gpu, batch, prompt, prefix)) + copies
 
 
-def streamed_handoff_ms(units: tuple[UnitIR, ...], k: int, link, rows: int) -> float:
+def streamed_handoff_ms(units: tuple[UnitIR, ...], link, rows: int) -> float:
     """The streamed step's hidden state to the GPU and back: rows of the first block's input."""
     act = 1e3 * rows * units[0].act_bytes_per_token
     return link.h2d_latency_us / 1e3 + act / (link.h2d_gibps * GIB) + link.d2h_latency_us / 1e3 + \
@@ -190,7 +190,7 @@ def stream_prefill_min_rows(units: tuple[UnitIR, ...], k: int, machine: MachineP
     def gain(rows: int) -> float:  # ms the stream saves on a step of `rows` tokens (one sequence)
         saved = sum(n * (unit_prefill_ms(u, cpu_rates, 1, rows)
                          - streamed_block_prefill_ms(u, gpu_rates, machine.link, 1, rows)) for u, n in _alike(blocks))
-        return saved - streamed_handoff_ms(units, k, machine.link, rows)
+        return saved - streamed_handoff_ms(units, machine.link, rows)
 
     if gain(MAX_STEP_TOKENS) <= 0:
         return None
@@ -388,19 +388,18 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
     needed = batch * pages if gpu_kv_tok else 0
     gpu_weights = stage_weight_bytes(units, k, n, shared)
     cpu_weights = stage_weight_bytes(units, 0, k, shared)
-    reasons = []
 
     # The CPU stage's prompt steps streamed to the GPU from some size on, where that is faster
     # (the policy the plan records); their ring of weight pieces is part of the GPU's working set,
     # or, where the search finds the split does not fit with it, the split streams nothing. An
     # existing plan's policy (a number) is what its executor runs: priced whatever this step's
     # budget, which is only a question asked of the plan (predict).
-    if stream_prefill is True:
-        stream_rows = stream_prefill_min_rows(units, k, machine, calibration, dtype) if k < n and has_gpu else None
-    else:
-        stream_rows = stream_prefill or None
     if not (has_gpu and 1 < k < n and any(u.kind == "block" for u in units[1:k])):
         stream_rows = None  # nothing to stream, or nowhere to stream it to
+    elif stream_prefill is True:
+        stream_rows = stream_prefill_min_rows(units, k, machine, calibration, dtype)
+    else:
+        stream_rows = stream_prefill or None
     rings = (stream_ring_bytes(units, k),) if stream_rows else (0,)
     if stream_rows and stream_prefill is True:
         rings += (0,)
@@ -453,7 +452,7 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
             elif logits or u.kind != "head":
                 prefill += alike * unit_prefill_ms(u, rates, batch, prompt, prefix)
         if device == "cpu" and streams_step:
-            prefill += streamed_handoff_ms(units, k, link, batch * prompt)
+            prefill += streamed_handoff_ms(units, link, batch * prompt)
         blocks = sum(n for u, n in groups if u.kind == "block")
         overhead = blocks * rates.calibration.delta_ms_per_block
         stages.append(StageCost(
