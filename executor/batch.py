@@ -44,3 +44,31 @@ class StepBatch:
             positions=torch.tensor(positions, dtype=torch.int64),
             logit_rows=torch.tensor(logit_rows, dtype=torch.int64),
         )
+
+    def split(self, max_rows: int, max_slice: int) -> list[tuple[int, int, "StepBatch"]]:
+        """The step as consecutive sub-steps (first row, end row, sub-step) of at most `max_rows`
+        tokens, a sequence's slice in pieces of at most `max_slice` tokens, one piece of a sequence
+        in a sub-step (a later piece attends over the K/V an earlier sub-step wrote). Rows keep
+        their order, so the sub-steps' outputs, concatenated, are the step's; logit rows must
+        ascend (the engine's do: one per emitting slice, in slice order)."""
+        if max_rows < 1 or max_slice < 1:
+            raise ValueError(f"sub-steps need at least one row (max_rows={max_rows}, max_slice={max_slice})")
+        rows = self.logit_rows.tolist()
+        if rows != sorted(rows):
+            raise ValueError("a step's logit rows must ascend to split it")
+        pieces = [(s.seq_id, s.start + i, min(max_slice, s.count - i), s.offset + i)
+                  for s in self.slices for i in range(0, s.count, max_slice)]
+        groups: list[list[tuple]] = []
+        for piece in pieces:
+            group = groups[-1] if groups else None
+            if group is None or sum(p[2] for p in group) + piece[2] > max_rows or \
+                    any(p[0] == piece[0] for p in group):
+                groups.append([piece])
+            else:
+                group.append(piece)
+        out = []
+        for group in groups:
+            first, end = group[0][3], group[-1][3] + group[-1][2]
+            logit = [r - first for r in rows if first <= r < end]
+            out.append((first, end, StepBatch.build([(seq, start, n) for seq, start, n, _ in group], logit)))
+        return out

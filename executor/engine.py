@@ -32,7 +32,8 @@ from executor.loader import LoadedModel
 from executor.prefix_cache import Match, PrefixCache, shared_pages
 from executor.request_params import SamplingParams, StopCriteria
 from executor.sampling import make_generator, sample_rows
-from planner.step_shape import MAX_RUNNING_SEQUENCES, MAX_STEP_TOKENS, PREFILL_CHUNK_TOKENS, step_tokens
+from planner.step_shape import (MAX_RUNNING_SEQUENCES, MAX_STEP_TOKENS, PREFILL_CHUNK_TOKENS, STREAMED_STEP_TOKENS,
+                                step_tokens)
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +131,11 @@ class Engine:
     def __init__(self, model: LoadedModel, eos_token_ids: tuple[int, ...] = (),
                  context_limit: int | None = None, max_step_tokens: int | None = None,
                  prefill_chunk: int = PREFILL_CHUNK_TOKENS, max_running: int = MAX_RUNNING_SEQUENCES,
-                 prefix_cache: bool = True, wait_for_shared_prefill: bool = True):
-        """prefix_cache: keep requests' K/V pages (as they fill, and after the request) for later
+                 prefix_cache: bool = True, wait_for_shared_prefill: bool = True,
+                 stream_chunk: int = STREAMED_STEP_TOKENS):
+        """stream_chunk: where the load streams a CPU stage's prompt steps to the GPU
+        (LoadedModel.stream_prefill), a prompt's chunks are this large while they stream (each
+        such step crosses the stage's weights once; planner/step_shape.py). prefix_cache: keep requests' K/V pages (as they fill, and after the request) for later
         prompts that start the same way (executor/prefix_cache.py); only within a plan's KV budget,
         which bounds what is kept. wait_for_shared_prefill: with it, a request whose prompt starts
         with pages a started request is still computing waits for them rather than computing them
@@ -151,8 +155,13 @@ class Engine:
         if max_step_tokens is None:  # a plan prices the GPU stage's working set for its batch's prompt chunks
             max_step_tokens = (step_tokens(placement.kv_sequences, self.context_limit)
                                if placement.kv_sequences and on_gpu else MAX_STEP_TOKENS)
-        self.max_step_tokens = max_step_tokens
+        # the step the stages' working sets are priced for; a streaming load's larger steps reach
+        # the stages but the streaming one in sub-steps of it (`_forward`)
+        self.priced_step_tokens = max_step_tokens
         self.prefill_chunk = prefill_chunk
+        self.stream_min_rows = model.stream_prefill or None
+        self.stream_chunk = max(stream_chunk, prefill_chunk)
+        self.max_step_tokens = max(max_step_tokens, self.stream_chunk) if self.stream_min_rows else max_step_tokens
         # A plan prices its stages' working sets (logits, decode rows, a GPU stage's graphs) for this
         # many sequences at most (planner/working_set.py): more would run in memory nobody
         # reserved. Short of a --page-size override its KV budget admits no more anyway. Without a
@@ -369,10 +378,28 @@ class Engine:
                     continue
                 leaders.append(seq)
                 reserved = None
-            count = min(self.prefill_chunk, budget, len(seq.prompt_ids) - seq.num_computed)
+            chunk = self.stream_chunk if self.stream_min_rows else self.prefill_chunk
+            count = min(chunk, budget, len(seq.prompt_ids) - seq.num_computed)
             schedule.append((seq, seq.num_computed, count))
             budget -= count
-        return schedule
+        return self._unstreamed_within_price(schedule)
+
+    def _unstreamed_within_price(self, schedule: list[tuple[Sequence, int, int]]) -> list[tuple[Sequence, int, int]]:
+        """A streaming load's step whose prompt chunks fall short of its threshold runs on the CPU
+        stage's kernels, priced for chunks of prefill_chunk within priced_step_tokens: cut to those
+        (a started sequence left out computes in a later step). As planner.step_shape.prompt_steps."""
+        if not self.stream_min_rows or sum(n for _, _, n in schedule if n > 1) >= self.stream_min_rows:
+            return schedule
+        running = len(self.running)
+        budget = self.priced_step_tokens - running
+        kept = schedule[:running]
+        for seq, start, count in schedule[running:]:
+            count = min(count, self.prefill_chunk, budget)
+            if count <= 0:
+                break
+            kept.append((seq, start, count))
+            budget -= count
+        return kept
 
     def _awaits_shared_prefill(self, seq: Sequence, leaders: list[Sequence]) -> int:
         """The full pages `seq`'s prompt shares with one of `leaders` (started requests still
@@ -440,12 +467,12 @@ class Engine:
             if stage.device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                x = stage.forward(x, batch)
+                x = self._forward(stage, x, batch)
                 end.record()
                 clocks.append((start, end))
             else:
                 t0 = time.perf_counter()
-                x = stage.forward(x, batch)
+                x = self._forward(stage, x, batch)
                 clocks.append((time.perf_counter() - t0) * 1e3)
         logits = x.float()
         timings = []
@@ -458,6 +485,15 @@ class Engine:
         if self.on_step is not None:
             self.on_step(self.last_step)
         return logits
+
+    def _forward(self, stage, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """stage.forward of the step; a step larger than the stage is priced for (a streaming
+        load's: only its streaming stage is priced for it) in consecutive sub-steps that are not."""
+        if stage.streamed is not None or (batch.num_tokens <= self.priced_step_tokens
+                                          and max(s.count for s in batch.slices) <= self.prefill_chunk):
+            return stage.forward(x, batch)
+        return torch.cat([stage.forward(x[first:end], sub)
+                          for first, end, sub in batch.split(self.priced_step_tokens, self.prefill_chunk)])
 
     def _append(self, seq: Sequence, token: int) -> TokenEvent:
         seq.output_ids.append(token)

@@ -97,6 +97,8 @@ class Stage:
             for s in batch.slices:
                 self.kv.mark_written(s.seq_id, s.start, s.count)
         if self.head is not None:
+            if not batch.logit_rows.numel():  # a sub-step of a longer step with no sequence's last token
+                return torch.empty(0, self.config.vocab_size, device=self.device)
             x = x[self._to_device(batch.logit_rows, "logit_rows")]
             x = self.head.lm_head(self.ops.rms_norm(x, self.head.norm, self.config.rms_norm_eps))
         return x

@@ -15,12 +15,34 @@ MAX_RUNNING_SEQUENCES = 64      # sequences in one step at most (the daemon's de
 # copied while one is multiplied, one spare so a copy never waits for the product before it)
 STREAM_PIECE_BYTES = 32 << 20
 STREAM_SLOTS = 3
+# A streamed step takes up to this many prompt tokens (a longer prompt's chunks are this large,
+# not PREFILL_CHUNK_TOKENS): each step crosses every CPU-stage weight once, so larger steps
+# cross them fewer times per prompt. The streamed path works through them a prompt chunk of rows
+# at a time wherever that bounds memory (its price: working_set.streamed_step_bytes), and the GPU
+# stage takes such a step in sub-steps no larger than the step it is priced for
+# (executor/engine.py), so only the streamed blocks' own activations grow with it.
+STREAMED_STEP_TOKENS = MAX_STEP_TOKENS
 
 
 def step_tokens(batch: int, context: int) -> int:
     """Tokens in one step at most under a plan for `batch` sequences of `context` tokens: a prompt
     chunk for each (the plan's working set is priced for it, planner/working_set.py)."""
     return min(MAX_STEP_TOKENS, max(1, batch) * min(PREFILL_CHUNK_TOKENS, max(1, context)))
+
+
+def prompt_steps(prompt_tokens: int, stream_min_rows: int | None, chunk: int = PREFILL_CHUNK_TOKENS,
+                 stream_chunk: int = STREAMED_STEP_TOKENS) -> list[tuple[int, int]]:
+    """(first position, tokens) of the steps one request's prompt is computed in, alone in the
+    engine (executor/engine.py schedules it so): chunks of `stream_chunk` tokens while they reach
+    `stream_min_rows` and stream (None: a load that streams nothing), else of `chunk`."""
+    steps, start = [], 0
+    while start < prompt_tokens:
+        n = min(stream_chunk, prompt_tokens - start)
+        if stream_min_rows is None or n < stream_min_rows:
+            n = min(n, chunk)
+        steps.append((start, n))
+        start += n
+    return steps
 
 
 def running_sequences(budget_pages: int) -> int:

@@ -10,11 +10,13 @@ from dataclasses import replace
 import pytest
 import torch
 
+from executor.batch import StepBatch
 from executor.engine import Engine
 from executor.loader import load_model
 from executor.model_config import ModelConfig
 from executor.placement import Placement
 from executor.request_params import SamplingParams, StopCriteria
+from executor.stage import Stage
 from executor.streamed_prefill import StreamedPrefill
 from tests.executor.helpers import hf_greedy, prompt_ids
 
@@ -49,7 +51,7 @@ def test_streamed_prompt_steps_give_transformers_tokens(checkpoint, arch, monkey
     path = checkpoint(arch, "fp32")
     prompt = prompt_ids(40, 256, seed=21)
     want = hf_greedy(path, prompt, 10)
-    engine, streamed = streamed_engine(path, split=3, min_rows=2, piece_bytes=1024, prefill_chunk=16)
+    engine, streamed = streamed_engine(path, split=3, min_rows=2, piece_bytes=1024, prefill_chunk=16, stream_chunk=16)
     assert streamed is not None and len(streamed.blocks) == 2
     steps = count_streamed_steps(monkeypatch)
     seq = engine.generate([prompt], SamplingParams(), StopCriteria(max_new_tokens=10, ignore_eos=True))[0]
@@ -61,7 +63,7 @@ def test_only_steps_of_min_rows_stream(checkpoint, monkeypatch):
     """Steps below the threshold (decode, a short last chunk) run on the stage's own kernels; each
     projection crosses in pieces of whole rows, as many as its bytes need."""
     path = checkpoint("qwen3", "fp32")
-    engine, streamed = streamed_engine(path, split=2, min_rows=8, piece_bytes=4096, prefill_chunk=16)
+    engine, streamed = streamed_engine(path, split=2, min_rows=8, piece_bytes=4096, prefill_chunk=16, stream_chunk=16)
     steps, pieces = [], []
     run, upload = StreamedPrefill.__call__, StreamedPrefill._upload
     monkeypatch.setattr(StreamedPrefill, "__call__", lambda self, x, b: (steps.append(b.num_tokens), run(self, x, b))[1])
@@ -85,11 +87,55 @@ def test_a_batch_of_prompts_and_decodes_streams_together(checkpoint, monkeypatch
     path = checkpoint("llama", "fp32")
     prompts = [prompt_ids(30, 256, seed=23), prompt_ids(12, 256, seed=24)]
     stop = StopCriteria(max_new_tokens=8, ignore_eos=True)
-    engine, _ = streamed_engine(path, split=2, min_rows=4, prefill_chunk=8)
+    engine, _ = streamed_engine(path, split=2, min_rows=4, prefill_chunk=8, stream_chunk=8)
     steps = count_streamed_steps(monkeypatch)
     got = [s.output_ids for s in engine.generate(prompts, SamplingParams(), stop)]
     assert len(steps) >= 4 and max(steps) > 8  # the second prompt's chunks with the first's, and decodes
     assert got == [hf_greedy(path, p, 8) for p in prompts]
+
+
+def record_stage_steps(monkeypatch) -> dict[int, list[int]]:
+    """The token counts of each stage's forward calls (by its first unit), from here on."""
+    calls: dict[int, list[int]] = {}
+    run = Stage.forward
+    monkeypatch.setattr(Stage, "forward", lambda self, x, b: (calls.setdefault(self.unit_start, []).append(
+        b.num_tokens), run(self, x, b))[1])
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+def test_a_long_prompt_streams_in_large_steps_which_the_gpu_stage_takes_in_priced_sub_steps(checkpoint, arch,
+                                                                                          monkeypatch):
+    """A streaming load's prompt goes in steps of stream_chunk tokens (one crossing of the weights
+    each), not of prefill_chunk; the stage after the streaming one is priced for prefill_chunk
+    per sequence and takes them in sub-steps of that, each attending over the K/V the ones before
+    it wrote. A last chunk short of the threshold runs on the CPU's kernels in chunks of
+    prefill_chunk: the steps are planner.step_shape.prompt_steps'."""
+    from planner.step_shape import prompt_steps
+
+    path = checkpoint(arch, "fp32")
+    prompt = prompt_ids(44, 256, seed=27)
+    engine, _ = streamed_engine(path, split=3, min_rows=20, prefill_chunk=8, stream_chunk=32)
+    streamed, stages = count_streamed_steps(monkeypatch), record_stage_steps(monkeypatch)
+    seq = engine.generate([prompt], SamplingParams(), StopCriteria(max_new_tokens=5, ignore_eos=True))[0]
+    assert seq.output_ids == hf_greedy(path, prompt, 5)
+    assert prompt_steps(44, 20, chunk=8, stream_chunk=32) == [(0, 32), (32, 8), (40, 4)]
+    assert streamed == [32]  # the 12 tokens left fall short of 20: on the CPU, in chunks of 8
+    assert stages[0] == [32, 8, 4] + [1] * 4
+    assert stages[3] == [8, 8, 8, 8, 8, 4] + [1] * 4
+
+
+def test_a_step_splits_into_sub_steps_that_keep_its_rows_in_order():
+    batch = StepBatch.build([("a", 40, 1), ("b", 0, 20), ("c", 7, 1), ("d", 3, 9)], logit_rows=[0, 20, 21, 30])
+    subs = batch.split(max_rows=10, max_slice=8)
+    assert [(first, end) for first, end, _ in subs] == [(0, 9), (9, 17), (17, 22), (22, 30), (30, 31)]
+    assert [[(s.seq_id, s.start, s.count, s.offset) for s in sub.slices] for _, _, sub in subs] == [
+        [("a", 40, 1, 0), ("b", 0, 8, 1)], [("b", 8, 8, 0)], [("b", 16, 4, 0), ("c", 7, 1, 4)], [("d", 3, 8, 0)],
+        [("d", 11, 1, 0)]]  # d's second piece waits for a sub-step of its own
+    assert [sub.logit_rows.tolist() for _, _, sub in subs] == [[0], [], [3, 4], [], [0]]
+    assert torch.equal(torch.cat([sub.positions for _, _, sub in subs]), batch.positions)
+    with pytest.raises(ValueError, match="ascend"):
+        StepBatch.build([("a", 0, 2), ("b", 0, 2)], logit_rows=[3, 1]).split(2, 2)
 
 
 def test_bf16_streamed_prefill_is_as_close_to_transformers_as_the_cpu_kernels(checkpoint):
