@@ -22,7 +22,7 @@ import time
 from dataclasses import replace
 
 from executor.errors import HelmError, RequestError
-from planner.step_shape import MAX_RUNNING_SEQUENCES
+from planner.step_shape import MAX_RUNNING_SEQUENCES, STREAMED_STEP_TOKENS
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -211,7 +211,9 @@ def _placement(args, config):
     split = config.num_units if args.split is None else args.split
     placement = Placement.from_split(config.num_units, split, **kv)
     if args.stream_prefill is not None:
-        placement = replace(placement, stream_prefill_min_rows=args.stream_prefill)
+        # no plan priced its steps' memory: as large as the engine's steps
+        placement = replace(placement, stream_prefill_min_rows=args.stream_prefill,
+                            stream_prefill_step_tokens=STREAMED_STEP_TOKENS)
         placement.validate()
     return fit_page_size(placement, config).with_threads(args.threads), None
 

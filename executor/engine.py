@@ -32,8 +32,7 @@ from executor.loader import LoadedModel
 from executor.prefix_cache import Match, PrefixCache, shared_pages
 from executor.request_params import SamplingParams, StopCriteria
 from executor.sampling import make_generator, sample_rows
-from planner.step_shape import (MAX_RUNNING_SEQUENCES, MAX_STEP_TOKENS, PREFILL_CHUNK_TOKENS, STREAMED_STEP_TOKENS,
-                                step_tokens)
+from planner.step_shape import MAX_RUNNING_SEQUENCES, MAX_STEP_TOKENS, PREFILL_CHUNK_TOKENS, step_tokens
 
 log = logging.getLogger(__name__)
 
@@ -132,10 +131,11 @@ class Engine:
                  context_limit: int | None = None, max_step_tokens: int | None = None,
                  prefill_chunk: int = PREFILL_CHUNK_TOKENS, max_running: int = MAX_RUNNING_SEQUENCES,
                  prefix_cache: bool = True, wait_for_shared_prefill: bool = True,
-                 stream_chunk: int = STREAMED_STEP_TOKENS):
+                 stream_chunk: int | None = None):
         """stream_chunk: where the load streams a CPU stage's prompt steps to the GPU
         (LoadedModel.stream_prefill), a prompt's chunks are this large while they stream (each
-        such step crosses the stage's weights once; planner/step_shape.py). prefix_cache: keep requests' K/V pages (as they fill, and after the request) for later
+        such step crosses the stage's weights once); None: the placement's (its plan's, priced in
+        its GPU memory), else a prompt chunk. prefix_cache: keep requests' K/V pages (as they fill, and after the request) for later
         prompts that start the same way (executor/prefix_cache.py); only within a plan's KV budget,
         which bounds what is kept. wait_for_shared_prefill: with it, a request whose prompt starts
         with pages a started request is still computing waits for them rather than computing them
@@ -160,7 +160,8 @@ class Engine:
         self.priced_step_tokens = max_step_tokens
         self.prefill_chunk = prefill_chunk
         self.stream_min_rows = model.stream_prefill or None
-        self.stream_chunk = max(stream_chunk, prefill_chunk)
+        self.stream_chunk = max(stream_chunk or placement.stream_prefill_step_tokens or PREFILL_CHUNK_TOKENS,
+                                prefill_chunk)
         self.max_step_tokens = max(max_step_tokens, self.stream_chunk) if self.stream_min_rows else max_step_tokens
         # A plan prices its stages' working sets (logits, decode rows, a GPU stage's graphs) for this
         # many sequences at most (planner/working_set.py): more would run in memory nobody

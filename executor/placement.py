@@ -60,6 +60,9 @@ class Placement:
     # Prompt steps of at least this many tokens run the CPU stages' blocks on the GPU, their weights
     # streamed (executor/streamed_prefill.py; the plan's prefill policy); None: on the CPU
     stream_prefill_min_rows: int | None = None
+    # ... of up to this many tokens a step (a prompt's chunks are this large while they stream: the
+    # plan's, what its GPU memory holds); None: a prompt chunk (PREFILL_CHUNK_TOKENS)
+    stream_prefill_step_tokens: int | None = None
 
     @property
     def split_k(self) -> int:
@@ -107,6 +110,8 @@ class Placement:
             raise PlacementError(f"a running batch needs at least 1 sequence, got {self.max_running}")
         if self.stream_prefill_min_rows is not None and self.stream_prefill_min_rows < 1:
             raise PlacementError(f"streamed prompt steps need at least 1 token, got {self.stream_prefill_min_rows}")
+        if self.stream_prefill_step_tokens is not None and self.stream_prefill_step_tokens < 1:
+            raise PlacementError(f"a streamed prompt step takes at least 1 token, got {self.stream_prefill_step_tokens}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise PlacementError(f"CPU threads must be >= 1, got {self.cpu_threads}")
 

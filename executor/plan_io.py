@@ -77,6 +77,7 @@ def placement_for(plan, config: ModelConfig, page_size_tokens: int | None = None
         flash_attention=plan.machine.gpu.flash_attention if plan.machine.gpu is not None else None,
         kernel_choice=kernel_choice_of(plan),
         stream_prefill_min_rows=plan.partition.stream_prefill_min_rows,
+        stream_prefill_step_tokens=plan.partition.streamed_step_tokens,
     )
     placement.validate()
     placement = fit_page_size(placement, config)

@@ -39,7 +39,7 @@ from executor.backends import TorchBackend
 from executor.kv_cache import KVCache, lock_in_place, unlock
 from executor.rope import inverse_frequencies
 from executor.torch_ops import rms_norm, silu_mul
-from planner.step_shape import STREAM_PIECE_BYTES, STREAM_SLOTS
+from planner.step_shape import PREFILL_CHUNK_TOKENS, STREAM_PIECE_BYTES, STREAM_SLOTS
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,8 @@ class StreamedPrefill:
     `streamed` path: `accepts(batch)` says whether a step takes it, `(x, batch)` runs it."""
 
     def __init__(self, config, blocks, kv: KVCache, device: torch.device, min_rows: int,
-                 piece_bytes: int = STREAM_PIECE_BYTES, slots: int = STREAM_SLOTS):
+                 piece_bytes: int = STREAM_PIECE_BYTES, slots: int = STREAM_SLOTS,
+                 row_block: int = PREFILL_CHUNK_TOKENS):
         if min_rows < 1:
             raise ValueError(f"a streamed prompt step needs at least 1 row, got {min_rows}")
         if slots < 2:
@@ -59,6 +60,7 @@ class StreamedPrefill:
         self.config, self.blocks, self.kv = config, blocks, kv
         self.device = torch.device(device)
         self.min_rows = min_rows
+        self.row_block = row_block  # rows made in fp32 at a time (norms, rotation, attention's queries, silu)
         self.scale = config.head_dim ** -0.5
         self.ops = TorchBackend()
         self.attention = TorchAttention(config, None, self.ops)  # its q/k norm and rotation
@@ -115,60 +117,111 @@ class StreamedPrefill:
             raise
 
     def _run(self, x: torch.Tensor, batch) -> torch.Tensor:
-        cfg, dev = self.config, self.device
-        h_q, d = cfg.num_heads, cfg.head_dim
-        x = x.to(dev, non_blocking=True)
+        # the residual stream, fp32, to the device and back: the host reads it, and the stage's
+        # kernels the K/V pages, once the device is done
+        return self._layers(x.to(self.device, non_blocking=True), batch).to("cpu")
+
+    def _layers(self, x: torch.Tensor, batch) -> torch.Tensor:
+        """x [T, H] fp32 on the device through the stage's blocks, in place."""
+        cfg, dev, rows_at_once = self.config, self.device, self.row_block
+        h_q, h_kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         positions = batch.positions.to(dev, non_blocking=True)
         cos, sin = self.attention.tables(self.inv_freq, positions)
         for layer, (w, small) in enumerate(zip(self.blocks, self._small)):
-            qkv = self._linear(rms_norm(x, small["input_norm"], cfg.rms_norm_eps), w.qkv.weight, small["qkv_bias"])
-            qk, v = self.attention.project(qkv, small["q_norm"], small["k_norm"], cos, sin)
-            del qkv
-            # in the cache's dtype: what the stage's decode steps will read of these tokens
-            k, v = qk[:, h_q:].to(self.kv.dtype), v.to(self.kv.dtype)
-            q = qk[:, :h_q].reshape(-1, h_q * d)
-            attn = torch.empty(x.shape[0], h_q * d, dtype=torch.float32, device=dev)
+            # A step may hold STREAMED_STEP_TOKENS rows (planner/step_shape.py): whole-step arrays
+            # are the products' outputs, in the weights' dtype; what is made in fp32 from them (norms,
+            # rotation, attention, silu) is made for `row_block` rows at a time
+            # (planner/working_set.streamed_step_bytes prices this).
+            qkv = self._product(self._normed(x, small["input_norm"], w.qkv.weight.dtype), w.qkv.weight)
+            attn = torch.empty(x.shape[0], h_q * d, dtype=qkv.dtype, device=dev)
             for s in batch.slices:
-                rows = slice(s.offset, s.offset + s.count)
-                own = (k[rows].transpose(0, 1), v[rows].transpose(0, 1), s.start)  # [H_kv, count, D] each
-                if s.start == 0:  # nothing cached: the chunk's own keys, flash attention on CUDA
-                    attn[rows] = fused_prompt_attention(q[rows], own[0], own[1], 0, h_q, self.scale).float()
-                else:
-                    # over the cached pages one at a time, then its own keys (online softmax): device
-                    # memory of a few pages, not of the whole context, as the GPU stage's prompt
-                    # chunks stream over pages parked on the host (planner/working_set.py prices that)
-                    pages = itertools.chain(self._cached(layer, s.seq_id, s.start), [own])
-                    attn[rows] = streaming_attention(q[rows].view(s.count, h_q, d), pages, self.scale,
-                                                     positions[rows], first_query=s.start).reshape(s.count, h_q * d)
-                self.kv.write(layer, s.seq_id, s.start, k[rows], v[rows])  # into its host pages, asynchronously
-            del q, qk, k, v
-            x = self._linear(attn, w.o.weight, residual=x)
+                own_k = torch.empty(s.count, h_kv, d, dtype=self.kv.dtype, device=dev)
+                own_v = torch.empty_like(own_k)
+                for r0 in range(0, s.count, rows_at_once):
+                    r1 = min(s.count, r0 + rows_at_once)
+                    rows = slice(s.offset + r0, s.offset + r1)
+                    part = qkv[rows].float()
+                    if small["qkv_bias"] is not None:
+                        part += small["qkv_bias"]
+                    qk, v = self.attention.project(part, small["q_norm"], small["k_norm"], cos[rows], sin[rows])
+                    own_k[r0:r1], own_v[r0:r1] = qk[:, h_q:], v  # in the cache's dtype: what decode will read
+                    q = qk[:, :h_q]
+                    del part, qk, v
+                    attn[rows] = self._attend(layer, s, q, own_k, own_v, r0, r1, positions[rows])
+                    del q
+                self.kv.write(layer, s.seq_id, s.start, own_k, own_v)  # into its host pages, asynchronously
+                del own_k, own_v
+            del qkv
+            self._add(x, self._product(attn, w.o.weight))
             del attn
-            gate_up = self._linear(rms_norm(x, small["post_norm"], cfg.rms_norm_eps), w.gate_up.weight)
-            gate, up = gate_up.split(cfg.intermediate_size, dim=-1)
-            x = self._linear(silu_mul(gate, up), w.down.weight, residual=x)
-            del gate_up, gate, up
-        # the host reads x, and the stage's kernels the K/V pages, once the device is done
-        return x.to("cpu")
+            self._add(x, self._product(self._mlp(x, w, small), w.down.weight))
+        return x
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, K] fp32 @ weight.T (weight [N, K] on the host, streamed a piece of rows at a time)
-        + bias → [T, N] fp32; with residual: residual += that, returned. As TorchLinear on the GPU:
-        the input in the weights' dtype, fp32 accumulation."""
+    def _attend(self, layer: int, s, q: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor, r0: int, r1: int,
+                positions: torch.Tensor) -> torch.Tensor:
+        """Attention of the slice's queries r0..r1-1 (q [n, H_q, D] fp32) over the sequence's cached
+        keys before the slice and the slice's own up to theirs (own_k/own_v [count, H_kv, D])."""
+        h_q, d = q.shape[1], q.shape[2]
+        if s.start == 0:  # nothing cached: the slice's own keys, flash attention on CUDA
+            return fused_prompt_attention(q.reshape(r1 - r0, h_q * d), own_k[:r1].transpose(0, 1),
+                                          own_v[:r1].transpose(0, 1), r0, h_q, self.scale)
+        # over the cached pages one at a time, then its own keys a page at a time (online softmax):
+        # device memory of a few pages, not of the whole context, as the GPU stage's prompt chunks
+        # stream over pages parked on the host (planner/working_set.py prices that)
+        page = self.kv.page_size
+        own = ((own_k[a:min(r1, a + page)].transpose(0, 1), own_v[a:min(r1, a + page)].transpose(0, 1), s.start + a)
+               for a in range(0, r1, page))
+        pages = itertools.chain(self._cached(layer, s.seq_id, s.start), own)
+        return streaming_attention(q, pages, self.scale, positions, first_query=s.start + r0).reshape(r1 - r0, h_q * d)
+
+    def _mlp(self, x: torch.Tensor, w, small) -> torch.Tensor:
+        """silu(gate)·up of the normed x [T, I] in the weights' dtype: gate's and up's rows
+        streamed in matching pieces, so no [T, 2·I] output is ever whole."""
+        cfg = self.config
+        weight, inter = w.gate_up.weight, cfg.intermediate_size
+        xn = self._normed(x, small["post_norm"], weight.dtype)
+        act = torch.empty(x.shape[0], inter, dtype=weight.dtype, device=self.device)
+        cols = max(1, self.piece_bytes // (weight.shape[1] * weight.element_size()))
+        for c0 in range(0, inter, cols):
+            c1 = min(inter, c0 + cols)
+            gate, up = self._product(xn, weight[c0:c1]), self._product(xn, weight[inter + c0:inter + c1])
+            for r0 in range(0, x.shape[0], self.row_block):
+                r = slice(r0, r0 + self.row_block)
+                act[r, c0:c1] = silu_mul(gate[r].float(), up[r].float(), act.dtype)
+            del gate, up
+        return act
+
+    def _normed(self, x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """RMSNorm of x [T, H] fp32 in `dtype` (a product's input), made row_block rows at a time."""
+        out = torch.empty(x.shape, dtype=dtype, device=self.device)
+        for r0 in range(0, x.shape[0], self.row_block):
+            r = slice(r0, r0 + self.row_block)
+            out[r] = rms_norm(x[r], weight, self.config.rms_norm_eps)
+        return out
+
+    def _add(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """x [T, H] fp32 += y (the weights' dtype), row_block rows at a time."""
+        for r0 in range(0, x.shape[0], self.row_block):
+            r = slice(r0, r0 + self.row_block)
+            x[r] += y[r].float()
+
+    def _product(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [T, K] in the weights' dtype @ weight.T (weight [N, K] on the host, streamed a piece
+        of rows at a time) → [T, N] in that dtype: as TorchLinear on the GPU, fp32 accumulation."""
         n, k = weight.shape
-        x_in = x.to(weight.dtype) if weight.dtype != torch.float32 else x
-        out = torch.empty(x.shape[0], n, dtype=weight.dtype, device=self.device)
         rows = max(1, self.piece_bytes // (k * weight.element_size()))
+        if rows >= n:  # one piece: its product is the output
+            slot, piece = self._upload(weight)
+            out = F.linear(x, piece)
+            self._release(slot)
+            return out
+        out = torch.empty(x.shape[0], n, dtype=weight.dtype, device=self.device)
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
             slot, piece = self._upload(weight[r0:r1])
-            out[:, r0:r1] = F.linear(x_in, piece)
+            out[:, r0:r1] = F.linear(x, piece)
             self._release(slot)
-        y = out.float() if out.dtype != torch.float32 else out
-        if bias is not None:
-            y = y + bias
-        return y if residual is None else residual.add_(y)
+        return out
 
     def _upload(self, piece: torch.Tensor) -> tuple[int, torch.Tensor]:
         """(slot, piece on the device): piece (host rows of a weight, contiguous) in the ring's next

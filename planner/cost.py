@@ -36,9 +36,10 @@ from typing import Callable
 
 from planner.machine import DeviceCalibration, GpuProfile, MachineProfile
 from planner.ir import SharedWeight, UnitIR
-from planner.step_shape import MAX_STEP_TOKENS, PREFILL_CHUNK_TOKENS, STREAM_PIECE_BYTES, STREAM_SLOTS
+from planner.step_shape import (MAX_STEP_TOKENS, PREFILL_CHUNK_TOKENS, STREAM_PIECE_BYTES, STREAM_SLOTS,
+                                STREAMED_STEP_TOKENS)
 from planner.units import GIB, fmt_bytes
-from planner.working_set import cpu_working_bytes, gpu_working_bytes
+from planner.working_set import STREAM_ROWS_GRAIN, cpu_working_bytes, gpu_working_bytes, streamed_step_bytes
 
 MIN_DEVICE_PAGES_WITH_OFFLOAD = 2  # the page being written + one page streamed back
 
@@ -152,11 +153,13 @@ def streamed_block_prefill_ms(unit: UnitIR, gpu: DeviceRates, link, batch: int, 
                               prefix: int = 0) -> float:
     """A CPU-stage block's prompt step run on the GPU with its weights streamed over the link
     (executor/streamed_prefill.py): the weights' crossing overlapped with the GPU's work on them
-    (the slower of the two), then the K/V the step copies: the sequences' cached prefix in, the
-    step's own tokens back out to the stage's host pages."""
+    (the slower of the two), then the K/V the step copies: the sequences' cached prefix in, once
+    for each block of PREFILL_CHUNK_TOKENS queries, the step's own tokens back out to the stage's
+    host pages."""
     upload = 1e3 * unit.weight_bytes / (link.h2d_gibps * GIB)
     kv = batch * unit.kv_bytes_per_token
-    copies = 1e3 * (kv * prefix / (link.h2d_gibps * GIB) + kv * prompt / (link.d2h_gibps * GIB))
+    query_blocks = math.ceil(prompt / PREFILL_CHUNK_TOKENS)
+    copies = 1e3 * (kv * prefix * query_blocks / (link.h2d_gibps * GIB) + kv * prompt / (link.d2h_gibps * GIB))
     return max(upload, unit_prefill_ms(unit, gpu, batch, prompt, prefix)) + copies
 
 
@@ -204,6 +207,32 @@ def stream_prefill_min_rows(units: tuple[UnitIR, ...], k: int, machine: MachineP
     return lo
 
 
+def _streamed_step_tokens(fit, ring: int, most: int, host_budget_bytes: int) -> int:
+    """The most tokens (up to `most`: a step holds no more than its sequences' prompts) a streamed
+    prompt step may take in what the split leaves of the VRAM and host memory at its context,
+    each step crossing the CPU stage's weights once: as many as fit with the same device KV pages
+    (never a page less for decode), rounded down to a multiple of STREAM_ROWS_GRAIN; a prompt
+    chunk at least, fitting or not (where it does not, the caller plans the split without
+    streaming). fit(ring, rows): see evaluate_split."""
+    least = max(1, min(most, PREFILL_CHUNK_TOKENS))
+
+    def fits(rows: int, pages: int | None = None) -> bool:
+        reasons, sized, _, host = fit(ring, rows)
+        return not reasons and host <= host_budget_bytes and (pages is None or sized[0] == pages)
+
+    if not fits(least):
+        return least
+    pages = fit(ring, least)[1][0]
+    lo, hi = least, max(least, most)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid, pages):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo if lo in (least, most) else max(least, lo // STREAM_ROWS_GRAIN * STREAM_ROWS_GRAIN)
+
+
 def stream_ring_bytes(units: tuple[UnitIR, ...], k: int) -> int:
     """Device memory of the streamed steps' ring of weight pieces (the executor's slots are no
     larger than its largest weight, which a block's bytes bound)."""
@@ -211,11 +240,13 @@ def stream_ring_bytes(units: tuple[UnitIR, ...], k: int) -> int:
 
 
 def _size_gpu(k: int, units: tuple[UnitIR, ...], machine: MachineProfile, gpu_weights: int, gpu_budget_bytes: int,
-              needed: int, dev_page: int, ring: int, *, offload: bool, watermark: float, dtype: str | None,
-              batch: int, context: int, page_size_tokens: int, pages: int) -> tuple[list[str], tuple[int, int, int, int]]:
+              needed: int, dev_page: int, ring: int, streamed_step: int, *, offload: bool, watermark: float,
+              dtype: str | None, batch: int, context: int, page_size_tokens: int,
+              pages: int) -> tuple[list[str], tuple[int, int, int, int]]:
     """(why the GPU stage does not fit, [] when it does; (device pages, host pages, working set,
     GPU bytes)) of split k: where its KV pages live, and the VRAM it works in beside them, `ring`
-    (the streamed prompt steps' weight pieces) included."""
+    (the streamed prompt steps' weight pieces) and `streamed_step` (the largest such step's own
+    memory, working_set.streamed_step_bytes) included."""
     if k == len(units):
         return [], (needed, 0, 0, 0)
     gpu = machine.gpu
@@ -225,7 +256,8 @@ def _size_gpu(k: int, units: tuple[UnitIR, ...], machine: MachineProfile, gpu_we
                                         page_size_tokens=page_size_tokens, budget_pages=batch * pages,
                                         device_pages=device_pages, device_page_bytes=dev_page,
                                         stream_workspace_bytes=(gpu.stream_workspace_bytes or 0) if gpu else 0,
-                                        flash_attention=gpu.flash_attention if gpu else None)
+                                        flash_attention=gpu.flash_attention if gpu else None,
+                                        streamed_step=streamed_step)
 
     device_pages, host_pages = needed, 0
     if offload and dev_page:
@@ -334,6 +366,7 @@ class SplitCost:
     # streamed (stream_prefill_min_rows); None: on the CPU
     stream_prefill_min_rows: int | None = None
     cpu_work_bytes: int = 0     # the CPU stage's, in host memory
+    stream_prefill_step_tokens: int | None = None  # the most tokens a streamed step takes
 
     def stage_ms(self, device: str) -> float:
         return sum(s.ms for s in self.stages if s.device == device)
@@ -368,13 +401,15 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
                    page_size_tokens: int, watermark: float, offload: bool,
                    gpu_budget_bytes: int, host_budget_bytes: int, calibration=None,
                    prefix: int = 0, dtype: str | None = None, logits: bool = True,
-                   stream_prefill: bool | int = True) -> SplitCost:
+                   stream_prefill: bool | int = True, stream_step_tokens: int | None = None) -> SplitCost:
     """Cost and feasibility of putting units [0, k) on the CPU and [k, N) on the GPU. The prefill
     figures are for `prompt` tokens after `prefix` cached ones (0: the whole prompt at once),
     the output projection included only with `logits` (a prompt's last chunk); `dtype`: the
     weights' (selects the CPU kernels' measured rates, see device_rates). stream_prefill: the CPU
     stage's prompt steps run on the GPU with their weights streamed from where the cost model
-    prices that faster (True), never (False), or from that many tokens (an existing plan's)."""
+    prices that faster (True), never (False), or from that many tokens (an existing plan's);
+    stream_step_tokens: the most tokens such a step takes (an existing plan's; None: as many as
+    fit in the GPU stage's own step's memory, working_set.streamed_step_tokens)."""
     n = len(units)
     if not 0 <= k <= n:
         raise ValueError(f"split {k} out of range 0..{n}")
@@ -400,23 +435,36 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
         stream_rows = stream_prefill_min_rows(units, k, machine, calibration, dtype)
     else:
         stream_rows = stream_prefill or None
-    rings = (stream_ring_bytes(units, k),) if stream_rows else (0,)
-    if stream_rows and stream_prefill is True:
-        rings += (0,)
-    for ring in rings:
-        gpu_reasons, sized = _size_gpu(k, units, machine, gpu_weights, gpu_budget_bytes, needed, dev_page, ring,
-                                       offload=offload, watermark=watermark, dtype=dtype, batch=batch,
-                                       context=context, page_size_tokens=page_size_tokens, pages=pages)
+    cpu_pages = batch * pages if cpu_kv_tok else 0
+
+    def fit(ring: int, rows: int | None):
+        """(why the GPU stage does not fit, (device pages, host pages, GPU work, GPU bytes), host
+        work, host bytes) with a ring and streamed steps of up to `rows` tokens (None: none)."""
+        step = streamed_step_bytes(units[1:k], rows, page_size_tokens, dtype) if rows else 0
+        reasons, sized = _size_gpu(k, units, machine, gpu_weights, gpu_budget_bytes, needed, dev_page, ring, step,
+                                   offload=offload, watermark=watermark, dtype=dtype, batch=batch, context=context,
+                                   page_size_tokens=page_size_tokens, pages=pages)
+        # the sequences the KV budget holds bound the host's step, wherever the pages live
+        work = cpu_working_bytes(units[:k], dtype=dtype, batch=batch, context=context,
+                                 page_size_tokens=page_size_tokens, budget_pages=batch * pages, gpu_units=units[k:],
+                                 streamed_rows=rows or 0)
+        return reasons, sized, work, cpu_weights + cpu_pages * cpu_page + sized[1] * dev_page + work
+
+    variants = []  # (ring, the most tokens a streamed step takes)
+    if stream_rows:
+        ring = stream_ring_bytes(units, k)
+        rows = stream_step_tokens or _streamed_step_tokens(fit, ring, min(STREAMED_STEP_TOKENS, math.ceil(batch * context)),
+                                                           host_budget_bytes)
+        variants.append((ring, rows))
+    if not stream_rows or stream_prefill is True:
+        variants.append((0, None))
+    for ring, streamed_rows in variants:
+        gpu_reasons, sized, cpu_work, host_bytes = fit(ring, streamed_rows)
         if not gpu_reasons:
             break
     stream_rows = stream_rows if ring else None
     device_pages, host_pages, gpu_work, gpu_bytes = sized
     reasons = list(gpu_reasons)
-    cpu_pages = batch * pages if cpu_kv_tok else 0
-    # the sequences the KV budget holds bound the host's step, wherever the pages live
-    cpu_work = cpu_working_bytes(units[:k], dtype=dtype, batch=batch, context=context,
-                                 page_size_tokens=page_size_tokens, budget_pages=batch * pages, gpu_units=units[k:])
-    host_bytes = cpu_weights + cpu_pages * cpu_page + host_pages * dev_page + cpu_work
 
     if host_bytes > host_budget_bytes:
         reasons.append(f"host needs {fmt_bytes(host_bytes)} (weights {fmt_bytes(cpu_weights)} + KV "
@@ -473,4 +521,4 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
                      comm_ms=comm, comm_prefill_ms=comm_prefill, kv=kv, gpu_bytes=gpu_bytes,
                      host_bytes=host_bytes, gpu_budget_bytes=gpu_budget_bytes,
                      host_budget_bytes=host_budget_bytes, gpu_work_bytes=gpu_work, cpu_work_bytes=cpu_work,
-                     stream_prefill_min_rows=stream_rows)
+                     stream_prefill_min_rows=stream_rows, stream_prefill_step_tokens=streamed_rows)

@@ -24,6 +24,7 @@ from planner.errors import PlanError
 from planner.machine import Calibration, MachineProfile, check_machine
 from planner.provenance import Recalibration
 from planner.schema import validate
+from planner.step_shape import PREFILL_CHUNK_TOKENS
 from planner.serial import OMIT_IF_NONE, from_dict, to_dict
 from planner.ir import SharedWeight, UnitIR
 from planner.units import fmt_bytes
@@ -92,6 +93,17 @@ class Partition:
     # weights streamed over the link, where the cost model priced that faster than the CPU
     # (planner.cost.stream_prefill_min_rows; executor/streamed_prefill.py); absent: on the CPU
     stream_prefill_min_rows: int | None = field(default=None, metadata=OMIT_IF_NONE)
+    # ... taking up to this many of a prompt's tokens a step (each step crosses the weights once),
+    # as many as fit in the memory of the GPU stage's own step (planner.working_set
+    # .streamed_step_tokens); absent from a plan that streams: a prompt chunk (PREFILL_CHUNK_TOKENS)
+    stream_prefill_step_tokens: int | None = field(default=None, metadata=OMIT_IF_NONE)
+
+    @property
+    def streamed_step_tokens(self) -> int | None:
+        """The most tokens a streamed prompt step takes (None: the plan streams none)."""
+        if self.stream_prefill_min_rows is None:
+            return None
+        return self.stream_prefill_step_tokens or PREFILL_CHUNK_TOKENS
 
 
 @dataclass(frozen=True)
@@ -302,7 +314,8 @@ def header_lines(plan: Plan) -> list[str]:
         lines.append(_longest_line(plan.longest_context))
     if p.stream_prefill_min_rows is not None:
         lines.append(f"Prompt steps of >= {p.stream_prefill_min_rows} tokens run the CPU stage's blocks on the GPU, "
-                     "their weights streamed over the link (priced faster than the CPU from there on).")
+                     "their weights streamed over the link (priced faster than the CPU from there on), "
+                     f"up to {p.streamed_step_tokens} tokens a step.")
     if plan.recalibration is not None:
         lines.append(_calibration_line(plan))
     return lines

@@ -170,7 +170,8 @@ def plan_space(plan: Plan) -> SearchSpace:
     """The search space a plan was scored in (its workload, budgets and KV settings), with the
     policy it chose for its CPU stage's prompt steps (what the executor runs)."""
     return replace(_space(plan.model.dtype, plan.workload, plan.limits, plan.kv),
-                   stream_prefill=plan.partition.stream_prefill_min_rows or False)
+                   stream_prefill=plan.partition.stream_prefill_min_rows or False,
+                   stream_step_tokens=plan.partition.streamed_step_tokens)
 
 
 def _space(dtype: str, workload: Workload, limits: Limits, kv: KVPlan) -> SearchSpace:
@@ -296,14 +297,17 @@ def _assemble(identity: ModelIdentity, ir: IRSummary, machine: MachineProfile, w
         parent_digest=parent.digest if parent else None, tool_version=tool_version(),
         model=identity, machine=machine, workload=workload, limits=limits,
         partition=Partition(split_k=chosen.split_k, num_units=n, forced=split_k is not None, stages=stages,
-                            stream_prefill_min_rows=chosen.stream_prefill_min_rows),
+                            stream_prefill_min_rows=chosen.stream_prefill_min_rows,
+                            stream_prefill_step_tokens=chosen.stream_prefill_step_tokens),
         kv=replace(kv_settings, **asdict(kv)),  # the layout the search chose, on the plan's KV settings
         calibration=calibration,
         recalibration=recalibration,
         prediction=prediction_of(chosen, workload),
         # at the plan's own policy: where it streams, the ring stays in VRAM at every context
         longest_context=None if model_max is None else longest_context(
-            chosen.split_k, units, shared, machine, replace(space, stream_prefill=chosen.stream_prefill_min_rows or False),
+            chosen.split_k, units, shared, machine,
+            replace(space, stream_prefill=chosen.stream_prefill_min_rows or False,
+                    stream_step_tokens=chosen.stream_prefill_step_tokens),
             calibration, model_max),
         search=Search(objective=objective,
                       best_feasible_k=best.split_k if best else None,

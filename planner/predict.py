@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from planner.step_shape import PREFILL_CHUNK_TOKENS
+from planner.step_shape import PREFILL_CHUNK_TOKENS, prompt_steps
 from planner.machine import Calibration
 from planner.plan import Plan, Prediction
 from planner.planning import plan_space, prediction_of
@@ -26,11 +26,12 @@ def predict(plan: Plan, context_tokens: int, batch_size: int | None = None, pref
 
 def predict_ttft_ms(plan: Plan, prompt_tokens: int, chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> float:
     """The plan's time to first token for a prompt of `prompt_tokens` at batch 1, prefilled the way
-    the executor does it: in steps of at most chunk_tokens, each after the chunks before it, the
+    the executor does it (planner.step_shape.prompt_steps): in steps of at most chunk_tokens, or
+    of STREAMED_STEP_TOKENS where the plan streams them, each after the chunks before it, the
     logits computed by the last one only."""
     total = 0.0
-    for start in range(0, prompt_tokens, chunk_tokens):
-        n = min(chunk_tokens, prompt_tokens - start)
+    for start, n in prompt_steps(prompt_tokens, plan.partition.stream_prefill_min_rows, chunk_tokens,
+                                 plan.partition.streamed_step_tokens or chunk_tokens):
         chunk = replace(plan, workload=replace(plan.workload, prompt_tokens=n))
         total += predict(chunk, start + n, 1, prefix_tokens=start, logits=start + n == prompt_tokens).ttft_ms
     return total

@@ -28,6 +28,9 @@ class SearchSpace:
     # The CPU stage's prompt steps streamed to the GPU: True, from where the cost model prices it
     # faster (the search); False, never; a number, from that many tokens (an existing plan's policy)
     stream_prefill: bool | int = True
+    # the most tokens a streamed step takes: None, as many as the GPU stage's own step's memory
+    # holds (the search); a number, an existing plan's
+    stream_step_tokens: int | None = None
 
 
 def evaluate_at(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight, ...], machine: MachineProfile,
@@ -39,7 +42,7 @@ def evaluate_at(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight, .
                           watermark=space.watermark, offload=space.offload,
                           gpu_budget_bytes=space.gpu_budget_bytes, host_budget_bytes=space.host_budget_bytes,
                           calibration=calibration, prefix=prefix, dtype=space.dtype, logits=logits,
-                          stream_prefill=space.stream_prefill)
+                          stream_prefill=space.stream_prefill, stream_step_tokens=space.stream_step_tokens)
 
 
 def evaluate_all(units: tuple[UnitIR, ...], shared: tuple[SharedWeight, ...], machine: MachineProfile,

@@ -67,7 +67,7 @@ def format_summary(plan: Plan) -> str:
     lines += [_stage_line(plan, i) for i in range(len(plan.partition.stages))]
     if plan.partition.stream_prefill_min_rows is not None:
         lines.append(f"  prompt steps of >= {plan.partition.stream_prefill_min_rows} tokens: the cpu stage's blocks "
-                     "on the GPU, weights streamed")
+                     f"on the GPU, weights streamed, up to {plan.partition.streamed_step_tokens} tokens a step")
     lines.append(f"  link  {pr.comm_ms_per_token:.4f} ms/token")
     lines.append(f"predicted {pr.ms_per_token:.3f} ms/token, {pr.tokens_per_s:.3f} tok/s at context "
                  f"{pr.context_tokens} (roofline {pr.roofline_ms_per_token:.3f} ms before δ); TTFT {pr.ttft_ms:.1f} ms")

@@ -38,7 +38,8 @@ import math
 from dataclasses import dataclass, replace
 
 from planner.ir import UnitIR
-from planner.step_shape import MAX_STEP_TOKENS, PREFILL_CHUNK_TOKENS, bucket, running_sequences, step_tokens
+from planner.step_shape import (MAX_STEP_TOKENS, PREFILL_CHUNK_TOKENS, STREAM_PIECE_BYTES, bucket, running_sequences,
+                                step_tokens)
 
 # The executor's activation values per token over the model graph's at its peak (see the module
 # docstring): a gated MLP's 4·I + H values against 3·I + H, at most 4/3.
@@ -46,6 +47,7 @@ ACTIVATION_WIDENING = 4 / 3
 FP32_BYTES = 4
 FLASH_MAX_HEAD_DIM = 256  # PyTorch's flash attention kernels take heads up to this size
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+STREAM_ROWS_GRAIN = 64  # a streamed step's most tokens, rounded down to a multiple of this (a plan's round figure)
 
 
 @dataclass(frozen=True)
@@ -89,15 +91,37 @@ class _Stage:
 
 def gpu_working_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: int, context: int,
                       page_size_tokens: int, budget_pages: int, device_pages: int, device_page_bytes: int,
-                      stream_workspace_bytes: int = 0, flash_attention: bool | None = None) -> int:
+                      stream_workspace_bytes: int = 0, flash_attention: bool | None = None,
+                      streamed_step: int = 0) -> int:
     """Bytes the GPU stage `units` (its units, in order) works in for `batch` sequences of
     `context` tokens: `budget_pages` KV pages for all its sequences (device and host; short
     sequences share them, so as many may run), `device_pages` of them in VRAM,
     `device_page_bytes` one page over every block of the stage; `stream_workspace_bytes` what a
     second stream's GEMMs keep (0: not measured); `flash_attention` whether PyTorch's flash
-    attention runs on the GPU (GpuProfile.flash_attention; None: not known)."""
+    attention runs on the GPU (GpuProfile.flash_attention; None: not known);
+    `streamed_step` what a CPU stage's largest prompt step streamed to the GPU takes
+    (streamed_step_bytes below: it runs before the stage's own part of that step, which takes
+    it in sub-steps of the step priced here, so the larger of the two)."""
     if not units:
         return 0
+    batch, context, budget_pages, device_pages = (math.ceil(x) for x in (batch, context, budget_pages, device_pages))
+    st = _Stage.of(units, dtype, context, budget_pages)
+    total = max(gpu_step_bytes(units, dtype=dtype, batch=batch, context=context, page_size_tokens=page_size_tokens,
+                               budget_pages=budget_pages, device_pages=device_pages,
+                               flash_attention=flash_attention), streamed_step)
+    if st.blocks and device_pages:
+        per_token = activation_bytes_per_token(units)
+        gathered = bucket(device_pages) * page_size_tokens         # keys one decode graph reads
+        rows = min(bucket(st.sequences), bucket(device_pages))
+        # each key gathered, and its entry in the step's additive mask (the cache's dtype)
+        total += gathered * (st.kv_token + st.b) + rows * per_token + device_page_bytes + stream_workspace_bytes
+    return total
+
+
+def gpu_step_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: int, context: int, page_size_tokens: int,
+                   budget_pages: int, device_pages: int, flash_attention: bool | None = None) -> int:
+    """What of gpu_working_bytes a step takes while it runs and gives back after: its activations,
+    its sequences' logits, a prompt chunk's attention."""
     # the fit prices steps at mean batch sizes and contexts: memory is whole pages and sequences
     batch, context, budget_pages, device_pages = (math.ceil(x) for x in (batch, context, budget_pages, device_pages))
     st = _Stage.of(units, dtype, context, budget_pages)
@@ -114,16 +138,12 @@ def gpu_working_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: in
         streams = flash is not True or device_pages < budget_pages
         total += max(fused_prompt_attention_bytes(resident, st.chunk, st.kv_token, st.heads) if fuses else 0,
                      st.streamed(page_size_tokens) if streams else 0)
-        if device_pages:
-            gathered = bucket(device_pages) * page_size_tokens         # keys one decode graph reads
-            rows = min(bucket(st.sequences), bucket(device_pages))
-            # each key gathered, and its entry in the step's additive mask (the cache's dtype)
-            total += gathered * (st.kv_token + st.b) + rows * per_token + device_page_bytes + stream_workspace_bytes
     return total
 
 
 def cpu_working_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: int, context: int,
-                      page_size_tokens: int, budget_pages: int, gpu_units: tuple[UnitIR, ...] = ()) -> int:
+                      page_size_tokens: int, budget_pages: int, gpu_units: tuple[UnitIR, ...] = (),
+                      streamed_rows: int = 0) -> int:
     """Host memory the CPU stage `units` works in beside its weights and KV pages, for `batch`
     sequences of `context` tokens (`budget_pages` KV pages), the GPU stage being `gpu_units`:
     - the activations of its largest step: bounded by the plan's batch where a GPU stage runs,
@@ -137,7 +157,10 @@ def cpu_working_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: in
       torch backend streams prompt chunks), whichever is larger;
     - the logits of every sequence; with a GPU stage, the hidden states handed to it (fp32,
       pinned) and, where it has the head, its logits copied back (fp32): the host's only working
-      set where every unit is on the GPU (the engine samples on the host)."""
+      set where every unit is on the GPU (the engine samples on the host);
+    - where its prompt steps of up to `streamed_rows` tokens stream to the GPU
+      (executor/streamed_prefill.py), such a step's hidden states on the host instead of its
+      activations: the embedding's output and the blocks' returned, in fp32."""
     batch, context, budget_pages = (math.ceil(x) for x in (batch, context, budget_pages))
     if not units:
         head = gpu_units[-1] if gpu_units and gpu_units[-1].kind == "head" else None
@@ -146,13 +169,15 @@ def cpu_working_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: in
     tokens = (step_tokens(batch, context) if gpu_units
               else min(MAX_STEP_TOKENS, st.sequences * st.chunk, budget_pages * page_size_tokens))
     steps = max(tokens, st.sequences)
-    total = steps * activation_bytes_per_token(units) + st.sequences * _logits_bytes(st.head, st.b)
+    hidden_fp32 = units[-1].act_bytes_per_token * FP32_BYTES // st.b
+    total = max(steps * activation_bytes_per_token(units), 2 * streamed_rows * hidden_fp32) + \
+        st.sequences * _logits_bytes(st.head, st.b)
     if st.blocks:
         widened = 2 * context * st.kv_token if dtype == "float16" else 0  # prompt_attention_dtype: fp32
         fused = context * st.kv_token + widened + st.chunk * context
         total += max(fused, st.streamed(page_size_tokens))
     if gpu_units:
-        total += steps * units[-1].act_bytes_per_token * FP32_BYTES // st.b
+        total += steps * hidden_fp32
         total += _logits_back(gpu_units[-1] if gpu_units[-1].kind == "head" else None, st.sequences)
     return total
 
@@ -192,6 +217,41 @@ def streamed_prompt_attention_bytes(chunk: int, page: int, kv_token: int, heads:
     return (FP32_BYTES * heads * chunk * page + (1 + group) * chunk * page
             + page * kv_token * FP32_BYTES // (2 * dtype_bytes) + 3 * page * kv_token
             + 3 * FP32_BYTES * chunk * attn_flops // 4)
+
+
+def streamed_step_bytes(units: tuple[UnitIR, ...], rows: int, page: int, dtype: str | None,
+                        row_block: int = PREFILL_CHUNK_TOKENS, piece_bytes: int = STREAM_PIECE_BYTES) -> int:
+    """Device memory a CPU stage's prompt step of `rows` tokens takes streamed through its blocks
+    `units` (executor/streamed_prefill.py), beside its ring of weight pieces: the residual stream,
+    positions and the rotation's tables; the products' outputs for every row in the weights' dtype, at the larger of attention
+    (qkv, the attention output, the step's own K/V) and the MLP (normed input, silu(gate)·up, one
+    piece of gate's and of up's columns); the fp32 values made from them a `row_block` of rows at
+    a time (a piece's gate and up and silu, or qkv widened, normed and rotated); and one query
+    block's attention, flash (its queries and output in the weights' dtype) or streamed over
+    pages, the larger. The block's dimensions come off its IR: H from the hidden state it hands
+    on, the attention's from its KV and FLOPs per context token, I from what its weights leave."""
+    b = DTYPE_BYTES.get(dtype or "bfloat16", 2)
+    row_block = min(rows, row_block)
+    most = 0
+    for u in units:
+        if u.kind != "block":
+            continue
+        hidden = u.act_bytes_per_token // b
+        q_width, kv_width = u.attn_flops_per_context_token // 4, u.kv_bytes_per_token // (2 * b)  # H_q·D, H_kv·D
+        qkv = q_width + 2 * kv_width
+        inter = max(0, (u.weight_bytes // b - hidden * (qkv + q_width)) // (3 * hidden))  # norms: < 1 of it
+        cols = max(1, min(inter, piece_bytes // (hidden * b)))                            # a piece's columns
+        attention = rows * (b * (qkv + q_width) + 2 * kv_width * b) + row_block * FP32_BYTES * 3 * qkv
+        heads = u.attn_heads or 1
+        group = heads // max(1, kv_width // max(1, q_width // heads))
+        attention += max(2 * row_block * q_width * b,
+                         streamed_prompt_attention_bytes(row_block, page, u.kv_bytes_per_token, heads, group,
+                                                         u.attn_flops_per_context_token, b))
+        mlp = rows * b * (hidden + inter + 2 * cols) + row_block * cols * (3 * FP32_BYTES + b)
+        # the rotation's cos and sin for every row, and its int64 position
+        tables = 2 * rows * FP32_BYTES * q_width // heads + 8 * rows
+        most = max(most, rows * hidden * FP32_BYTES + tables + max(attention, mlp))
+    return most
 
 
 def activation_bytes_per_token(units: tuple[UnitIR, ...]) -> int:

@@ -658,10 +658,14 @@ def test_streamed_prompt_steps_on_cuda_match_transformers_in_a_loop(checkpoint, 
     want = hf_greedy(path, prompt, 8)
     steps = count_streamed_steps(monkeypatch)
     for _ in range(3 if slow is None else 1):
-        engine, streamed = streamed_engine(path, split=3, min_rows=2, piece_bytes=4096, prefill_chunk=24)
+        # steps of 48 streamed (the GPU stage takes them in sub-steps of 24), their fp32 values made
+        # 16 rows at a time: query blocks over the cached pages and their own keys
+        engine, streamed = streamed_engine(path, split=3, min_rows=2, piece_bytes=4096, prefill_chunk=24,
+                                           stream_chunk=48)
+        streamed.row_block = 16
         assert streamed.device.type == "cuda" and streamed.blocks[0].gate_up.weight.is_pinned()
         assert engine.model.stages[1].device.type == "cuda"
         seq = engine.generate([prompt], SamplingParams(), StopCriteria(max_new_tokens=8, ignore_eos=True))[0]
         assert engine.model.stages[0].kv.device_pool.pin_memory
         assert seq.output_ids == want
-    assert steps[:3] == [24, 24, 22]  # the prompt's chunks streamed
+    assert steps[:2] == [48, 22]  # the prompt's chunks streamed

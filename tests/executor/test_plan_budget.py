@@ -75,6 +75,9 @@ def test_a_plan_records_its_streaming_policy_and_the_placement_follows_it(tmp_pa
     with open(config) as f:
         placement = placement_for(plan, ModelConfig.from_dict(json.load(f)))
     assert placement.stream_prefill_min_rows == rows
+    step = plan.partition.stream_prefill_step_tokens  # and the most tokens a streamed step takes
+    assert step == plan.workload.context_tokens and load_plan(tmp_path / "p.yaml").partition.stream_prefill_step_tokens == step
+    assert placement.stream_prefill_step_tokens == step and f"up to {step} tokens a step" in plan.to_yaml()
 
 
 def test_a_recorder_measures_a_model_against_the_policy_it_runs():

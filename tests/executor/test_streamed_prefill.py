@@ -103,26 +103,34 @@ def record_stage_steps(monkeypatch) -> dict[int, list[int]]:
     return calls
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
-def test_a_long_prompt_streams_in_large_steps_which_the_gpu_stage_takes_in_priced_sub_steps(checkpoint, arch,
-                                                                                          monkeypatch):
+@pytest.mark.parametrize("arch,min_rows,streamed_steps,cpu_steps,gpu_steps", [
+    ("qwen3", 20, [32], [32, 8, 4], [8, 8, 8, 8, 8, 4]),     # the 12 tokens left fall short of 20
+    ("mistral", 20, [32], [32, 8, 4], [8, 8, 8, 8, 8, 4]),
+    ("qwen3", 4, [32, 12], [32, 12], [8, 8, 8, 8, 8, 4]),     # both stream: the second over cached pages
+    ("llama", 4, [32, 12], [32, 12], [8, 8, 8, 8, 8, 4]),
+])
+def test_a_long_prompt_streams_in_large_steps_which_the_gpu_stage_takes_in_priced_sub_steps(
+        checkpoint, arch, min_rows, streamed_steps, cpu_steps, gpu_steps, monkeypatch):
     """A streaming load's prompt goes in steps of stream_chunk tokens (one crossing of the weights
     each), not of prefill_chunk; the stage after the streaming one is priced for prefill_chunk
     per sequence and takes them in sub-steps of that, each attending over the K/V the ones before
     it wrote. A last chunk short of the threshold runs on the CPU's kernels in chunks of
-    prefill_chunk: the steps are planner.step_shape.prompt_steps'."""
+    prefill_chunk: the steps are planner.step_shape.prompt_steps'. The streamed path makes its
+    fp32 values 5 rows at a time: queries in blocks over keys in pages of 8, its own among them."""
     from planner.step_shape import prompt_steps
 
     path = checkpoint(arch, "fp32")
     prompt = prompt_ids(44, 256, seed=27)
-    engine, _ = streamed_engine(path, split=3, min_rows=20, prefill_chunk=8, stream_chunk=32)
-    streamed, stages = count_streamed_steps(monkeypatch), record_stage_steps(monkeypatch)
+    engine, streamed = streamed_engine(path, split=3, min_rows=min_rows, piece_bytes=2048, prefill_chunk=8,
+                                       stream_chunk=32)
+    streamed.row_block = 5
+    streamed_counts, stages = count_streamed_steps(monkeypatch), record_stage_steps(monkeypatch)
     seq = engine.generate([prompt], SamplingParams(), StopCriteria(max_new_tokens=5, ignore_eos=True))[0]
     assert seq.output_ids == hf_greedy(path, prompt, 5)
-    assert prompt_steps(44, 20, chunk=8, stream_chunk=32) == [(0, 32), (32, 8), (40, 4)]
-    assert streamed == [32]  # the 12 tokens left fall short of 20: on the CPU, in chunks of 8
-    assert stages[0] == [32, 8, 4] + [1] * 4
-    assert stages[3] == [8, 8, 8, 8, 8, 4] + [1] * 4
+    assert [n for _, n in prompt_steps(44, min_rows, chunk=8, stream_chunk=32)] == cpu_steps
+    assert streamed_counts == streamed_steps
+    assert stages[0] == cpu_steps + [1] * 4
+    assert stages[3] == gpu_steps + [1] * 4
 
 
 def test_a_step_splits_into_sub_steps_that_keep_its_rows_in_order():
@@ -229,3 +237,25 @@ def test_decode_steps_stay_on_the_cpu_however_many_sequences_they_hold(checkpoin
     seqs = engine.generate(prompts, SamplingParams(), StopCriteria(max_new_tokens=6, ignore_eos=True))
     assert steps and all(max(counts) > 1 for counts in steps)  # every streamed step carried a prompt chunk
     assert [s.output_ids for s in seqs] == [hf_greedy(path, p, 6) for p in prompts]
+
+
+def test_the_engine_takes_its_streamed_step_size_from_the_placement(checkpoint, monkeypatch):
+    """A plan's stream_prefill_step_tokens reaches the engine through its placement (a plan from
+    before it: a prompt chunk), and a placement refuses a step of no tokens."""
+    from executor.errors import PlacementError
+    from planner.step_shape import PREFILL_CHUNK_TOKENS
+
+    path = checkpoint("qwen3", "fp32")
+    cfg = ModelConfig.from_dir(path)
+    placement = replace(Placement.from_split(cfg.num_units, 2, page_size_tokens=8), stream_prefill_min_rows=4,
+                        stream_prefill_step_tokens=20)
+    model = load_model(path, placement, cfg, streamed_prefill=True)
+    steps = count_streamed_steps(monkeypatch)
+    prompt = prompt_ids(50, 256, seed=28)
+    seq = Engine(model, eos_token_ids=(), prefill_chunk=8).generate(
+        [prompt], SamplingParams(), StopCriteria(max_new_tokens=3, ignore_eos=True))[0]
+    assert steps == [20, 20, 10] and seq.output_ids == hf_greedy(path, prompt, 3)
+    older = replace(placement, stream_prefill_step_tokens=None)
+    assert Engine(load_model(path, older, cfg, streamed_prefill=True)).stream_chunk == PREFILL_CHUNK_TOKENS
+    with pytest.raises(PlacementError, match="at least 1 token"):
+        replace(placement, stream_prefill_step_tokens=0).validate()

@@ -148,3 +148,84 @@ def test_streamed_prompt_attention_price_covers_the_executors_closely(model):
         # a sequence of one page takes a shorter path (no running output, no next page): a bound there
         tight = 1.3 if pages > 1 else 2.0
         assert measured <= priced <= tight * measured, (model, tokens, page, pages, measured, priced)
+
+
+class _HostPages:
+    """A CPU stage's KV pool as a streamed step sees it (meta tensors for the device): `cached`
+    tokens in host pages, and K/V written back as KVCache.write does, made contiguous on the
+    device per page (executor/kv_cache.py, _write_host_page)."""
+
+    class _Page:
+        def __init__(self, data):
+            self.data = data
+
+    def __init__(self, cfg: ModelConfig, page: int, cached: int):
+        self.dtype, self.page_size = cfg.dtype, page
+        layer = torch.empty(2, cfg.num_kv_heads, page, cfg.head_dim, dtype=cfg.dtype)  # on the host
+        self.pages = [self._Page([layer]) for _ in range(-(-cached // page) + 1)]
+
+    def pages_of(self, seq_id):
+        return self.pages
+
+    def write(self, layer, seq_id, start, k, v):
+        for a in range(0, k.shape[0], self.page_size):
+            torch.stack((k[a:a + self.page_size], v[a:a + self.page_size])).transpose(1, 2).contiguous()
+
+
+def _flash_like(q, k, v, start, num_heads, scale):
+    """fused_prompt_attention as it runs on CUDA (flash attention: no scores, no mask): q in the
+    cache's dtype, the kernel's output and log-sum-exp, the output back in [n, H_q·D]."""
+    n, d = q.shape[0], k.shape[-1]
+    qh = q.reshape(n, num_heads, d).transpose(0, 1).to(k.dtype)
+    out, lse = torch.empty_like(qh), torch.empty(num_heads, n, device=q.device)
+    del lse
+    return out.transpose(0, 1).reshape(n, num_heads * d)
+
+
+def _streamed_step_peak(cfg: ModelConfig, rows: int, start: int, page: int, monkeypatch) -> int:
+    """Peak device bytes of one block of a CPU stage's prompt step of `rows` tokens streamed to the
+    GPU (executor/streamed_prefill.py) after `start` cached tokens, the residual stream it copies
+    in included; its ring of weight pieces is made before (priced apart)."""
+    import executor.streamed_prefill as streamed_prefill
+    from executor.batch import StepBatch
+
+    monkeypatch.setattr(streamed_prefill, "fused_prompt_attention", _flash_like)
+    wd, H, D = cfg.dtype, cfg.hidden_size, cfg.head_dim
+
+    def vec(n):
+        return torch.empty(n, device=META)
+
+    def weight(r, c):
+        return torch.empty(r, c, dtype=wd, device=META)
+
+    w = BlockWeights.of(TorchBackend(), input_norm=vec(H), qkv=weight(cfg.q_dim + 2 * cfg.kv_dim, H), qkv_bias=None,
+                        q_norm=vec(D) if cfg.qk_norm else None, k_norm=vec(D) if cfg.qk_norm else None,
+                        o=weight(H, cfg.q_dim), post_norm=vec(H), gate_up=weight(2 * cfg.intermediate_size, H),
+                        down=weight(H, cfg.intermediate_size))
+    step = streamed_prefill.StreamedPrefill(cfg, [w], _HostPages(cfg, page, start), META, min_rows=1)
+    batch = StepBatch.build([("s", start, rows)])
+    x = torch.empty(rows, H, device=META)
+    with LiveBytes() as live:
+        step._layers(x, batch)
+    return live.peak + x.numel() * x.element_size()
+
+
+@pytest.mark.parametrize("model", ["qwen3-8b", "llama-3.1-8b", "qwen2.5-7b", "qwen3-0.6b", "qwen3-32b"])
+def test_streamed_step_price_covers_the_executors_closely(model, monkeypatch):
+    """The price of a streamed prompt step (working_set.streamed_step_bytes) against the streamed
+    path's own code on the meta device, at the largest step (2048 tokens) and a prompt chunk,
+    first in the prompt or after cached pages of 512 or 64 tokens: never below it, and close to it
+    at the large steps a plan sizes by it (a prompt chunk with nothing cached runs no streamed
+    attention, which the price holds room for)."""
+    from planner.step_shape import STREAMED_STEP_TOKENS
+    from planner.working_set import streamed_step_bytes
+
+    raw = json.loads((CONFIGS / f"{model}.json").read_text())
+    cfg = ModelConfig.from_dict(raw)
+    block = trace_model(raw).units[1:2]
+    for rows, start, page, tight in ((STREAMED_STEP_TOKENS, 4096, 512, 1.3), (STREAMED_STEP_TOKENS, 4096, 64, 1.3),
+                                     (STREAMED_STEP_TOKENS, 0, 512, 1.5), (PREFILL_CHUNK_TOKENS, 1024, 512, 1.5),
+                                     (PREFILL_CHUNK_TOKENS, 0, 512, 2.5), (100, 512, 512, 2.0)):
+        measured = _streamed_step_peak(cfg, rows, start, page, monkeypatch)
+        priced = streamed_step_bytes(block, rows, page, str(cfg.dtype).removeprefix("torch."))
+        assert measured <= priced <= tight * measured, (model, rows, start, page, measured, priced)

@@ -319,23 +319,28 @@ def test_nothing_streams_without_a_place_to_stream_to():
 
 
 def test_the_ring_of_streamed_weight_pieces_is_vram_the_split_needs_or_it_streams_nothing():
-    """The ring (3 slots of min(32 MiB, a block)) is part of the GPU stage's working set; a split
-    that fits only without it is planned without streaming, not refused."""
-    from planner.step_shape import STREAM_PIECE_BYTES, STREAM_SLOTS
+    """The ring (3 slots of min(32 MiB, a block)) is part of the GPU stage's working set, and so is
+    the largest streamed step's own memory where it exceeds the stage's own step (they run one
+    after the other); a split that fits only without them is planned without streaming, not
+    refused."""
+    from planner.step_shape import STREAM_PIECE_BYTES, STREAM_SLOTS, STREAMED_STEP_TOKENS
+    from planner.working_set import streamed_step_bytes
     from tests.planner.helpers import with_vram
 
     units, _ = model_units(8, 256 * MIB, 64 * MIB, 64 * MIB)
     m, plain = _flash(machine()), machine()
     with_ring, without = split(5, units, (), m, dtype=BF16), split(5, units, (), plain, dtype=BF16)
     ring = STREAM_SLOTS * STREAM_PIECE_BYTES
+    step = streamed_step_bytes(units[1:5], min(STREAMED_STEP_TOKENS, 1024), 512, BF16)  # split()'s context, pages
     assert with_ring.stream_prefill_min_rows is not None and without.stream_prefill_min_rows is None
-    assert with_ring.gpu_work_bytes - without.gpu_work_bytes == ring
-    assert with_ring.gpu_bytes - without.gpu_bytes == ring
-    tight = without.gpu_bytes + ring // 2  # fits the split, not its ring
+    grown = with_ring.gpu_work_bytes - without.gpu_work_bytes
+    assert step > without.gpu_work_bytes  # these blocks' streamed step is the larger: it adds what it exceeds by
+    assert ring < grown <= ring + step
+    assert with_ring.gpu_bytes - without.gpu_bytes == grown
+    tight = without.gpu_bytes + grown // 2  # fits the split, not its streamed steps
     squeezed = split(5, units, (), with_vram(m, tight), gpu_budget_bytes=tight, dtype=BF16)
     assert squeezed.feasible and squeezed.stream_prefill_min_rows is None
     assert squeezed.gpu_bytes == without.gpu_bytes
-
 
 
 def test_an_existing_plans_policy_is_priced_whatever_the_budget_a_prediction_asks_about():
@@ -357,3 +362,38 @@ def test_an_existing_plans_policy_is_priced_whatever_the_budget_a_prediction_ask
     assert recorded.stream_prefill_min_rows == rows
     assert recorded.stages[0].prefill_ms == pytest.approx(planned.stages[0].prefill_ms)
     assert recorded.stages[0].prefill_ms < off.stages[0].prefill_ms
+
+
+def test_a_streamed_step_takes_as_many_tokens_as_the_vram_left_holds_never_a_device_page():
+    """A streamed step crosses the CPU stage's weights once, so the search gives it as many of a
+    prompt's tokens as the split leaves VRAM for at its context (at most STREAMED_STEP_TOKENS, no
+    more than the context), its memory priced (working_set.streamed_step_bytes); with less VRAM,
+    fewer (a prompt chunk at least); never at the cost of a device KV page, which decode reads."""
+    from planner.step_shape import PREFILL_CHUNK_TOKENS, STREAMED_STEP_TOKENS
+    from planner.working_set import STREAM_ROWS_GRAIN, streamed_step_bytes
+    from tests.planner.helpers import with_vram
+
+    units, _ = model_units(8, 256 * MIB, 64 * MIB, 64 * MIB)
+    m = _flash(machine())
+    roomy = split(5, units, (), m, dtype=BF16, context=4096)
+    assert roomy.stream_prefill_step_tokens == STREAMED_STEP_TOKENS
+    assert split(5, units, (), m, dtype=BF16, context=700).stream_prefill_step_tokens == 700  # its whole context
+    # a budget that holds the split with steps of a chunk and some, not of 2048
+    least = split(5, units, (), m, dtype=BF16, context=4096, stream_step_tokens=PREFILL_CHUNK_TOKENS)
+    step = streamed_step_bytes(units[1:5], 1000, 512, BF16) - streamed_step_bytes(units[1:5], PREFILL_CHUNK_TOKENS,
+                                                                                  512, BF16)
+    budget = least.gpu_bytes + step
+    squeezed = split(5, units, (), with_vram(m, budget), gpu_budget_bytes=budget, dtype=BF16, context=4096)
+    rows = squeezed.stream_prefill_step_tokens
+    assert squeezed.feasible and PREFILL_CHUNK_TOKENS < rows < 1000 and rows % STREAM_ROWS_GRAIN == 0
+    assert squeezed.gpu_bytes <= budget
+    more = split(5, units, (), with_vram(m, budget), gpu_budget_bytes=budget, dtype=BF16, context=4096,
+                 stream_step_tokens=rows + STREAM_ROWS_GRAIN)
+    assert more.stream_prefill_min_rows is None  # the next grain of tokens does not fit: the split streams nothing
+    # with offload, the VRAM beside the split is the device pages': steps never take one of them
+    offload = dict(offload=True, context=16384, gpu_budget_bytes=budget)
+    paged = split(5, units, (), with_vram(m, budget), dtype=BF16, **offload)
+    at_chunk = split(5, units, (), with_vram(m, budget), dtype=BF16, stream_step_tokens=PREFILL_CHUNK_TOKENS,
+                     **offload)
+    assert paged.kv.device_pages == at_chunk.kv.device_pages and paged.kv.host_pages > 0
+    assert paged.stream_prefill_step_tokens >= PREFILL_CHUNK_TOKENS

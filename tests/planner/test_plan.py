@@ -63,8 +63,9 @@ def test_write_read_write_gives_identical_bytes(laptop_plan_8b, tmp_path):
     assert lines[0].startswith("# HELM plan v1: Qwen3ForCausalLM") and "k=22 of 38" in lines[0]
     assert "MiB working set)" in lines[0]
     assert lines[1].startswith("# Predicted") and lines[2].startswith("# Why: k=21") and "working set" in lines[2]
-    assert lines[3].startswith("# Longest context at batch 1: 3072 tokens") and "with KV offload" in lines[3]
+    assert lines[3].startswith("# Longest context at batch 1: 2560 tokens") and "with KV offload" in lines[3]
     assert lines[4].startswith("# Prompt steps of >= 32 tokens run the CPU stage's blocks on the GPU")
+    assert lines[4].endswith("up to 1024 tokens a step.")  # the plan's context: a step holds no more
     assert not lines[5].startswith("#")
 
 
@@ -295,3 +296,31 @@ def test_a_page_longer_than_the_models_context_is_cut_to_it_as_the_executor_does
     plan = make_plan(config_path("qwen3-0.6b"), load_machine(LAPTOP), page_size_tokens=100_000,
                      workload=workload_for(300, 300))
     assert plan.kv.page_size_tokens == 40960
+
+
+def test_a_streaming_plans_ttft_is_priced_in_its_streamed_steps_and_an_older_plan_in_chunks():
+    """predict_ttft_ms follows the executor's steps (planner.step_shape.prompt_steps): a plan that
+    streams takes its prompt in steps of its stream_prefill_step_tokens while they reach its
+    threshold; a plan from before that field streamed 512 at a time, which is what it reads as."""
+    from dataclasses import replace
+
+    from planner.predict import predict_ttft_ms
+    from planner.step_shape import PREFILL_CHUNK_TOKENS
+
+    plan = load_plan(REPO / "plans" / "qwen3-8b.laptop-rtx4060.yaml")
+    part = plan.partition
+    assert part.stream_prefill_min_rows and part.stream_prefill_step_tokens == 1024 == part.streamed_step_tokens
+
+    def step(p, n, start, logits):
+        p = replace(p, workload=replace(p.workload, prompt_tokens=n))
+        return predict(p, start + n, 1, prefix_tokens=start, logits=logits).ttft_ms
+
+    # 2100 tokens: 1024, 1024, then 52 (over the threshold of 32: streamed too)
+    assert predict_ttft_ms(plan, 2100) == pytest.approx(step(plan, 1024, 0, False) + step(plan, 1024, 1024, False)
+                                                        + step(plan, 52, 2048, True))
+    older = replace(plan, partition=replace(part, stream_prefill_step_tokens=None))
+    assert older.partition.streamed_step_tokens == PREFILL_CHUNK_TOKENS
+    assert predict_ttft_ms(older, 2100) == pytest.approx(sum(step(older, min(512, 2100 - s), s, s + 512 >= 2100)
+                                                             for s in range(0, 2100, 512)))
+    assert predict_ttft_ms(plan, 2100) < 0.7 * predict_ttft_ms(older, 2100)  # 3 crossings of the weights, not 5
+    assert replace(part, stream_prefill_min_rows=None).streamed_step_tokens is None
