@@ -5,7 +5,8 @@ checkpoint with a real model's dimensions (default Qwen3-8B, bf16):
    k) against Hugging Face Accelerate's `device_map="auto"` with `max_memory={0: cap, "cpu": ...}`,
    the same prompt and new tokens, greedy: decode tok/s, TTFT, and HELM's measured vs predicted
    time per stage; where the plan streams the CPU stage's prompt steps to the GPU, their TTFT
-   streamed and on the CPU, in turns, at the prompt and at --long-prompt-tokens.
+   streamed in the plan's steps, streamed in 512-token chunks, and on the CPU, in turns, at the
+   prompt and at --long-prompt-tokens.
    Then δ and the η factors are fitted to that request's report and a second request, of another
    length, is measured against the fitted plan (the fit's error out of sample).
 2. All on the GPU (split 0): decode ms/token at the context against the HBM roofline, the bytes a
@@ -141,24 +142,31 @@ def decode_profile(engine: Engine, ids: list[int], steps: int = 8) -> dict:
 
 def streamed_prefill_ttft(engine: Engine, plan, prompts: list[list[int]], rounds: int = 2) -> dict:
     """TTFT of each prompt with the CPU stage's prompt steps streamed to the GPU (the plan's
-    policy, executor/streamed_prefill.py) and on the CPU's kernels, in turns (best of `rounds`
-    each), beside the plan's prediction; {} where the plan streams nothing."""
+    policy, executor/streamed_prefill.py) in the plan's streamed steps, streamed in prompt chunks
+    (the engine's prefill_chunk: a crossing of the weights for each), and on the CPU's kernels,
+    in turns (best of `rounds` each), beside the plan's prediction; {} where the plan streams
+    nothing."""
     stage = engine.model.stages[0]
-    streamed = stage.streamed
+    streamed, step_tokens = stage.streamed, engine.stream_chunk
     if streamed is None:
         return {}
     out = {"stream_prefill_min_rows": plan.partition.stream_prefill_min_rows,
-           "ring_bytes": fmt_bytes(streamed.device_bytes)}
-    for ids in prompts:
-        best = {"streamed": float("inf"), "cpu": float("inf")}
-        for _ in range(rounds):
-            for how in best:
-                stage.streamed = streamed if how == "streamed" else None
-                best[how] = min(best[how], _request(engine, None, ids, 1).ttft_ms)
-        stage.streamed = streamed
-        out[f"prompt_{len(ids)}"] = {"streamed_ms": round(best["streamed"], 1), "cpu_ms": round(best["cpu"], 1),
-                                     "speedup": round(best["cpu"] / best["streamed"], 2),
-                                     "predicted_streamed_ms": round(predict_ttft_ms(plan, len(ids)), 3)}
+           "stream_prefill_step_tokens": step_tokens, "ring_bytes": fmt_bytes(streamed.device_bytes)}
+    try:
+        for ids in prompts:
+            best = {"streamed": float("inf"), "streamed_in_chunks": float("inf"), "cpu": float("inf")}
+            for _ in range(rounds):
+                for how in best:
+                    stage.streamed = None if how == "cpu" else streamed
+                    engine.stream_chunk = engine.prefill_chunk if how == "streamed_in_chunks" else step_tokens
+                    best[how] = min(best[how], _request(engine, None, ids, 1).ttft_ms)
+            out[f"prompt_{len(ids)}"] = {
+                "streamed_ms": round(best["streamed"], 1), "streamed_in_chunks_ms": round(best["streamed_in_chunks"], 1),
+                "cpu_ms": round(best["cpu"], 1), "speedup": round(best["cpu"] / best["streamed"], 2),
+                "steps_vs_chunks": round(best["streamed_in_chunks"] / best["streamed"], 2),
+                "predicted_streamed_ms": round(predict_ttft_ms(plan, len(ids)), 3)}
+    finally:
+        stage.streamed, engine.stream_chunk = streamed, step_tokens
     return out
 
 

@@ -40,8 +40,9 @@ def test_the_gpu_benchmark_runs_end_to_end_in_smoke_mode(tmp_path, capsys, monke
     streamed = helm["streamed_prefill"]
     assert 1 <= streamed["stream_prefill_min_rows"] <= 40
     assert {k for k in streamed if k.startswith("prompt_")} == {"prompt_8", "prompt_40"}
-    assert all(t["streamed_ms"] > 0 and t["cpu_ms"] > 0 and t["predicted_streamed_ms"] > 0
-               for k, t in streamed.items() if k.startswith("prompt_"))
+    assert all(t["streamed_ms"] > 0 and t["streamed_in_chunks_ms"] > 0 and t["cpu_ms"] > 0
+               and t["predicted_streamed_ms"] > 0 for k, t in streamed.items() if k.startswith("prompt_"))
+    assert streamed["stream_prefill_step_tokens"] >= 8  # the plan's: at least a prompt chunk (of its context)
     fit = helm["after_fit"]  # fitted to this request, checked on another
     assert fit["prompt_tokens"] == 8 and {r["phase"] for r in fit["stages"]} == {"prefill", "decode"}
     assert results["all_gpu"]["split_k"] == 0 and results["all_gpu"]["hbm_roofline_ms"] > 0
