@@ -134,7 +134,8 @@ class Engine:
                  stream_chunk: int | None = None):
         """stream_chunk: where the load streams a CPU stage's prompt steps to the GPU
         (LoadedModel.stream_prefill), a prompt's chunks are this large while they stream (each
-        such step crosses the stage's weights once); None: the placement's (its plan's, priced in
+        such step crosses the stage's weights once), and no step holds more tokens (max_step_tokens
+        is then the stages' but the streaming one's); None: the placement's (its plan's, priced in
         its GPU memory), else a prompt chunk. prefix_cache: keep requests' K/V pages (as they fill, and after the request) for later
         prompts that start the same way (executor/prefix_cache.py); only within a plan's KV budget,
         which bounds what is kept. wait_for_shared_prefill: with it, a request whose prompt starts
@@ -160,9 +161,10 @@ class Engine:
         self.priced_step_tokens = max_step_tokens
         self.prefill_chunk = prefill_chunk
         self.stream_min_rows = model.stream_prefill or None
-        self.stream_chunk = max(stream_chunk or placement.stream_prefill_step_tokens or PREFILL_CHUNK_TOKENS,
-                                prefill_chunk)
-        self.max_step_tokens = max(max_step_tokens, self.stream_chunk) if self.stream_min_rows else max_step_tokens
+        self.stream_chunk = stream_chunk or placement.stream_prefill_step_tokens or PREFILL_CHUNK_TOKENS
+        # a streaming load's step holds no more than its streamed steps are priced for (the plan's
+        # stream_prefill_step_tokens, decodes riding along included), whatever the stages' step
+        self.max_step_tokens = self.stream_chunk if self.stream_min_rows else max_step_tokens
         # A plan prices its stages' working sets (logits, decode rows, a GPU stage's graphs) for this
         # many sequences at most (planner/working_set.py): more would run in memory nobody
         # reserved. Short of a --page-size override its KV budget admits no more anyway. Without a
@@ -264,6 +266,7 @@ class Engine:
                         batch_error, len(scheduled))
             drawn, events = [], failed
             for item in scheduled:
+                item = self._alone(item)
                 try:
                     drawn.append(([item], self._draw([item])))
                 except Exception as e:  # noqa: BLE001
@@ -384,6 +387,15 @@ class Engine:
             schedule.append((seq, seq.num_computed, count))
             budget -= count
         return self._unstreamed_within_price(schedule)
+
+    def _alone(self, item: tuple[Sequence, int, int]) -> tuple[Sequence, int, int]:
+        """A step's item retried in a step of its own: a prompt chunk that streamed only beside
+        others' falls short of the threshold alone, so it runs on the CPU stage's kernels, in a
+        chunk they are priced for (as `_unstreamed_within_price`)."""
+        seq, start, count = item
+        if self.stream_min_rows and 1 < count < self.stream_min_rows:
+            count = min(count, self.prefill_chunk, self.priced_step_tokens)
+        return seq, start, count
 
     def _unstreamed_within_price(self, schedule: list[tuple[Sequence, int, int]]) -> list[tuple[Sequence, int, int]]:
         """A streaming load's step whose prompt chunks fall short of its threshold runs on the CPU

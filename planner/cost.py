@@ -409,7 +409,7 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
     stage's prompt steps run on the GPU with their weights streamed from where the cost model
     prices that faster (True), never (False), or from that many tokens (an existing plan's);
     stream_step_tokens: the most tokens such a step takes (an existing plan's; None: as many as
-    fit in the GPU stage's own step's memory, working_set.streamed_step_tokens)."""
+    fit beside the split at its context, _streamed_step_tokens)."""
     n = len(units)
     if not 0 <= k <= n:
         raise ValueError(f"split {k} out of range 0..{n}")
@@ -455,7 +455,9 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
         ring = stream_ring_bytes(units, k)
         rows = stream_step_tokens or _streamed_step_tokens(fit, ring, min(STREAMED_STEP_TOKENS, math.ceil(batch * context)),
                                                            host_budget_bytes)
-        variants.append((ring, rows))
+        if rows >= stream_rows or stream_prefill is not True:
+            variants.append((ring, rows))
+        # else no step the search would allow reaches the threshold: nothing streams
     if not stream_rows or stream_prefill is True:
         variants.append((0, None))
     for ring, streamed_rows in variants:

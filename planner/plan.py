@@ -94,8 +94,8 @@ class Partition:
     # (planner.cost.stream_prefill_min_rows; executor/streamed_prefill.py); absent: on the CPU
     stream_prefill_min_rows: int | None = field(default=None, metadata=OMIT_IF_NONE)
     # ... taking up to this many of a prompt's tokens a step (each step crosses the weights once),
-    # as many as fit in the memory of the GPU stage's own step (planner.working_set
-    # .streamed_step_tokens); absent from a plan that streams: a prompt chunk (PREFILL_CHUNK_TOKENS)
+    # as many as the VRAM the split leaves at the plan's context holds (planner.cost
+    # ._streamed_step_tokens); absent from a plan that streams: a prompt chunk (PREFILL_CHUNK_TOKENS)
     stream_prefill_step_tokens: int | None = field(default=None, metadata=OMIT_IF_NONE)
 
     @property

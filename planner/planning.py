@@ -306,8 +306,8 @@ def _assemble(identity: ModelIdentity, ir: IRSummary, machine: MachineProfile, w
         # at the plan's own policy: where it streams, the ring stays in VRAM at every context
         longest_context=None if model_max is None else longest_context(
             chosen.split_k, units, shared, machine,
-            replace(space, stream_prefill=chosen.stream_prefill_min_rows or False,
-                    stream_step_tokens=chosen.stream_prefill_step_tokens),
+            # its streamed steps as large as each context leaves room for (a plan for that context's)
+            replace(space, stream_prefill=chosen.stream_prefill_min_rows or False),
             calibration, model_max),
         search=Search(objective=objective,
                       best_feasible_k=best.split_k if best else None,

@@ -241,12 +241,16 @@ def streamed_step_bytes(units: tuple[UnitIR, ...], rows: int, page: int, dtype: 
         qkv = q_width + 2 * kv_width
         inter = max(0, (u.weight_bytes // b - hidden * (qkv + q_width)) // (3 * hidden))  # norms: < 1 of it
         cols = max(1, min(inter, piece_bytes // (hidden * b)))                            # a piece's columns
-        attention = rows * (b * (qkv + q_width) + 2 * kv_width * b) + row_block * FP32_BYTES * 3 * qkv
         heads = u.attn_heads or 1
         group = heads // max(1, kv_width // max(1, q_width // heads))
-        attention += max(2 * row_block * q_width * b,
-                         streamed_prompt_attention_bytes(row_block, page, u.kv_bytes_per_token, heads, group,
-                                                         u.attn_flops_per_context_token, b))
+        # a query block's rows: qkv widened, then its queries and keys normed and rotated (fp32
+        # copies), or its rotated queries and keys held while it attends
+        project = row_block * FP32_BYTES * (qkv + 3 * (q_width + kv_width))
+        attend = row_block * FP32_BYTES * (q_width + kv_width) + max(
+            2 * row_block * q_width * b,
+            streamed_prompt_attention_bytes(row_block, page, u.kv_bytes_per_token, heads, group,
+                                            u.attn_flops_per_context_token, b))
+        attention = rows * (b * (qkv + q_width) + 2 * kv_width * b) + max(project, attend)
         mlp = rows * b * (hidden + inter + 2 * cols) + row_block * cols * (3 * FP32_BYTES + b)
         # the rotation's cos and sin for every row, and its int64 position
         tables = 2 * rows * FP32_BYTES * q_width // heads + 8 * rows

@@ -87,10 +87,11 @@ def test_a_batch_of_prompts_and_decodes_streams_together(checkpoint, monkeypatch
     path = checkpoint("llama", "fp32")
     prompts = [prompt_ids(30, 256, seed=23), prompt_ids(12, 256, seed=24)]
     stop = StopCriteria(max_new_tokens=8, ignore_eos=True)
-    engine, _ = streamed_engine(path, split=2, min_rows=4, prefill_chunk=8, stream_chunk=8)
+    engine, _ = streamed_engine(path, split=2, min_rows=4, prefill_chunk=8, stream_chunk=16)
     steps = count_streamed_steps(monkeypatch)
     got = [s.output_ids for s in engine.generate(prompts, SamplingParams(), stop)]
-    assert len(steps) >= 4 and max(steps) > 8  # the second prompt's chunks with the first's, and decodes
+    # 16 of the first; its last 14 with the second's first 2; the second's last 10 with the first's decode
+    assert steps == [16, 16, 11]
     assert got == [hf_greedy(path, p, 8) for p in prompts]
 
 
@@ -259,3 +260,79 @@ def test_the_engine_takes_its_streamed_step_size_from_the_placement(checkpoint, 
     assert Engine(load_model(path, older, cfg, streamed_prefill=True)).stream_chunk == PREFILL_CHUNK_TOKENS
     with pytest.raises(PlacementError, match="at least 1 token"):
         replace(placement, stream_prefill_step_tokens=0).validate()
+
+
+def test_a_streaming_loads_step_holds_no_more_than_its_streamed_step_is_priced_for(checkpoint, monkeypatch):
+    """Several prompts streamed together: the step holds the plan's stream_prefill_step_tokens at
+    most (its memory is priced for that many rows, planner/working_set.streamed_step_bytes),
+    however many more the stages' own steps would take."""
+    path = checkpoint("qwen3", "fp32")
+    engine, _ = streamed_engine(path, split=2, min_rows=4, prefill_chunk=8, stream_chunk=16)
+    steps = count_streamed_steps(monkeypatch)
+    prompts = [prompt_ids(16, 256, seed=50 + i) for i in range(4)]
+    seqs = engine.generate(prompts, SamplingParams(), StopCriteria(max_new_tokens=3, ignore_eos=True))
+    assert steps and max(steps) == 16 and sum(steps) >= 64
+    assert [s.output_ids for s in seqs] == [hf_greedy(path, p, 3) for p in prompts]
+
+
+def test_a_chunk_retried_alone_below_the_threshold_runs_in_priced_chunks(checkpoint, monkeypatch):
+    """A failed batched step is retried sequence by sequence: a chunk that streamed only beside
+    another's falls short of the threshold alone, so it runs on the CPU stage's kernels, cut to
+    the prompt chunk they are priced for; the tokens are still transformers'."""
+    path = checkpoint("qwen3", "fp32")
+    engine, _ = streamed_engine(path, split=2, min_rows=40, prefill_chunk=8, stream_chunk=64)
+    run, failed = StreamedPrefill.__call__, []
+
+    def fail_once(self, x, b):
+        if not failed:
+            failed.append(b.num_tokens)
+            raise RuntimeError("a streamed step failed")
+        return run(self, x, b)
+
+    monkeypatch.setattr(StreamedPrefill, "__call__", fail_once)
+    stages = record_stage_steps(monkeypatch)
+    prompts = [prompt_ids(30, 256, seed=60 + i) for i in range(2)]
+    seqs = engine.generate(prompts, SamplingParams(), StopCriteria(max_new_tokens=3, ignore_eos=True))
+    assert failed == [60]
+    assert stages[0][:3] == [60, 8, 8]  # the batched step, then each alone, cut to a chunk of 8
+    assert [s.output_ids for s in seqs] == [hf_greedy(path, p, 3) for p in prompts]
+
+
+def test_a_step_larger_than_a_stage_is_priced_for_reaches_it_in_sub_steps(checkpoint):
+    """Engine._forward: a stage other than the streaming one takes a step of more tokens than its
+    priced step, or a slice longer than a prompt chunk, in consecutive sub-steps within both, and
+    its outputs are the step's rows in order."""
+    path = checkpoint("qwen3", "fp32")
+    engine, _ = streamed_engine(path, split=2, min_rows=4, prefill_chunk=8)
+    engine.priced_step_tokens = 10
+    seen = []
+
+    class Stage:
+        streamed = None
+
+        def forward(self, x, batch):
+            seen.append([(s.seq_id, s.start, s.count) for s in batch.slices])
+            return x[batch.logit_rows] * 10
+
+    batch = StepBatch.build([("a", 0, 6), ("b", 0, 6), ("c", 4, 1)], logit_rows=[5, 11, 12])
+    out = engine._forward(Stage(), torch.arange(13, dtype=torch.float32), batch)
+    assert seen == [[("a", 0, 6)], [("b", 0, 6), ("c", 4, 1)]]
+    assert out.tolist() == [50.0, 110.0, 120.0]
+    seen.clear()
+    engine._forward(Stage(), torch.arange(12, dtype=torch.float32), StepBatch.build([("a", 0, 12)]))
+    assert seen == [[("a", 0, 8)], [("a", 8, 4)]]
+
+
+def test_a_step_short_of_the_threshold_is_cut_to_the_priced_step_beside_its_decodes(checkpoint):
+    """Engine._unstreamed_within_price: prompt chunks that will not stream are cut to the prompt
+    chunk and to what the priced step leaves beside the running sequences' decodes."""
+    path = checkpoint("qwen3", "fp32")
+    engine, _ = streamed_engine(path, split=2, min_rows=40, prefill_chunk=8, stream_chunk=64)
+    engine.priced_step_tokens = 10
+    running = [object(), object(), object()]
+    engine.running = running
+    prompt, later = object(), object()
+    schedule = [(s, 5, 1) for s in running] + [(prompt, 0, 30), (later, 0, 6)]
+    assert engine._unstreamed_within_price(schedule) == [(s, 5, 1) for s in running] + [(prompt, 0, 7)]
+    streams = [(s, 5, 1) for s in running] + [(prompt, 0, 40)]
+    assert engine._unstreamed_within_price(streams) == streams  # it reaches the threshold: as scheduled

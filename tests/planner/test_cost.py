@@ -397,3 +397,41 @@ def test_a_streamed_step_takes_as_many_tokens_as_the_vram_left_holds_never_a_dev
                      **offload)
     assert paged.kv.device_pages == at_chunk.kv.device_pages and paged.kv.host_pages > 0
     assert paged.stream_prefill_step_tokens >= PREFILL_CHUNK_TOKENS
+
+
+def test_a_streamed_step_copies_the_cached_prefix_in_for_each_block_of_queries():
+    """streamed_block_prefill_ms: the weights' crossing (here the slower than the GPU's work) plus
+    the K/V copies: the cached prefix once per block of PREFILL_CHUNK_TOKENS queries (the streamed
+    path attends a query block at a time over the pages it copies in), the step's own once out."""
+    from planner.cost import streamed_block_prefill_ms
+    from planner.step_shape import PREFILL_CHUNK_TOKENS
+
+    m = machine(link_gibps=1.0)
+    gpu = device_rates(m, "cuda")
+    u = unit(1, "block", 256 * MIB, kv=4096, act=8192, attn=16384)
+    h2d = 1e3 * u.kv_bytes_per_token / (m.link.h2d_gibps * GIB)   # ms per cached token copied in
+    for prompt in (PREFILL_CHUNK_TOKENS, 3 * PREFILL_CHUNK_TOKENS + 1):
+        fresh, after = (streamed_block_prefill_ms(u, gpu, m.link, 1, prompt, prefix) for prefix in (0, 1000))
+        blocks = -(-prompt // PREFILL_CHUNK_TOKENS)
+        assert after - fresh == pytest.approx(blocks * 1000 * h2d)
+
+
+def test_the_host_holds_a_streamed_steps_hidden_states():
+    """cpu_working_bytes: where the CPU stage's prompt steps stream, the host holds such a step's
+    hidden states (the embedding's output and the blocks' returned, fp32) rather than its
+    activations: the larger of the two."""
+    import json
+
+    from planner.trace import trace_model
+    from planner.working_set import cpu_working_bytes
+    from tests.planner.conftest import config_path
+
+    units, _ = model_units(8, 256 * MIB, 64 * MIB, 64 * MIB, act=8192)  # no activations recorded: only them
+    args = dict(dtype=BF16, batch=1, context=4096, page_size_tokens=512, budget_pages=8, gpu_units=units[5:])
+    none = cpu_working_bytes(units[:5], streamed_rows=0, **args)
+    assert cpu_working_bytes(units[:5], streamed_rows=1000, **args) - none == 2 * 1000 * 8192 * 4 // 2
+    traced = trace_model(json.loads(open(config_path("qwen3-0.6b")).read())).units
+    args.update(gpu_units=traced[10:])
+    plain = cpu_working_bytes(traced[:10], **args)
+    assert cpu_working_bytes(traced[:10], streamed_rows=512, **args) == plain  # a chunk's activations are more
+    assert cpu_working_bytes(traced[:10], streamed_rows=2 ** 16, **args) > plain

@@ -63,7 +63,7 @@ def test_write_read_write_gives_identical_bytes(laptop_plan_8b, tmp_path):
     assert lines[0].startswith("# HELM plan v1: Qwen3ForCausalLM") and "k=22 of 38" in lines[0]
     assert "MiB working set)" in lines[0]
     assert lines[1].startswith("# Predicted") and lines[2].startswith("# Why: k=21") and "working set" in lines[2]
-    assert lines[3].startswith("# Longest context at batch 1: 2560 tokens") and "with KV offload" in lines[3]
+    assert lines[3].startswith("# Longest context at batch 1: 3072 tokens") and "with KV offload" in lines[3]
     assert lines[4].startswith("# Prompt steps of >= 32 tokens run the CPU stage's blocks on the GPU")
     assert lines[4].endswith("up to 1024 tokens a step.")  # the plan's context: a step holds no more
     assert not lines[5].startswith("#")
