@@ -382,11 +382,27 @@ class Engine:
                     continue
                 leaders.append(seq)
                 reserved = None
-            chunk = self.stream_chunk if self.stream_min_rows else self.prefill_chunk
-            count = min(chunk, budget, len(seq.prompt_ids) - seq.num_computed)
+            count = min(self.prefill_chunk, budget, len(seq.prompt_ids) - seq.num_computed)
             schedule.append((seq, seq.num_computed, count))
             budget -= count
-        return self._unstreamed_within_price(schedule)
+        return self._unstreamed_within_price(self._topped_up(schedule, budget))
+
+    def _topped_up(self, schedule: list[tuple[Sequence, int, int]], budget: int) -> list[tuple[Sequence, int, int]]:
+        """A streaming load's prompt chunks, each first a prefill_chunk (so a short prompt behind a
+        long one starts beside it), then grown in order up to stream_chunk with what the step's
+        budget has left: larger steps cross the weights fewer times per prompt."""
+        if not self.stream_min_rows or budget <= 0:
+            return schedule
+        running = len(self.running)  # their decodes come first
+        grown = schedule[:running]
+        for seq, start, count in schedule[running:]:
+            if budget > 0:
+                extra = min(budget, self.stream_chunk - count, len(seq.prompt_ids) - start - count)
+                if extra > 0:
+                    count += extra
+                    budget -= extra
+            grown.append((seq, start, count))
+        return grown
 
     def _alone(self, item: tuple[Sequence, int, int]) -> tuple[Sequence, int, int]:
         """A step's item retried in a step of its own: a prompt chunk that streamed only beside

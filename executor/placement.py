@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from executor.errors import PlacementError
+from planner.step_shape import PREFILL_CHUNK_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,10 @@ class Placement:
             raise PlacementError(f"streamed prompt steps need at least 1 token, got {self.stream_prefill_min_rows}")
         if self.stream_prefill_step_tokens is not None and self.stream_prefill_step_tokens < 1:
             raise PlacementError(f"a streamed prompt step takes at least 1 token, got {self.stream_prefill_step_tokens}")
+        step = self.stream_prefill_step_tokens or PREFILL_CHUNK_TOKENS
+        if self.stream_prefill_min_rows is not None and step < self.stream_prefill_min_rows:
+            raise PlacementError(f"prompt steps stream from {self.stream_prefill_min_rows} tokens but take at most "
+                                 f"{step}: none would stream")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise PlacementError(f"CPU threads must be >= 1, got {self.cpu_threads}")
 

@@ -150,13 +150,13 @@ def unit_prefill_ms(unit: UnitIR, rates: DeviceRates, batch: int, prompt: int, p
 
 
 def streamed_block_prefill_ms(unit: UnitIR, gpu: DeviceRates, link, batch: int, prompt: int,
-                              prefix: int = 0) -> float:
+                              prefix: int = 0, crossings: int = 1) -> float:
     """A CPU-stage block's prompt step run on the GPU with its weights streamed over the link
     (executor/streamed_prefill.py): the weights' crossing overlapped with the GPU's work on them
     (the slower of the two), then the K/V the step copies: the sequences' cached prefix in, once
     for each block of PREFILL_CHUNK_TOKENS queries, the step's own tokens back out to the stage's
-    host pages."""
-    upload = 1e3 * unit.weight_bytes / (link.h2d_gibps * GIB)
+    host pages. crossings: the steps the prompt takes (each crosses the weights again)."""
+    upload = crossings * 1e3 * unit.weight_bytes / (link.h2d_gibps * GIB)
     kv = batch * unit.kv_bytes_per_token
     query_blocks = math.ceil(prompt / PREFILL_CHUNK_TOKENS)
     copies = 1e3 * (kv * prefix * query_blocks / (link.h2d_gibps * GIB) + kv * prompt / (link.d2h_gibps * GIB))
@@ -462,8 +462,8 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
         variants.append((0, None))
     for ring, streamed_rows in variants:
         gpu_reasons, sized, cpu_work, host_bytes = fit(ring, streamed_rows)
-        if not gpu_reasons:
-            break
+        if not gpu_reasons and host_bytes <= host_budget_bytes:
+            break  # (else the next: without streaming, which may fit where it does not)
     stream_rows = stream_rows if ring else None
     device_pages, host_pages, gpu_work, gpu_bytes = sized
     reasons = list(gpu_reasons)
@@ -497,8 +497,10 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
             proj += alike * p
             attn += alike * a
             if device == "cpu" and u.kind == "block" and streams_step:
+                # a prompt larger than a streamed step takes several (the engine's), each a crossing
                 prefill += alike * streamed_block_prefill_ms(u, device_rates(machine, "cuda", calibration, dtype), link,
-                                                             batch, prompt, prefix)
+                                                             batch, prompt, prefix,
+                                                             crossings=math.ceil(round(batch * prompt, 6) / streamed_rows))
             elif logits or u.kind != "head":
                 prefill += alike * unit_prefill_ms(u, rates, batch, prompt, prefix)
         if device == "cpu" and streams_step:

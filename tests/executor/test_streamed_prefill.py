@@ -260,6 +260,10 @@ def test_the_engine_takes_its_streamed_step_size_from_the_placement(checkpoint, 
     assert Engine(load_model(path, older, cfg, streamed_prefill=True)).stream_chunk == PREFILL_CHUNK_TOKENS
     with pytest.raises(PlacementError, match="at least 1 token"):
         replace(placement, stream_prefill_step_tokens=0).validate()
+    with pytest.raises(PlacementError, match="from 40 tokens but take at most 20: none would stream"):
+        replace(placement, stream_prefill_min_rows=40).validate()
+    with pytest.raises(PlacementError, match=f"take at most {PREFILL_CHUNK_TOKENS}"):  # a plan from before the field
+        replace(placement, stream_prefill_min_rows=600, stream_prefill_step_tokens=None).validate()
 
 
 def test_a_streaming_loads_step_holds_no_more_than_its_streamed_step_is_priced_for(checkpoint, monkeypatch):
@@ -336,3 +340,22 @@ def test_a_step_short_of_the_threshold_is_cut_to_the_priced_step_beside_its_deco
     assert engine._unstreamed_within_price(schedule) == [(s, 5, 1) for s in running] + [(prompt, 0, 7)]
     streams = [(s, 5, 1) for s in running] + [(prompt, 0, 40)]
     assert engine._unstreamed_within_price(streams) == streams  # it reaches the threshold: as scheduled
+
+
+def test_a_short_prompt_behind_a_long_one_starts_beside_it(checkpoint, monkeypatch):
+    """A streaming load gives every waiting prompt a prefill_chunk first and only then grows the
+    chunks up to stream_chunk: a short request behind a long one gets its first token from the
+    first step, not once the long prompt is done."""
+    path = checkpoint("qwen3", "fp32")
+    engine, _ = streamed_engine(path, split=2, min_rows=4, prefill_chunk=8, stream_chunk=32)
+    steps = count_streamed_steps(monkeypatch)
+    stop = StopCriteria(max_new_tokens=3, ignore_eos=True)
+    long, short = prompt_ids(150, 256, seed=70), prompt_ids(5, 256, seed=71)
+    first, second = (engine.add_request(p, SamplingParams(), stop) for p in (long, short))
+    engine.step()
+    assert len(second.output_ids) == 1 and not first.output_ids
+    assert steps == [32]  # the long prompt's 8, the short one's 5, the long one's grown by 19
+    assert first.num_computed == 27
+    while engine.has_work():
+        engine.step()
+    assert first.output_ids == hf_greedy(path, long, 3) and second.output_ids == hf_greedy(path, short, 3)

@@ -435,3 +435,38 @@ def test_the_host_holds_a_streamed_steps_hidden_states():
     plain = cpu_working_bytes(traced[:10], **args)
     assert cpu_working_bytes(traced[:10], streamed_rows=512, **args) == plain  # a chunk's activations are more
     assert cpu_working_bytes(traced[:10], streamed_rows=2 ** 16, **args) > plain
+
+
+def test_a_split_whose_host_memory_holds_it_only_without_streaming_streams_nothing():
+    """Streaming's ring can push device KV pages to the host (offload) and its steps' hidden
+    states take host memory: where the host then does not hold the split, the search plans it
+    without streaming rather than refusing it."""
+    from tests.planner.helpers import with_vram
+
+    units, _ = model_units(8, 256 * MIB, 64 * MIB, 64 * MIB)
+    m = _flash(machine())
+    args = dict(dtype=BF16, offload=True, context=16384)
+    roomy = split(5, units, (), m, **args)
+    vram = roomy.gpu_bytes - roomy.kv.device_pages * roomy.kv.device_page_bytes + 3 * roomy.kv.device_page_bytes
+    tight = with_vram(m, vram)
+    streams = split(5, units, (), tight, gpu_budget_bytes=vram, **args)
+    plain = split(5, units, (), tight, gpu_budget_bytes=vram, stream_prefill=False, **args)
+    assert streams.stream_prefill_min_rows is not None and streams.host_bytes > plain.host_bytes
+    host = (streams.host_bytes + plain.host_bytes) // 2  # holds the split without streaming only
+    searched = split(5, units, (), tight, gpu_budget_bytes=vram, host_budget_bytes=host, **args)
+    assert searched.feasible and searched.stream_prefill_min_rows is None and searched.host_bytes == plain.host_bytes
+
+
+def test_a_plans_ttft_crosses_the_weights_once_per_streamed_step():
+    """The plan's one-shot TTFT of a prompt larger than its streamed step prices a crossing of the
+    CPU stage's weights for each step the engine takes it in."""
+    from planner.cost import streamed_block_prefill_ms
+
+    units, _ = model_units(8, 256 * MIB, 64 * MIB, 64 * MIB)
+    m = _flash(machine(link_gibps=1.0))
+    gpu = device_rates(m, "cuda", dtype=BF16)
+    one = split(5, units, (), m, dtype=BF16, context=4096, prompt=1000, stream_step_tokens=1000)
+    three = split(5, units, (), m, dtype=BF16, context=4096, prompt=1000, stream_step_tokens=400)
+    cross = 1e3 * units[1].weight_bytes / (m.link.h2d_gibps * GIB)
+    assert three.stages[0].prefill_ms - one.stages[0].prefill_ms == pytest.approx(4 * 2 * cross)
+    assert streamed_block_prefill_ms(units[1], gpu, m.link, 1, 1000, crossings=3) >= 3 * cross
