@@ -133,14 +133,15 @@ class Engine:
                  prefix_cache: bool = True, wait_for_shared_prefill: bool = True,
                  stream_chunk: int | None = None):
         """stream_chunk: where the load streams a CPU stage's prompt steps to the GPU
-        (LoadedModel.stream_prefill), a prompt's chunks are this large while they stream (each
-        such step crosses the stage's weights once), and no step holds more tokens (max_step_tokens
-        is then the stages' but the streaming one's); None: the placement's (its plan's, priced in
-        its GPU memory), else a prompt chunk. prefix_cache: keep requests' K/V pages (as they fill, and after the request) for later
-        prompts that start the same way (executor/prefix_cache.py); only within a plan's KV budget,
-        which bounds what is kept. wait_for_shared_prefill: with it, a request whose prompt starts
-        with pages a started request is still computing waits for them rather than computing them
-        too (False: it computes them beside it, as without a prefix cache)."""
+        (LoadedModel.stream_prefill), a prompt's chunks grow to this many tokens while they stream
+        (each such step crosses the stage's weights once), and no step holds more
+        (priced_step_tokens keeps what the other stages are priced for); None: the placement's
+        (its plan's, priced in its GPU memory), else a prompt chunk. prefix_cache: keep requests'
+        K/V pages (as they fill, and after the request) for later prompts that start the same way
+        (executor/prefix_cache.py); only within a plan's KV budget, which bounds what is kept.
+        wait_for_shared_prefill: with it, a request whose prompt starts with pages a started
+        request is still computing waits for them rather than computing them too (False: it
+        computes them beside it, as without a prefix cache)."""
         self.model = model
         self.config = model.config
         self.eos_token_ids = tuple(eos_token_ids or model.config.eos_token_ids)

@@ -453,8 +453,8 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
     variants = []  # (ring, the most tokens a streamed step takes)
     if stream_rows:
         ring = stream_ring_bytes(units, k)
-        rows = stream_step_tokens or _streamed_step_tokens(fit, ring, min(STREAMED_STEP_TOKENS, math.ceil(batch * context)),
-                                                           host_budget_bytes)
+        most = min(STREAMED_STEP_TOKENS, math.ceil(batch * context))  # a step holds no more than the prompts
+        rows = stream_step_tokens or _streamed_step_tokens(fit, ring, most, host_budget_bytes)
         if rows >= stream_rows or stream_prefill is not True:
             variants.append((ring, rows))
         # else no step the search would allow reaches the threshold: nothing streams
@@ -498,9 +498,9 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
             attn += alike * a
             if device == "cpu" and u.kind == "block" and streams_step:
                 # a prompt larger than a streamed step takes several (the engine's), each a crossing
+                crossings = math.ceil(round(batch * prompt, 6) / streamed_rows)
                 prefill += alike * streamed_block_prefill_ms(u, device_rates(machine, "cuda", calibration, dtype), link,
-                                                             batch, prompt, prefix,
-                                                             crossings=math.ceil(round(batch * prompt, 6) / streamed_rows))
+                                                             batch, prompt, prefix, crossings=crossings)
             elif logits or u.kind != "head":
                 prefill += alike * unit_prefill_ms(u, rates, batch, prompt, prefix)
         if device == "cpu" and streams_step:

@@ -27,8 +27,8 @@ def predict(plan: Plan, context_tokens: int, batch_size: int | None = None, pref
 def predict_ttft_ms(plan: Plan, prompt_tokens: int, chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> float:
     """The plan's time to first token for a prompt of `prompt_tokens` at batch 1, prefilled the way
     the executor does it (planner.step_shape.prompt_steps): in steps of at most chunk_tokens, or
-    of STREAMED_STEP_TOKENS where the plan streams them, each after the chunks before it, the
-    logits computed by the last one only."""
+    of the plan's streamed step where they stream, each after the steps before it, the logits
+    computed by the last one only."""
     total = 0.0
     for start, n in prompt_steps(prompt_tokens, plan.partition.stream_prefill_min_rows, chunk_tokens,
                                  plan.partition.streamed_step_tokens or chunk_tokens):

@@ -28,8 +28,8 @@ class SearchSpace:
     # The CPU stage's prompt steps streamed to the GPU: True, from where the cost model prices it
     # faster (the search); False, never; a number, from that many tokens (an existing plan's policy)
     stream_prefill: bool | int = True
-    # the most tokens a streamed step takes: None, as many as the GPU stage's own step's memory
-    # holds (the search); a number, an existing plan's
+    # the most tokens a streamed step takes: None, as many as fit beside the split at its context
+    # (the search); a number, an existing plan's
     stream_step_tokens: int | None = None
 
 

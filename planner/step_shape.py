@@ -15,12 +15,12 @@ MAX_RUNNING_SEQUENCES = 64      # sequences in one step at most (the daemon's de
 # copied while one is multiplied, one spare so a copy never waits for the product before it)
 STREAM_PIECE_BYTES = 32 << 20
 STREAM_SLOTS = 3
-# A streamed step takes up to this many prompt tokens (a longer prompt's chunks are this large,
-# not PREFILL_CHUNK_TOKENS): each step crosses every CPU-stage weight once, so larger steps
-# cross them fewer times per prompt. The streamed path works through them a prompt chunk of rows
-# at a time wherever that bounds memory (its price: working_set.streamed_step_bytes), and the GPU
-# stage takes such a step in sub-steps no larger than the step it is priced for
-# (executor/engine.py), so only the streamed blocks' own activations grow with it.
+# A streamed step takes at most this many prompt tokens (a plan's own, what its VRAM holds, is
+# partition.stream_prefill_step_tokens): each step crosses every CPU-stage weight once, so larger
+# steps cross them fewer times per prompt. The streamed path works through them a prompt chunk of
+# rows at a time wherever that bounds memory (its price: working_set.streamed_step_bytes), and
+# the GPU stage takes such a step in sub-steps no larger than the step it is priced for
+# (executor/engine.py), so only the streamed blocks' own arrays grow with it.
 STREAMED_STEP_TOKENS = MAX_STEP_TOKENS
 
 

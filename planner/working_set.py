@@ -104,24 +104,6 @@ def gpu_working_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: in
     it in sub-steps of the step priced here, so the larger of the two)."""
     if not units:
         return 0
-    batch, context, budget_pages, device_pages = (math.ceil(x) for x in (batch, context, budget_pages, device_pages))
-    st = _Stage.of(units, dtype, context, budget_pages)
-    total = max(gpu_step_bytes(units, dtype=dtype, batch=batch, context=context, page_size_tokens=page_size_tokens,
-                               budget_pages=budget_pages, device_pages=device_pages,
-                               flash_attention=flash_attention), streamed_step)
-    if st.blocks and device_pages:
-        per_token = activation_bytes_per_token(units)
-        gathered = bucket(device_pages) * page_size_tokens         # keys one decode graph reads
-        rows = min(bucket(st.sequences), bucket(device_pages))
-        # each key gathered, and its entry in the step's additive mask (the cache's dtype)
-        total += gathered * (st.kv_token + st.b) + rows * per_token + device_page_bytes + stream_workspace_bytes
-    return total
-
-
-def gpu_step_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: int, context: int, page_size_tokens: int,
-                   budget_pages: int, device_pages: int, flash_attention: bool | None = None) -> int:
-    """What of gpu_working_bytes a step takes while it runs and gives back after: its activations,
-    its sequences' logits, a prompt chunk's attention."""
     # the fit prices steps at mean batch sizes and contexts: memory is whole pages and sequences
     batch, context, budget_pages, device_pages = (math.ceil(x) for x in (batch, context, budget_pages, device_pages))
     st = _Stage.of(units, dtype, context, budget_pages)
@@ -138,6 +120,12 @@ def gpu_step_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: int, 
         streams = flash is not True or device_pages < budget_pages
         total += max(fused_prompt_attention_bytes(resident, st.chunk, st.kv_token, st.heads) if fuses else 0,
                      st.streamed(page_size_tokens) if streams else 0)
+    total = max(total, streamed_step)  # the step's own, or a streamed one's before it
+    if st.blocks and device_pages:
+        gathered = bucket(device_pages) * page_size_tokens         # keys one decode graph reads
+        rows = min(bucket(st.sequences), bucket(device_pages))
+        # each key gathered, and its entry in the step's additive mask (the cache's dtype)
+        total += gathered * (st.kv_token + st.b) + rows * per_token + device_page_bytes + stream_workspace_bytes
     return total
 
 
@@ -223,13 +211,14 @@ def streamed_step_bytes(units: tuple[UnitIR, ...], rows: int, page: int, dtype: 
                         row_block: int = PREFILL_CHUNK_TOKENS, piece_bytes: int = STREAM_PIECE_BYTES) -> int:
     """Device memory a CPU stage's prompt step of `rows` tokens takes streamed through its blocks
     `units` (executor/streamed_prefill.py), beside its ring of weight pieces: the residual stream,
-    positions and the rotation's tables; the products' outputs for every row in the weights' dtype, at the larger of attention
-    (qkv, the attention output, the step's own K/V) and the MLP (normed input, silu(gate)·up, one
-    piece of gate's and of up's columns); the fp32 values made from them a `row_block` of rows at
-    a time (a piece's gate and up and silu, or qkv widened, normed and rotated); and one query
-    block's attention, flash (its queries and output in the weights' dtype) or streamed over
-    pages, the larger. The block's dimensions come off its IR: H from the hidden state it hands
-    on, the attention's from its KV and FLOPs per context token, I from what its weights leave."""
+    positions and the rotation's tables; the products' outputs for every row in the weights'
+    dtype, at the larger of attention (qkv, the attention output, the step's own K/V) and the MLP
+    (normed input, silu(gate)·up, one piece of gate's and of up's columns); the fp32 values made
+    from them a `row_block` of rows at a time (a piece's gate and up and silu, or qkv widened,
+    normed and rotated); and one query block's attention, flash (its queries and output in the
+    weights' dtype) or streamed over pages, the larger. The block's dimensions come off its IR:
+    H from the hidden state it hands on, the attention's from its KV and FLOPs per context token,
+    I from what its weights leave."""
     b = DTYPE_BYTES.get(dtype or "bfloat16", 2)
     row_block = min(rows, row_block)
     most = 0
@@ -241,8 +230,7 @@ def streamed_step_bytes(units: tuple[UnitIR, ...], rows: int, page: int, dtype: 
         qkv = q_width + 2 * kv_width
         inter = max(0, (u.weight_bytes // b - hidden * (qkv + q_width)) // (3 * hidden))  # norms: < 1 of it
         cols = max(1, min(inter, piece_bytes // (hidden * b)))                            # a piece's columns
-        heads = u.attn_heads or 1
-        group = heads // max(1, kv_width // max(1, q_width // heads))
+        heads, group = u.attn_heads or 1, q_width // max(1, kv_width)  # query heads per KV head
         # a query block's rows: qkv widened, then its queries and keys normed and rotated (fp32
         # copies), or its rotated queries and keys held while it attends
         project = row_block * FP32_BYTES * (qkv + 3 * (q_width + kv_width))
