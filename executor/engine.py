@@ -109,21 +109,23 @@ class StepRecord:
     prediction). A step with prompt chunks (more than one token of a sequence) is a prefill step:
     `batch` chunks of `tokens` in all, ending on average at `context` (its decodes, a few tokens,
     left out); otherwise a decode step: `batch` sequences at mean context `context` (each attends
-    over its tokens through the new one)."""
+    over its tokens through the new one). `streamed`: a CPU stage ran the step's blocks on the GPU,
+    their weights streamed (executor/streamed_prefill.py)."""
     phase: str                          # "decode" | "prefill"
     context: int
     batch: int
     tokens: int
     stages: tuple[StageClock, ...]
+    streamed: bool = False
 
     @classmethod
-    def of(cls, batch: StepBatch, stages: tuple[StageClock, ...]) -> "StepRecord":
+    def of(cls, batch: StepBatch, stages: tuple[StageClock, ...], streamed: bool = False) -> "StepRecord":
         chunks = [(s.start, s.count) for s in batch.slices if s.count > 1]
         if chunks:
             return cls("prefill", round(sum(s + n for s, n in chunks) / len(chunks)), len(chunks),
-                       sum(n for _, n in chunks), stages)
+                       sum(n for _, n in chunks), stages, streamed)
         ends = [s.start + s.count for s in batch.slices]
-        return cls("decode", round(sum(ends) / len(ends)), len(ends), batch.num_tokens, stages)
+        return cls("decode", round(sum(ends) / len(ends)), len(ends), batch.num_tokens, stages, streamed)
 
 
 class Engine:
@@ -511,7 +513,8 @@ class Engine:
                 clock[1].synchronize()
                 clock = clock[0].elapsed_time(clock[1])
             timings.append(StageClock(i, stage.device.type, clock))
-        self.last_step = StepRecord.of(batch, tuple(timings))
+        streamed = any(s.streamed is not None and s.streamed.accepts(batch) for s in self.model.stages)
+        self.last_step = StepRecord.of(batch, tuple(timings), streamed)
         if self.on_step is not None:
             self.on_step(self.last_step)
         return logits

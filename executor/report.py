@@ -3,7 +3,9 @@
 Every engine step gives, per stage, the measured wall time with the step's phase, context
 length, batch and tokens; `Recorder` pairs it with the time the plan's cost model predicts for
 that same step (planner.predict.predict_step) and aggregates per stage, phase and power-of-two
-context bucket into a planner.report.Report, the format recalibration reads.
+context bucket into a planner.report.Report, the format recalibration reads. Prompt steps a CPU
+stage streamed to the GPU get rows of their own: they time the link and the GPU, and a bucket's
+means over both kinds of step would model neither.
 """
 from __future__ import annotations
 
@@ -78,7 +80,7 @@ class Recorder:
         self.architecture = architecture
         self.kernel_isa = kernel_isa
         self._stages = plan.partition.stages
-        self._rows: dict[tuple[int, str, int], _Row] = {}
+        self._rows: dict[tuple[int, str, int, bool], _Row] = {}  # (stage, phase, bucket, streamed)
         self._steps = 0
         self._rng = random.Random(0)
         self._lock = threading.Lock()
@@ -93,27 +95,30 @@ class Recorder:
 
     def record_step(self, step) -> tuple[StagePredicted, ...]:
         """Store one engine step (an executor.engine.StepRecord); return what the plan predicted."""
-        return self.record(step.phase, step.context, step.batch, step.tokens, tuple(t.ms for t in step.stages))
+        return self.record(step.phase, step.context, step.batch, step.tokens, tuple(t.ms for t in step.stages),
+                           step.streamed)
 
     def record(self, phase: str, context: int, batch: int, tokens: int,
-               measured_ms: tuple[float, ...]) -> tuple[StagePredicted, ...]:
-        """Store one step (measured ms per stage); return what the plan predicted for it."""
+               measured_ms: tuple[float, ...], streamed: bool = False) -> tuple[StagePredicted, ...]:
+        """Store one step (measured ms per stage; `streamed`: a CPU stage streamed it to the GPU);
+        return what the plan predicted for it."""
         predicted = self.predict(phase, context, batch, tokens)
         lo, _ = context_bucket(context)
+        key = (phase, lo, bool(streamed))
         with self._lock:
             self._steps += 1
             for i, (ms, p) in enumerate(zip(measured_ms, predicted)):
-                row = self._rows.get((i, phase, lo))
+                row = self._rows.get((i, *key))
                 if row is None:
-                    row = self._rows[(i, phase, lo)] = _Row(self._rng)
+                    row = self._rows[(i, *key)] = _Row(self._rng)
                 row.add(ms, p.ms, p.roofline_ms, context, batch, tokens)
         return predicted
 
     def report(self) -> Report:
         rows = []
         with self._lock:
-            order = sorted(self._rows, key=lambda key: (key[0], PHASES.index(key[1]), key[2]))
-            for (i, phase, lo), row in ((key, self._rows[key]) for key in order):
+            order = sorted(self._rows, key=lambda key: (key[0], PHASES.index(key[1]), key[2], key[3]))
+            for (i, phase, lo, streamed), row in ((key, self._rows[key]) for key in order):
                 measured, predicted, roofline, context, batch, tokens = (s / row.n for s in row.sums)
                 stage = self._stages[i]
                 rows.append(ReportRow(
@@ -122,7 +127,7 @@ class Recorder:
                     measured_mean_ms=measured, measured_p50_ms=_percentile(row.sample, 0.5),
                     measured_p99_ms=_percentile(row.sample, 0.99), predicted_ms=predicted,
                     predicted_roofline_ms=roofline,
-                    error_pct=(measured - predicted) / predicted * 100 if predicted > 0 else 0.0))
+                    error_pct=(measured - predicted) / predicted * 100 if predicted > 0 else 0.0, streamed=streamed))
             steps = self._steps
         ran = self.plan.partition.stream_prefill_min_rows if self.stream_prefill == AS_PLANNED else self.stream_prefill
         return Report(self.summary, self.architecture, self.kernel_isa, steps, time.time_ns(), tuple(rows),

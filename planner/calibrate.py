@@ -63,6 +63,27 @@ def check_report(plan: Plan, report, label: str = "the report") -> None:
     if not report.rows:
         raise PlanError(f"{label} has no measurements: the daemon has not run a step of this plan yet; "
                         "send it requests first")
+    # Each row is modelled from its means under the streaming policy that ran: a streamed row's
+    # steps all reach its threshold and no other prompt step does, as the executor decides
+    # (executor/streamed_prefill.py accepts); a row that says otherwise was not measured so.
+    ran = plan.partition.stream_prefill_min_rows if report.stream_prefill_min_rows is None \
+        else report.stream_prefill_min_rows or None
+    seen = set()
+    for row in report.rows:
+        if _key(row) in seen:
+            raise PlanError(f"{label} has two rows for stage {row.stage}'s {row.kind} steps in context "
+                            f"[{row.context_min}, {row.context_max}); the report was edited")
+        seen.add(_key(row))
+        if row.streamed is None or row.phase != "prefill":
+            if row.streamed:
+                raise PlanError(f"{label}: stage {row.stage}'s decode row in context [{row.context_min}, "
+                                f"{row.context_max}) says it streamed; only prompt steps stream")
+            continue
+        if row.streamed != (ran is not None and row.tokens_mean >= ran):
+            policy = f"prompt steps of >= {ran} tokens streamed" if ran else "nothing streamed"
+            raise PlanError(f"{label}: stage {row.stage}'s prefill row in context [{row.context_min}, "
+                            f"{row.context_max}) ({row.tokens_mean:g} tokens a step) says it "
+                            f"{'streamed' if row.streamed else 'did not stream'}, but {policy}")
 
 
 @dataclass(frozen=True)
@@ -78,6 +99,11 @@ class TableRow:
     before_ms: float
     after_ms: float
     status: str                      # "fitted" | "outlier (weight 0.31)" | "too few steps" | "not fitted"
+    streamed: bool = False           # streamed prompt steps (report.ReportRow.streamed)
+
+    @property
+    def kind(self) -> str:
+        return "streamed" if self.streamed else self.phase
 
     @property
     def error_before_pct(self) -> float:
@@ -118,11 +144,12 @@ def _prefill_rows(plan: Plan, report, device: str) -> tuple[list, str]:
     """A device's prefill rows that enter the prefill fit, or none and why. The CPU's prompt steps
     the measured load streamed to the GPU (`plan`: as it ran; steps of at least its
     stream_prefill_min_rows tokens on average) time the link and the GPU, not the CPU's η: left
-    out of its fit, and said so."""
+    out of its fit, and said so. (The GPU stage's rows of those steps are its own prompt work, in
+    the sub-steps it is priced for, and enter its fit.)"""
     rows = [r for r in report.rows if r.device == device and r.phase == "prefill"
             and r.samples >= MIN_PREFILL_ROW_SAMPLES and r.measured_mean_ms >= MIN_STEP_MS]
     streamed_from = plan.partition.stream_prefill_min_rows
-    streamed = [r for r in rows if device == "cpu" and streamed_from is not None and r.tokens_mean >= streamed_from]
+    streamed = [r for r in rows if device == "cpu" and _streamed(r, streamed_from)]
     rows = [r for r in rows if r not in streamed]
     left_out = (f"{len(streamed)} prefill bucket(s) of >= {streamed_from} tokens a step left out: the measured load "
                 "streamed them to the GPU, so they time the link and the GPU, not this CPU") if streamed else ""
@@ -134,8 +161,17 @@ def _prefill_rows(plan: Plan, report, device: str) -> tuple[list, str]:
         f"prefill fit needs >= {MIN_PREFILL_STEPS} (send prompts of several lengths)", left_out)))
 
 
-def _key(row) -> tuple[int, str, int]:
-    return row.stage, row.phase, row.context_min
+def _streamed(row, streamed_from: int | None) -> bool:
+    """Whether a report row's steps streamed the CPU stage to the GPU: as the row says, or (a report
+    from before rows said) as its mean step size implies under the policy that ran, which misreads
+    a bucket holding both kinds of step."""
+    if row.streamed is not None:
+        return row.streamed
+    return row.phase == "prefill" and streamed_from is not None and row.tokens_mean >= streamed_from
+
+
+def _key(row) -> tuple[int, str, int, bool]:
+    return row.stage, row.phase, row.context_min, bool(row.streamed)
 
 
 def recalibrate(plan: Plan, report, source: str, min_samples: int = MIN_STAGE_SAMPLES,
@@ -193,13 +229,16 @@ def recalibrate(plan: Plan, report, source: str, min_samples: int = MIN_STAGE_SA
                 batch_mean=round_sig(row.batch_mean), measured_ms=round_sig(row.measured_mean_ms),
                 predicted_before_ms=round_sig(row.predicted_ms), predicted_after_ms=round_sig(after_ms),
                 error_before_pct=round_sig(pct(row.measured_mean_ms, row.predicted_ms), 4),
-                error_after_pct=round_sig(pct(row.measured_mean_ms, after_ms), 4), weight=round_sig(w, 4)))
+                error_after_pct=round_sig(pct(row.measured_mean_ms, after_ms), 4), weight=round_sig(w, 4),
+                streamed=True if row.streamed else None))
         elif row.phase == "decode":
             status = f"too few steps (< {MIN_ROW_SAMPLES})"
+        elif row.device == "cpu" and _streamed(row, ran.partition.stream_prefill_min_rows):
+            status = "not fitted (streamed: times the link and the GPU)"
         else:
             status = f"not fitted (fewer than {MIN_PREFILL_STEPS} prefill steps in all)"
         table.append(TableRow(row.stage, row.device, row.phase, row.context_min, row.context_max, row.samples,
-                              row.measured_mean_ms, row.predicted_ms, after_ms, status))
+                              row.measured_mean_ms, row.predicted_ms, after_ms, status, bool(row.streamed)))
 
     rp = report.plan
     created = datetime.fromtimestamp(report.created_unix_ns / 1e9, tz=timezone.utc)
@@ -248,10 +287,10 @@ def format_table(result: RecalibrationResult) -> str:
             lines.append(f"       prefill note: {pre.note}")
     lines.append("measured vs predicted per stage and context bucket (before: the measured plan's model; "
                  f"after: the calibrated model, same steps, same split k={old.partition.split_k}):")
-    lines.append(f"  {'stage':>5} {'device':<6} {'phase':<7} {'context':>15} {'steps':>6} {'measured':>10} "
+    lines.append(f"  {'stage':>5} {'device':<6} {'phase':<8} {'context':>15} {'steps':>6} {'measured':>10} "
                  f"{'before':>10} {'error':>8} {'after':>10} {'error':>8}  fit")
     for r in result.rows:
-        lines.append(f"  {r.stage:>5} {r.device:<6} {r.phase:<7} {f'[{r.context_min}, {r.context_max})':>15} "
+        lines.append(f"  {r.stage:>5} {r.device:<6} {r.kind:<8} {f'[{r.context_min}, {r.context_max})':>15} "
                      f"{r.samples:>6} {r.measured_ms:>10.4g} {r.before_ms:>10.4g} {r.error_before_pct:>+7.1f}% "
                      f"{r.after_ms:>10.4g} {r.error_after_pct:>+7.1f}%  {r.status}")
     k0, k1 = old.partition.split_k, new.partition.split_k

@@ -37,7 +37,7 @@ from typing import Callable
 from planner.machine import DeviceCalibration, GpuProfile, MachineProfile
 from planner.ir import SharedWeight, UnitIR
 from planner.step_shape import (MAX_STEP_TOKENS, PREFILL_CHUNK_TOKENS, STREAM_PIECE_BYTES, STREAM_SLOTS,
-                                STREAMED_STEP_TOKENS)
+                                STREAMED_STEP_TOKENS, step_tokens, sub_steps)
 from planner.units import GIB, fmt_bytes
 from planner.working_set import STREAM_ROWS_GRAIN, cpu_working_bytes, gpu_working_bytes, streamed_step_bytes
 
@@ -507,6 +507,11 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
             prefill += streamed_handoff_ms(units, link, batch * prompt)
         blocks = sum(n for u, n in groups if u.kind == "block")
         overhead = blocks * rates.calibration.delta_ms_per_block
+        if device == "cuda" and streams_step:
+            # the GPU stage takes a streamed step in the sub-steps it is priced for (executor/engine.py
+            # _forward), each paying its per-block overhead; priced here at this batch's step, which
+            # is the engine's at the plan's own workload
+            overhead *= sub_steps(batch, prompt, step_tokens(math.ceil(batch), math.ceil(context)))
         stages.append(StageCost(
             device=device, unit_start=start, unit_end=end, num_blocks=blocks,
             weight_bytes=gpu_weights if device == "cuda" else cpu_weights,

@@ -22,14 +22,16 @@ Prefill rows (prompt chunks) fit the same form with δ taken from the decode row
 a bf16 model's GEMMs run at another rate) and η_attn the prompt attention's on top of it (a fused
 attention kernel and GEMMs differ again): time grows with the cached prefix through η_attn.
 
-So every phase has a *level* parameter (δ, or η_m / η_c as a scale on the stage's roofline),
+So every phase has a *level* parameter (δ, or η_m / η_c as a scale on the part of the stage's
+roofline that level prices),
 solved in closed form for each value of a *shape* parameter (η_kv / η_attn), which a 1-D search
 on a log grid refined by golden section finds (variable projection); the shape parameter only
 with at least MIN_BUCKETS_FOR_ETA context buckets, and kept where the buckets do not pin it to
 ±ETA_MAX_REL_STDERR (where the KV read or the prefix attention is a small part of the step it is
-collinear with the level). A scale on the roofline is exact where the step is bound by one term
-(decode by its reads, long prompt chunks by their FLOPs); the table and the written plan use the
-cost model itself at the fitted values. The loss is the sum of squared *relative* errors (every
+collinear with the level). That scale is the cost model's own response to the level near the
+measured plan's value (a roofline term bound by another rate does not move), and the prefill fit
+re-centres on the level found until it is 1; the table and the written plan use the cost model
+itself at the fitted values. The loss is the sum of squared *relative* errors (every
 bucket counts the same, as the targets are per-bucket percentages), made robust by iteratively
 reweighted least squares — Huber weights, then Tukey's bisquare on the MAD scale — so one
 disturbed bucket (another process on the machine) gets no say.
@@ -58,6 +60,7 @@ MAX_RECENTRES = 8             # prefill: re-solves around the level found until 
 NOMINAL_NOISE = 0.01          # relative noise of a bucket mean assumed at least when judging η's precision
 ETA_MAX_REL_STDERR = 0.10     # a shape parameter is fitted only if the buckets pin it to ±10% (else kept)
 TARGET_ERROR_PCT = 5.0        # per-bucket error the calibrated model should reach (issue 6); notes say when not
+RESPONSE_STEP = 1.01          # the level's step over which a row's roofline is found to respond to it
 
 # Per phase: (shape parameter, level parameter) as DeviceCalibration fields, and their symbols.
 PARAMS = {"decode": ("eta_kv", "eta_memory"), "prefill": ("eta_attn", "eta_compute")}
@@ -87,7 +90,10 @@ def _stage_roofline_ms(plan: Plan, calibration: Calibration, stage: int, phase: 
 class RowModel:
     """One report row and its roofline as a function of the phase's (shape, level) parameters,
     anchored to the report's own roofline prediction. The level enters the fit as `scale` =
-    level(measured plan) / level, multiplying the stage's roofline (not the link)."""
+    level(measured plan) / level, multiplying the part of the stage's roofline the level prices
+    (`responsive`, at level0): a short prompt chunk on a GPU is bound by its weight reads, which
+    η_c does not price, and a scale on all of it would let such rows, where they are many, pin η_c
+    against the long chunks that measure it. The link is never scaled."""
 
     def __init__(self, plan: Plan, row, level: float | None = None, calibration: Calibration | None = None):
         """`calibration`: the other parameters' values to evaluate with (default: the measured
@@ -112,6 +118,13 @@ class RowModel:
         stage, link = self._raw(measured, getattr(mdev, self.shape_name), getattr(mdev, self.level_name))
         base = stage + link
         self.ratio = row.predicted_roofline_ms / base if base > 0 and row.predicted_roofline_ms > 0 else 1.0
+        # The fraction of the stage's roofline that goes as 1 / level near level0 (at shape0): the
+        # roofline's terms are each bound by one rate, so a 1% higher level takes 1/1.01 of the
+        # responsive part and none of the rest. Exact at level0, where the prefill fit re-centres.
+        here, _ = self.parts(self.shape0)
+        there, _ = self.parts(self.shape0, self.level0 * RESPONSE_STEP)
+        self.responsive = min(1.0, max(0.0, (here - there) * RESPONSE_STEP / (RESPONSE_STEP - 1) / here)) \
+            if here > 0 else 1.0
 
     def _raw(self, calibration: Calibration, shape: float, level: float) -> tuple[float, float]:
         cal = with_values(calibration, self.device, **{self.shape_name: shape, self.level_name: level})
@@ -126,9 +139,13 @@ class RowModel:
             self._cache[key] = (self.ratio * stage, self.ratio * link)
         return self._cache[key]
 
+    def scaled_part(self, shape: float) -> float:
+        """The part of the stage's roofline (ms, at level0) that `scale` multiplies."""
+        return self.responsive * self.parts(shape)[0]
+
     def predict(self, shape: float, delta: float, scale: float = 1.0) -> float:
         stage, link = self.parts(shape)
-        return scale * stage + link + self.blocks * delta
+        return stage + (scale - 1) * self.responsive * stage + link + self.blocks * delta
 
     def predict_at(self, shape: float, delta: float, level: float) -> float:
         """The cost model itself at (shape, δ, level): what the written plan predicts for this row."""
@@ -175,9 +192,10 @@ def _level_for(rows: list[RowModel], shape: float, w: list[float], how: _Level) 
     num = den = 0.0
     for r, wi in zip(rows, w):
         v = wi / r.measured ** 2
-        stage, link = r.parts(shape)
-        num += v * stage * (r.measured - link - r.blocks * delta)
-        den += v * stage * stage
+        scaled = r.scaled_part(shape)
+        fixed = r.predict(shape, 0.0, 0.0)  # the roofline's part the level does not price, + the link
+        num += v * scaled * (r.measured - fixed - r.blocks * delta)
+        den += v * scaled * scaled
     scale = num / den if den > 0 else 1.0
     lowest = max(r.level0 for r in rows) / LEVEL_MAX
     highest = 1.0 if how.mode == "delta" else min(r.level0 for r in rows) / LEVEL_MIN
@@ -268,7 +286,7 @@ def _stderrs(rows: list[RowModel], sol: Solution, fit_shape: bool, how: _Level,
         if "delta" in params:
             g.append(r.blocks / r.measured)
         if "scale" in params:
-            g.append(r.parts(sol.shape)[0] / r.measured)
+            g.append(r.scaled_part(sol.shape) / r.measured)
         if "shape" in params:
             g.append((r.predict(sol.shape + h, sol.delta, sol.scale) - r.predict(sol.shape - h, sol.delta, sol.scale))
                      / (2 * h) / r.measured)

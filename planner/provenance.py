@@ -5,7 +5,9 @@ planner.calibrate) and carried by `--parent`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from planner.serial import OMIT_IF_NONE
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,9 @@ class FitResidual:
     error_before_pct: float             # (measured - predicted) / predicted * 100
     error_after_pct: float
     weight: float                       # robust weight in the final fit (1: full; < 1: an outlier, down-weighted)
+    # the GPU stage's part of prompt steps whose CPU stage streamed to the GPU (a row of their own
+    # beside the bucket's other prompt steps: report.ReportRow.streamed); None: not
+    streamed: bool | None = field(default=None, metadata=OMIT_IF_NONE)
 
 
 @dataclass(frozen=True)

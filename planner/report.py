@@ -71,6 +71,14 @@ class ReportRow:
     predicted_ms: float                # mean over the same steps
     predicted_roofline_ms: float       # the same before the per-block overhead δ
     error_pct: float                   # (measured mean - predicted) / predicted * 100
+    # prompt steps a CPU stage ran on the GPU, its weights streamed (a row of their own beside the
+    # bucket's other prompt steps); None: not stated (a report from before the field)
+    streamed: bool | None = None
+
+    @property
+    def kind(self) -> str:
+        """The row's steps in a word: "decode", "prefill", or "streamed" (streamed prompt steps)."""
+        return "streamed" if self.streamed else self.phase
 
     def to_pb(self, pb):
         return pb.ReportRow(
@@ -80,7 +88,7 @@ class ReportRow:
             tokens_mean=self.tokens_mean, measured_mean_ns=_ns(self.measured_mean_ms),
             measured_p50_ns=_ns(self.measured_p50_ms), measured_p99_ns=_ns(self.measured_p99_ms),
             predicted_mean_ns=_ns(self.predicted_ms), predicted_roofline_mean_ns=_ns(self.predicted_roofline_ms),
-            error_pct=self.error_pct)
+            error_pct=self.error_pct, streamed=self.streamed)
 
     @classmethod
     def from_pb(cls, msg, pb) -> "ReportRow":
@@ -88,7 +96,7 @@ class ReportRow:
                    msg.context_min, msg.context_max, msg.samples, msg.context_mean, msg.batch_mean,
                    msg.tokens_mean, msg.measured_mean_ns / 1e6, msg.measured_p50_ns / 1e6,
                    msg.measured_p99_ns / 1e6, msg.predicted_mean_ns / 1e6, msg.predicted_roofline_mean_ns / 1e6,
-                   msg.error_pct)
+                   msg.error_pct, msg.streamed if msg.HasField("streamed") else None)
 
 
 @dataclass(frozen=True)
@@ -131,7 +139,8 @@ class Report:
             "steps": self.steps,
             **({"stream_prefill_min_rows": self.stream_prefill_min_rows} if self.stream_prefill_min_rows is not None
                else {}),
-            "rows": [{k: _round(v) for k, v in asdict(r).items()} for r in self.rows],
+            "rows": [{k: _round(v) for k, v in asdict(r).items() if not (k == "streamed" and v is None)}
+                     for r in self.rows],
         }
 
     def table(self) -> str:
@@ -139,10 +148,10 @@ class Report:
         p = self.plan
         lines = [f"plan v{p.version} {p.digest[:19]}… split k={p.split_k} of {p.num_units} units, machine "
                  f"{p.machine!r}, kernels {self.kernel_isa}, {self.steps} steps",
-                 f"{'stage':>5} {'device':<6} {'blocks':>6} {'phase':<7} {'context':>13} {'steps':>6} {'batch':>5} "
+                 f"{'stage':>5} {'device':<6} {'blocks':>6} {'phase':<8} {'context':>13} {'steps':>6} {'batch':>5} "
                  f"{'mean ms':>9} {'p50 ms':>9} {'p99 ms':>9} {'predicted':>9} {'error':>8}"]
         for r in self.rows:
-            lines.append(f"{r.stage:>5} {r.device:<6} {r.num_blocks:>6} {r.phase:<7} "
+            lines.append(f"{r.stage:>5} {r.device:<6} {r.num_blocks:>6} {r.kind:<8} "
                          f"{f'[{r.context_min}, {r.context_max})':>13} {r.samples:>6} {r.batch_mean:>5.3g} "
                          f"{r.measured_mean_ms:>9.4g} "
                          f"{r.measured_p50_ms:>9.4g} {r.measured_p99_ms:>9.4g} {r.predicted_ms:>9.4g} "

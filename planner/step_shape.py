@@ -45,6 +45,23 @@ def prompt_steps(prompt_tokens: int, stream_min_rows: int | None, chunk: int = P
     return steps
 
 
+def sub_steps(batch: float, prompt: float, max_rows: int, max_slice: int = PREFILL_CHUNK_TOKENS) -> int:
+    """The consecutive sub-steps a stage priced for steps of `max_rows` tokens takes a step of
+    `batch` prompt chunks of `prompt` tokens each in (means round to whole ones): each chunk in
+    pieces of at most `max_slice`, one piece of a sequence per sub-step, pieces packed in order
+    as executor.batch.StepBatch.split packs them."""
+    count = rows = 0
+    last = None  # the sequence of the current sub-step's last piece
+    for seq in range(max(1, round(batch))):
+        left = max(1, round(prompt))
+        while left:
+            n = min(max_slice, left)
+            if not count or rows + n > max_rows or last == seq:
+                count, rows = count + 1, 0
+            rows, last, left = rows + n, seq, left - n
+    return count
+
+
 def running_sequences(budget_pages: int) -> int:
     """Sequences a plan's working sets are priced for: as many as its KV budget has pages (short
     requests share them), at most MAX_RUNNING_SEQUENCES. An engine with a GPU stage runs no more

@@ -195,14 +195,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{'error':>8}   (ms per prefill step: a prompt chunk of <= 512 tokens)")
     prefill_results = []
     for b in (r for r in report1.rows if r.phase == "prefill"):
-        a = next((r for r in report2.rows if r.phase == "prefill" and (r.stage, r.context_min) ==
-                  (b.stage, b.context_min)), None)
+        a = next((r for r in report2.rows if r.phase == "prefill" and (r.stage, r.context_min, r.streamed) ==
+                  (b.stage, b.context_min, b.streamed)), None)
         if a is None:
             continue
         print(f"{b.stage:>5} {f'[{b.context_min}, {b.context_max})':>13} {b.predicted_ms:>9.1f} "
               f"{b.measured_mean_ms:>9.1f} {b.error_pct:>+7.1f}% {a.predicted_ms:>9.1f} {a.measured_mean_ms:>9.1f} "
               f"{a.error_pct:>+7.1f}%")
-        prefill_results.append({"stage": b.stage, "context_min": b.context_min, "context_max": b.context_max,
+        prefill_results.append({"stage": b.stage, "streamed": bool(b.streamed), "context_min": b.context_min,
+                                "context_max": b.context_max,
                                 "before": {"predicted_ms": b.predicted_ms, "measured_ms": b.measured_mean_ms,
                                            "error_pct": b.error_pct, "samples": b.samples},
                                 "after": {"predicted_ms": a.predicted_ms, "measured_ms": a.measured_mean_ms,

@@ -470,3 +470,19 @@ def test_a_plans_ttft_crosses_the_weights_once_per_streamed_step():
     cross = 1e3 * units[1].weight_bytes / (m.link.h2d_gibps * GIB)
     assert three.stages[0].prefill_ms - one.stages[0].prefill_ms == pytest.approx(4 * 2 * cross)
     assert streamed_block_prefill_ms(units[1], gpu, m.link, 1, 1000, crossings=3) >= 3 * cross
+
+
+def test_the_gpu_stage_pays_its_per_block_overhead_once_per_sub_step_of_a_streamed_step():
+    """The GPU stage takes a streamed step in the sub-steps it is priced for (prompt chunks of 512
+    tokens, executor/engine.py): a 2048-token streamed step is four of them, each paying δ per
+    block; a step that does not stream is one."""
+    units, _ = model_units(8, 256 * MIB, 64 * MIB, 64 * MIB)
+    m = _flash(machine(link_gibps=1.0, delta_gpu=0.5))
+    gpu = lambda c: c.stages[1]  # noqa: E731
+    streamed = split(5, units, (), m, dtype=BF16, context=4096, prompt=2048, stream_step_tokens=2048)
+    assert streamed.stream_prefill_min_rows is not None and streamed.stream_prefill_min_rows <= 2048
+    assert gpu(streamed).num_blocks == 4 and gpu(streamed).overhead_ms == pytest.approx(4 * 4 * 0.5)
+    one = split(5, units, (), m, dtype=BF16, context=4096, prompt=512, stream_step_tokens=2048)
+    assert gpu(one).overhead_ms == pytest.approx(4 * 0.5)
+    plain = split(5, units, (), m, dtype=BF16, context=4096, prompt=2048, stream_prefill=False)
+    assert plain.stream_prefill_min_rows is None and gpu(plain).overhead_ms == pytest.approx(4 * 0.5)

@@ -39,11 +39,13 @@ PROMPTS = [128, 256, 512, 1024, 2048, 4096] * 2                    # prefill chu
 
 
 def synthetic_report(plan, truth: Calibration, contexts, steps: int = 64, noise: float = 0.01, seed: int = 0,
-                     disturb: dict[int, float] | None = None, batch: int = 1, prompts=(), streamed: bool = True):
+                     disturb: dict[int, float] | None = None, batch: int = 1, prompts=(), streamed: bool = True,
+                     chunks=(CHUNK,)):
     """A report of `plan` whose steps took what the cost model says under `truth`, times
     (1 + noise·N(0,1)) per step, and (1 + disturb[c]) for every step of the bucket starting at c.
     Each bucket gets `steps` decode steps at contexts c, c+1, ...; then each prompt length in
-    `prompts` is prefilled in chunks of up to CHUNK tokens, as the engine does. Without prompts
+    `prompts` is prefilled in chunks of up to CHUNK tokens, as the engine does (once more for
+    each other chunk size in `chunks`, each step streamed where the plan streams it). Without prompts
     one prefill step is added (reported, too few to fit). streamed=False: the load ran none of the
     plan's prompt steps streamed (its Recorder says so; the steps took their CPU time)."""
     rng = random.Random(seed)
@@ -52,22 +54,29 @@ def synthetic_report(plan, truth: Calibration, contexts, steps: int = 64, noise:
         true_plan = replace(true_plan, partition=replace(plan.partition, stream_prefill_min_rows=None))
     rec = Recorder(plan, "synthetic", plan.model.architecture, "helm-synthetic",
                    **({} if streamed else {"stream_prefill": False}))
+    streams_from = true_plan.partition.stream_prefill_min_rows  # the executor's rule: a step's prompt tokens
+
+    def streams(tokens: int) -> bool:
+        return streams_from is not None and tokens >= streams_from
+
     for c in contexts:
         factor = 1 + (disturb or {}).get(c, 0.0)
         for s in range(steps):
             p = predict(true_plan, c + s, batch)
             ms = [st.ms_per_token + (p.comm_ms_per_token if i else 0.0) for i, st in enumerate(p.stages)]
             rec.record("decode", c + s, batch, batch, tuple(m * factor * (1 + noise * rng.gauss(0, 1)) for m in ms))
-    for n in prompts:
-        for start in range(0, n, CHUNK):
-            chunk = min(CHUNK, n - start)
+    for n, size in ((n, size) for size in chunks for n in prompts):
+        for start in range(0, n, size):
+            chunk = min(size, n - start)
             wl = replace(true_plan.workload, prompt_tokens=chunk)
             p = predict(replace(true_plan, workload=wl), start + chunk, 1, prefix_tokens=start)
             link = p.ttft_ms - sum(st.prefill_ms for st in p.stages)
             ms = [st.prefill_ms + (link if i else 0.0) for i, st in enumerate(p.stages)]
-            rec.record("prefill", start + chunk, 1, chunk, tuple(m * (1 + noise * rng.gauss(0, 1)) for m in ms))
+            rec.record("prefill", start + chunk, 1, chunk, tuple(m * (1 + noise * rng.gauss(0, 1)) for m in ms),
+                       streams(chunk))
     if not prompts:
-        rec.record("prefill", contexts[0], 1, contexts[0], tuple(100.0 for _ in plan.partition.stages))
+        rec.record("prefill", contexts[0], 1, contexts[0], tuple(100.0 for _ in plan.partition.stages),
+                   streams(contexts[0]))
     return replace(rec.report(), created_unix_ns=CREATED_NS)
 
 
@@ -579,7 +588,76 @@ def test_a_report_from_before_the_field_ran_as_planned(split_plan, tmp_path):
     data = json.loads((tmp_path / "new.json").read_text())
     assert data.pop("stream_prefill_min_rows") == split_plan.partition.stream_prefill_min_rows
     (tmp_path / "old.json").write_text(json.dumps(data))
+    for row in data["rows"]:
+        row.pop("streamed")
+    (tmp_path / "old.json").write_text(json.dumps(data))
     old = read_report(tmp_path / "old.json")
-    assert old.stream_prefill_min_rows is None
+    assert old.stream_prefill_min_rows is None and all(r.streamed is None for r in old.rows)
     cpu = {f.device: f for f in recalibrate(split_plan, old, "old").fits}["cpu"]
     assert cpu.prefill is None and "left out: the measured load streamed them to the GPU" in cpu.note
+
+
+def test_streamed_and_cpu_prompt_steps_of_one_bucket_are_told_apart(split_plan, tmp_path):
+    """A bucket can hold both kinds of prompt step: chunks under the plan's threshold ran on the
+    CPU, larger ones streamed to the GPU. Their times differ several-fold, so their means in one
+    row model neither; the report gives each kind a row of its own, the CPU's η_c and η_attn are
+    fitted from its own prompt steps, and the GPU's from all of its, streamed steps included."""
+    small = split_plan.partition.stream_prefill_min_rows - 1  # on the CPU, under the threshold
+    truth = Calibration(cpu=DeviceCalibration(eta_kv=0.9, delta_ms_per_block=0.8, eta_compute=1.3, eta_attn=0.6),
+                        cuda=DeviceCalibration(eta_kv=0.85, delta_ms_per_block=0.14, eta_compute=0.7))
+    report = synthetic_report(split_plan, truth, LONG, seed=11, prompts=PROMPTS, chunks=(small, CHUNK))
+    prefill = [r for r in report.rows if r.phase == "prefill" and r.stage == 0]
+    both = {r.context_min for r in prefill if r.streamed} & {r.context_min for r in prefill if not r.streamed}
+    assert len(both) >= 4, prefill  # most buckets hold both kinds
+    assert all(r.tokens_mean >= small + 1 for r in prefill if r.streamed)
+    result = recalibrate(split_plan, report, "synthetic")
+    fits = {f.device: f for f in result.fits}
+    assert fits["cpu"].prefill.eta_compute == pytest.approx(1.3, rel=RECOVERY_TOLERANCE), fits["cpu"]
+    assert fits["cpu"].prefill.eta_attn == pytest.approx(0.6, rel=RECOVERY_TOLERANCE), fits["cpu"]
+    assert "left out: the measured load streamed them to the GPU" in fits["cpu"].note
+    assert fits["cuda"].prefill.eta_compute == pytest.approx(0.7, rel=RECOVERY_TOLERANCE), fits["cuda"]
+    streamed_rows = [r for r in result.rows if r.streamed]
+    assert {r.status for r in streamed_rows if r.device == "cpu"} == \
+        {"not fitted (streamed: times the link and the GPU)"}
+    assert all(r.status.startswith("fitted") for r in streamed_rows if r.device == "cuda")
+    assert all(abs(r.error_after_pct) < 3 for r in streamed_rows), streamed_rows
+    # the GPU stage's streamed rows are residuals of its fit, marked so beside its other prompt steps
+    residuals = result.plan.recalibration.residuals
+    assert {(r.device, r.streamed) for r in residuals if r.phase == "prefill"} == {("cpu", None), ("cuda", None),
+                                                                                   ("cuda", True)}
+    save_plan(result.plan, tmp_path / "v2.yaml")
+    assert load_plan(tmp_path / "v2.yaml").recalibration.residuals == residuals
+    # and the rows say so wherever the report goes
+    from executor.pb import executor_pb2 as pb
+    from planner.report import Report
+
+    report.write(tmp_path / "r.json")
+    assert [r.streamed for r in read_report(tmp_path / "r.json").rows] == [r.streamed for r in report.rows]
+    assert [r.streamed for r in Report.from_pb(report.to_pb(pb), pb).rows] == [r.streamed for r in report.rows]
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda row: {**row, "streamed": not row["streamed"]}, "says it (streamed|did not stream), but prompt steps of"),
+    (lambda row: {**row, "phase": "decode", "streamed": True}, "says it streamed; only prompt steps stream"),
+])
+def test_a_row_that_contradicts_the_streaming_policy_is_refused(split_plan, tmp_path, edit, match):
+    """The fit models each row under the policy that ran: a row whose streamed mark contradicts it
+    (an edited report) is refused, not modelled as something it was not."""
+    truth = Calibration(cpu=DeviceCalibration(eta_kv=0.9, delta_ms_per_block=0.8),
+                        cuda=DeviceCalibration(eta_kv=0.85, delta_ms_per_block=0.14))
+    report = synthetic_report(split_plan, truth, SHORT, prompts=[1024])
+    report.write(tmp_path / "r.json")
+    data = json.loads((tmp_path / "r.json").read_text())
+    i = next(i for i, r in enumerate(data["rows"]) if r["phase"] == "prefill")
+    data["rows"][i] = edit(data["rows"][i])
+    (tmp_path / "r.json").write_text(json.dumps(data))
+    with pytest.raises(PlanError, match=match):
+        recalibrate(split_plan, read_report(tmp_path / "r.json"), "edited")
+
+
+def test_a_row_given_twice_is_refused(split_plan, tmp_path):
+    truth = Calibration(cpu=DeviceCalibration(eta_kv=0.9, delta_ms_per_block=0.8),
+                        cuda=DeviceCalibration(eta_kv=0.85, delta_ms_per_block=0.14))
+    report = synthetic_report(split_plan, truth, SHORT)
+    with pytest.raises(PlanError, match="two rows for stage 0's decode steps in context \\[128, 256\\)"):
+        recalibrate(split_plan, replace(report, rows=(report.rows[0], *report.rows)), "edited")
