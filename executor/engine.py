@@ -110,20 +110,24 @@ class StepRecord:
     `batch` chunks of `tokens` in all, ending on average at `context` (its decodes, a few tokens,
     left out); otherwise a decode step: `batch` sequences at mean context `context` (each attends
     over its tokens through the new one). `streamed`: a CPU stage ran the step's blocks on the GPU,
-    their weights streamed (executor/streamed_prefill.py)."""
+    their weights streamed (executor/streamed_prefill.py); a prefill step's decodes (`riders`,
+    attending over `rider_context` cached tokens in all) then copy their K/V over the link."""
     phase: str                          # "decode" | "prefill"
     context: int
     batch: int
     tokens: int
     stages: tuple[StageClock, ...]
     streamed: bool = False
+    riders: int = 0
+    rider_context: int = 0
 
     @classmethod
     def of(cls, batch: StepBatch, stages: tuple[StageClock, ...], streamed: bool = False) -> "StepRecord":
         chunks = [(s.start, s.count) for s in batch.slices if s.count > 1]
         if chunks:
+            riders = [s.start for s in batch.slices if s.count == 1]
             return cls("prefill", round(sum(s + n for s, n in chunks) / len(chunks)), len(chunks),
-                       sum(n for _, n in chunks), stages, streamed)
+                       sum(n for _, n in chunks), stages, streamed, len(riders), sum(riders))
         ends = [s.start + s.count for s in batch.slices]
         return cls("decode", round(sum(ends) / len(ends)), len(ends), batch.num_tokens, stages, streamed)
 

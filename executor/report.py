@@ -86,23 +86,27 @@ class Recorder:
         self._lock = threading.Lock()
         self.predict = functools.lru_cache(maxsize=4096)(self._predict)
 
-    def _predict(self, phase: str, context: int, batch: int, tokens: int) -> tuple[StagePredicted, ...]:
+    def _predict(self, phase: str, context: int, batch: int, tokens: int, riders: int = 0,
+                 rider_context: int = 0) -> tuple[StagePredicted, ...]:
         """The cost model's time per stage for one step (planner.predict.predict_step); the link
         term goes to the stage that receives the hidden state (its clock includes the copy)."""
-        step = predict_step(self.plan, phase, context, batch, tokens, stream_prefill=self.stream_prefill)
+        step = predict_step(self.plan, phase, context, batch, tokens, stream_prefill=self.stream_prefill,
+                            riders=riders, rider_context=rider_context)
         return tuple(StagePredicted(ms + (step.link_ms if i else 0.0), roof + (step.link_ms if i else 0.0))
                      for i, (ms, roof) in enumerate(step.stages))
 
     def record_step(self, step) -> tuple[StagePredicted, ...]:
         """Store one engine step (an executor.engine.StepRecord); return what the plan predicted."""
         return self.record(step.phase, step.context, step.batch, step.tokens, tuple(t.ms for t in step.stages),
-                           step.streamed)
+                           step.streamed, step.riders, step.rider_context)
 
-    def record(self, phase: str, context: int, batch: int, tokens: int,
-               measured_ms: tuple[float, ...], streamed: bool = False) -> tuple[StagePredicted, ...]:
-        """Store one step (measured ms per stage; `streamed`: a CPU stage streamed it to the GPU);
-        return what the plan predicted for it."""
-        predicted = self.predict(phase, context, batch, tokens)
+    def record(self, phase: str, context: int, batch: int, tokens: int, measured_ms: tuple[float, ...],
+               streamed: bool = False, riders: int = 0, rider_context: int = 0) -> tuple[StagePredicted, ...]:
+        """Store one step (measured ms per stage; `streamed`: a CPU stage streamed it to the GPU;
+        `riders`: a prefill step's decodes, over `rider_context` cached tokens in all); return
+        what the plan predicted for it. The row keeps the step's prompt chunks' means, its
+        prediction what the step ran, decodes riding along included."""
+        predicted = self.predict(phase, context, batch, tokens, riders, rider_context)
         lo, _ = context_bucket(context)
         key = (phase, lo, bool(streamed))
         with self._lock:

@@ -163,6 +163,14 @@ def streamed_block_prefill_ms(unit: UnitIR, gpu: DeviceRates, link, batch: int, 
     return max(upload, unit_prefill_ms(unit, gpu, batch, prompt, prefix)) + copies
 
 
+def streamed_riders_ms(blocks: tuple[UnitIR, ...], link, riders: float, rider_context: float) -> float:
+    """Decodes riding along in a streamed prompt step (the streamed path runs all of a step's
+    rows): each of the streamed `blocks` copies their cached K/V in (`rider_context` tokens over
+    all `riders` of them) and their new token's K/V back out to the stage's host pages."""
+    kv = sum(u.kv_bytes_per_token for u in blocks if u.kind == "block")
+    return 1e3 * kv * (rider_context / (link.h2d_gibps * GIB) + riders / (link.d2h_gibps * GIB))
+
+
 def streamed_handoff_ms(units: tuple[UnitIR, ...], link, rows: int) -> float:
     """The streamed step's hidden state to the GPU and back: rows of the first block's input."""
     act = 1e3 * rows * units[0].act_bytes_per_token

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from planner.cost import streamed_riders_ms
 from planner.step_shape import PREFILL_CHUNK_TOKENS, prompt_steps
 from planner.machine import Calibration
 from planner.plan import Plan, Prediction
@@ -48,14 +49,17 @@ AS_PLANNED = "as planned"  # predict_step's streaming policy: the plan's own
 
 
 def predict_step(plan: Plan, phase: str, context: float, batch: float, tokens: float,
-                 calibration: Calibration | None = None, stream_prefill: bool | int | str = AS_PLANNED) -> StepCost:
+                 calibration: Calibration | None = None, stream_prefill: bool | int | str = AS_PLANNED,
+                 riders: float = 0, rider_context: float = 0) -> StepCost:
     """The cost model for one executor step of `plan` (with `calibration`, default the plan's).
     Decode: `batch` sequences at mean context `context`. Prefill (a step with prompt chunks):
     `batch` chunks of tokens/batch tokens each, ending at `context` on average, so each after the
     cached prefix that implies (the step's decodes, a few tokens, are left out). Arguments may be
     means over many steps (recalibration's rows), hence floats. stream_prefill: the CPU stage's
     prompt steps streamed to the GPU from that many tokens, or never (False), where the executor
-    runs another policy than the plan's (it could not page-lock the weights, say)."""
+    runs another policy than the plan's (it could not page-lock the weights, say). riders: the
+    decodes in a prefill step, attending over rider_context cached tokens in all: left out, but
+    where the step streams they copy their K/V over the link (cost.streamed_riders_ms)."""
     decode = phase == "decode"
     chunk = max(1.0, tokens / max(batch, 1.0))
     space = replace(plan_space(plan), batch=batch, context=context if decode else max(context, 1.0),
@@ -66,4 +70,10 @@ def predict_step(plan: Plan, phase: str, context: float, batch: float, tokens: f
                        calibration or plan.calibration, prefix=0 if decode else max(0.0, context - chunk))
     if decode:
         return StepCost(tuple((s.ms, s.roofline_ms) for s in cost.stages), cost.comm_ms)
-    return StepCost(tuple((s.prefill_ms, s.prefill_ms - s.overhead_ms) for s in cost.stages), cost.comm_prefill_ms)
+    stages = [(s.prefill_ms, s.prefill_ms - s.overhead_ms) for s in cost.stages]
+    streams_from = cost.stream_prefill_min_rows
+    if riders and streams_from is not None and round(tokens, 6) >= streams_from:  # the executor's rule
+        k = plan.partition.split_k
+        extra = streamed_riders_ms(plan.ir.units[:k], plan.machine.link, riders, rider_context)
+        stages[0] = (stages[0][0] + extra, stages[0][1] + extra)  # the CPU stage: stage 0
+    return StepCost(tuple(stages), cost.comm_prefill_ms)

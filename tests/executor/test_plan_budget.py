@@ -98,3 +98,32 @@ def test_a_recorder_measures_a_model_against_the_policy_it_runs():
     unstreamed = swap(plan, partition=swap(plan.partition, stream_prefill_min_rows=None))
     assert on_cpu == pytest.approx(predict_step(unstreamed, "prefill", 512, 1, 512).stages[0][0])
     assert on_cpu > 5 * streamed  # the CPU's GEMMs against the link's crossing
+
+
+def test_decodes_riding_along_in_a_streamed_step_are_priced_their_kv_copies():
+    """A prefill step's decodes are left out of its shape, but where the step streams the CPU
+    stage's blocks to the GPU each of them copies its cached K/V in per block, and its new
+    token's out: the prediction adds that to the CPU stage, from Qwen3-8B's own K/V size (8 KV
+    heads of 128 in bf16, K and V: 4096 bytes a token a block) and the laptop's link."""
+    from executor.report import Recorder
+    from planner.machine import load_machine
+    from planner.planning import make_plan
+    from planner.units import GIB
+
+    config = "tools/model_configs/qwen3-8b.json"
+    plan = make_plan(config, load_machine("plans/machines/laptop-rtx4060-i7-13700h.yaml"), source=config)
+    assert plan.partition.stream_prefill_min_rows <= 512
+    blocks = plan.partition.split_k - 1  # the CPU stage: the embedding and k - 1 blocks
+    link = plan.machine.link
+    rec = Recorder(plan, "test", "Qwen3ForCausalLM", "test")
+    alone = rec.predict("prefill", 512, 1, 512)
+    riding = rec.predict("prefill", 512, 1, 512, 4, 4000)  # 4 decodes over 1000 cached tokens each
+    copies = 1e3 * blocks * 4096 * (4000 / (link.h2d_gibps * GIB) + 4 / (link.d2h_gibps * GIB))
+    assert riding[0].ms - alone[0].ms == pytest.approx(copies) and copies > 10
+    assert riding[0].roofline_ms - alone[0].roofline_ms == pytest.approx(copies)
+    assert riding[1:] == alone[1:]
+    # on the CPU (a step below the threshold, or a load that streams nothing) they ride for free
+    small = plan.partition.stream_prefill_min_rows - 1
+    assert rec.predict("prefill", 512, 1, small, 4, 4000) == rec.predict("prefill", 512, 1, small)
+    on_cpu = Recorder(plan, "test", "Qwen3ForCausalLM", "test", stream_prefill=False)
+    assert on_cpu.predict("prefill", 512, 1, 512, 4, 4000) == on_cpu.predict("prefill", 512, 1, 512)
