@@ -284,7 +284,8 @@ def _generate(args) -> int:
     report = recorder.report() if recorder is not None else None
     if report is not None:
         summary["measured_vs_predicted"] = [
-            {"stage": r.stage, "device": r.device, "phase": r.kind, "context": [r.context_min, r.context_max],
+            {"stage": r.stage, "device": r.device, "phase": r.phase, "streamed": bool(r.streamed),
+             "context": [r.context_min, r.context_max],
              "steps": r.samples, "measured_ms": r.measured_mean_ms, "predicted_ms": r.predicted_ms,
              "error_pct": r.error_pct} for r in report.rows]
     if args.json:

@@ -110,8 +110,9 @@ class StepRecord:
     `batch` chunks of `tokens` in all, ending on average at `context` (its decodes, a few tokens,
     left out); otherwise a decode step: `batch` sequences at mean context `context` (each attends
     over its tokens through the new one). `streamed`: a CPU stage ran the step's blocks on the GPU,
-    their weights streamed (executor/streamed_prefill.py); a prefill step's decodes (`riders`,
-    attending over `rider_context` cached tokens in all) then copy their K/V over the link."""
+    their weights streamed (executor/streamed_prefill.py); a prefill step's decodes (`riders`)
+    then copy their cached K/V over the link, `rider_context` tokens of it in all (whole pages of
+    `page` tokens, as that path copies them)."""
     phase: str                          # "decode" | "prefill"
     context: int
     batch: int
@@ -122,10 +123,11 @@ class StepRecord:
     rider_context: int = 0
 
     @classmethod
-    def of(cls, batch: StepBatch, stages: tuple[StageClock, ...], streamed: bool = False) -> "StepRecord":
+    def of(cls, batch: StepBatch, stages: tuple[StageClock, ...], streamed: bool = False,
+           page: int = 1) -> "StepRecord":
         chunks = [(s.start, s.count) for s in batch.slices if s.count > 1]
         if chunks:
-            riders = [s.start for s in batch.slices if s.count == 1]
+            riders = [-(-s.start // page) * page for s in batch.slices if s.count == 1]
             return cls("prefill", round(sum(s + n for s, n in chunks) / len(chunks)), len(chunks),
                        sum(n for _, n in chunks), stages, streamed, len(riders), sum(riders))
         ends = [s.start + s.count for s in batch.slices]
@@ -518,7 +520,7 @@ class Engine:
                 clock = clock[0].elapsed_time(clock[1])
             timings.append(StageClock(i, stage.device.type, clock))
         streamed = any(s.streamed is not None and s.streamed.accepts(batch) for s in self.model.stages)
-        self.last_step = StepRecord.of(batch, tuple(timings), streamed)
+        self.last_step = StepRecord.of(batch, tuple(timings), streamed, self.page_size)
         if self.on_step is not None:
             self.on_step(self.last_step)
         return logits

@@ -35,8 +35,9 @@ def kernel_isa(model) -> str:
 
 @dataclass(frozen=True)
 class StagePredicted:
-    ms: float                          # roofline + n_blocks·δ (+ the link for the receiving stage)
+    ms: float                          # roofline + overheads·δ (+ the link for the receiving stage)
     roofline_ms: float
+    overheads: float = 0.0             # the per-block overheads δ: n_blocks, or more in sub-steps
 
 
 class _Row:
@@ -44,13 +45,13 @@ class _Row:
 
     def __init__(self, rng: random.Random):
         self.n = 0
-        self.sums = [0.0] * 6  # measured, predicted, roofline, context, batch, tokens
+        self.sums = [0.0] * 7  # measured, predicted, roofline, context, batch, tokens, overheads
         self.sample: list[float] = []
         self._rng = rng
 
-    def add(self, measured, predicted, roofline, context, batch, tokens) -> None:
+    def add(self, measured, predicted, roofline, context, batch, tokens, overheads) -> None:
         self.n += 1
-        for i, v in enumerate((measured, predicted, roofline, context, batch, tokens)):
+        for i, v in enumerate((measured, predicted, roofline, context, batch, tokens, overheads)):
             self.sums[i] += v
         if len(self.sample) < PERCENTILE_SAMPLE:
             self.sample.append(measured)
@@ -85,6 +86,9 @@ class Recorder:
         self._rng = random.Random(0)
         self._lock = threading.Lock()
         self.predict = functools.lru_cache(maxsize=4096)(self._predict)
+        # the load's CPU-stage prompt steps of at least this many tokens stream (None: none do)
+        ran = plan.partition.stream_prefill_min_rows if stream_prefill == AS_PLANNED else stream_prefill
+        self.streams_from = int(ran) if ran else None
 
     def _predict(self, phase: str, context: int, batch: int, tokens: int, riders: int = 0,
                  rider_context: int = 0) -> tuple[StagePredicted, ...]:
@@ -92,8 +96,8 @@ class Recorder:
         term goes to the stage that receives the hidden state (its clock includes the copy)."""
         step = predict_step(self.plan, phase, context, batch, tokens, stream_prefill=self.stream_prefill,
                             riders=riders, rider_context=rider_context)
-        return tuple(StagePredicted(ms + (step.link_ms if i else 0.0), roof + (step.link_ms if i else 0.0))
-                     for i, (ms, roof) in enumerate(step.stages))
+        return tuple(StagePredicted(ms + (step.link_ms if i else 0.0), roof + (step.link_ms if i else 0.0), n)
+                     for i, ((ms, roof), n) in enumerate(zip(step.stages, step.overheads)))
 
     def record_step(self, step) -> tuple[StagePredicted, ...]:
         """Store one engine step (an executor.engine.StepRecord); return what the plan predicted."""
@@ -101,12 +105,15 @@ class Recorder:
                            step.streamed, step.riders, step.rider_context)
 
     def record(self, phase: str, context: int, batch: int, tokens: int, measured_ms: tuple[float, ...],
-               streamed: bool = False, riders: int = 0, rider_context: int = 0) -> tuple[StagePredicted, ...]:
-        """Store one step (measured ms per stage; `streamed`: a CPU stage streamed it to the GPU;
-        `riders`: a prefill step's decodes, over `rider_context` cached tokens in all); return
-        what the plan predicted for it. The row keeps the step's prompt chunks' means, its
-        prediction what the step ran, decodes riding along included."""
+               streamed: bool | None = None, riders: int = 0, rider_context: int = 0) -> tuple[StagePredicted, ...]:
+        """Store one step (measured ms per stage; `streamed`: a CPU stage streamed it to the GPU,
+        None: as the load's policy has it; `riders`: a prefill step's decodes, copying
+        `rider_context` cached tokens where it streams); return what the plan predicted for it.
+        The row keeps the step's prompt chunks' means, its prediction what the step ran, decodes
+        riding along included."""
         predicted = self.predict(phase, context, batch, tokens, riders, rider_context)
+        if streamed is None:  # the executor's rule, as the cost model prices it (streamed_prefill accepts)
+            streamed = phase == "prefill" and self.streams_from is not None and tokens >= self.streams_from
         lo, _ = context_bucket(context)
         key = (phase, lo, bool(streamed))
         with self._lock:
@@ -115,7 +122,7 @@ class Recorder:
                 row = self._rows.get((i, *key))
                 if row is None:
                     row = self._rows[(i, *key)] = _Row(self._rng)
-                row.add(ms, p.ms, p.roofline_ms, context, batch, tokens)
+                row.add(ms, p.ms, p.roofline_ms, context, batch, tokens, p.overheads)
         return predicted
 
     def report(self) -> Report:
@@ -123,7 +130,7 @@ class Recorder:
         with self._lock:
             order = sorted(self._rows, key=lambda key: (key[0], PHASES.index(key[1]), key[2], key[3]))
             for (i, phase, lo, streamed), row in ((key, self._rows[key]) for key in order):
-                measured, predicted, roofline, context, batch, tokens = (s / row.n for s in row.sums)
+                measured, predicted, roofline, context, batch, tokens, overheads = (s / row.n for s in row.sums)
                 stage = self._stages[i]
                 rows.append(ReportRow(
                     stage=i, device=stage.device, num_blocks=stage.num_blocks, phase=phase, context_min=lo,
@@ -131,8 +138,8 @@ class Recorder:
                     measured_mean_ms=measured, measured_p50_ms=_percentile(row.sample, 0.5),
                     measured_p99_ms=_percentile(row.sample, 0.99), predicted_ms=predicted,
                     predicted_roofline_ms=roofline,
-                    error_pct=(measured - predicted) / predicted * 100 if predicted > 0 else 0.0, streamed=streamed))
+                    error_pct=(measured - predicted) / predicted * 100 if predicted > 0 else 0.0, streamed=streamed,
+                    overheads_mean=overheads))
             steps = self._steps
-        ran = self.plan.partition.stream_prefill_min_rows if self.stream_prefill == AS_PLANNED else self.stream_prefill
         return Report(self.summary, self.architecture, self.kernel_isa, steps, time.time_ns(), tuple(rows),
-                      int(ran or 0))
+                      self.streams_from or 0)

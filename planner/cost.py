@@ -343,8 +343,15 @@ class StageCost:
     kv_bytes: int               # KV the stage reads per step at the context
     proj_ms: float
     attn_ms: float
-    overhead_ms: float          # n_blocks · δ
-    prefill_ms: float
+    overhead_ms: float          # n_blocks · δ (a decode step's)
+    prefill_ms: float           # the prompt step, its overhead included
+    # the per-block overheads the prompt step pays: n_blocks, times the sub-steps the GPU stage
+    # takes a streamed step in
+    prefill_overheads: float = 0.0
+
+    @property
+    def prefill_roofline_ms(self) -> float:
+        return self.prefill_ms - self.prefill_overheads * (self.overhead_ms / self.num_blocks if self.num_blocks else 0)
 
     @property
     def roofline_ms(self) -> float:
@@ -409,7 +416,8 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
                    page_size_tokens: int, watermark: float, offload: bool,
                    gpu_budget_bytes: int, host_budget_bytes: int, calibration=None,
                    prefix: int = 0, dtype: str | None = None, logits: bool = True,
-                   stream_prefill: bool | int = True, stream_step_tokens: int | None = None) -> SplitCost:
+                   stream_prefill: bool | int = True, stream_step_tokens: int | None = None,
+                   priced_rows: int | None = None) -> SplitCost:
     """Cost and feasibility of putting units [0, k) on the CPU and [k, N) on the GPU. The prefill
     figures are for `prompt` tokens after `prefix` cached ones (0: the whole prompt at once),
     the output projection included only with `logits` (a prompt's last chunk); `dtype`: the
@@ -417,7 +425,9 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
     stage's prompt steps run on the GPU with their weights streamed from where the cost model
     prices that faster (True), never (False), or from that many tokens (an existing plan's);
     stream_step_tokens: the most tokens such a step takes (an existing plan's; None: as many as
-    fit beside the split at its context, _streamed_step_tokens)."""
+    fit beside the split at its context, _streamed_step_tokens); priced_rows: the step the GPU
+    stage is priced for, which it takes a streamed step in sub-steps of (an existing plan's; None:
+    step_shape.step_tokens at this batch and context)."""
     n = len(units)
     if not 0 <= k <= n:
         raise ValueError(f"split {k} out of range 0..{n}")
@@ -515,17 +525,17 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
             prefill += streamed_handoff_ms(units, link, batch * prompt)
         blocks = sum(n for u, n in groups if u.kind == "block")
         overhead = blocks * rates.calibration.delta_ms_per_block
-        if device == "cuda" and streams_step:
-            # the GPU stage takes a streamed step in the sub-steps it is priced for (executor/engine.py
-            # _forward), each paying its per-block overhead; priced here at this batch's step, which
-            # is the engine's at the plan's own workload
-            overhead *= sub_steps(batch, prompt, step_tokens(math.ceil(batch), math.ceil(context)))
+        # the GPU stage takes a streamed step in the sub-steps of the step it is priced for
+        # (executor/engine.py _forward), each paying its per-block overhead
+        steps = sub_steps(batch, prompt, priced_rows or step_tokens(math.ceil(batch), math.ceil(context))) \
+            if device == "cuda" and streams_step else 1
         stages.append(StageCost(
             device=device, unit_start=start, unit_end=end, num_blocks=blocks,
             weight_bytes=gpu_weights if device == "cuda" else cpu_weights,
             read_bytes_per_step=read_bytes,
             kv_bytes=batch * context * (gpu_kv_tok if device == "cuda" else cpu_kv_tok),
-            proj_ms=proj, attn_ms=attn, overhead_ms=overhead, prefill_ms=prefill + overhead))
+            proj_ms=proj, attn_ms=attn, overhead_ms=overhead, prefill_ms=prefill + steps * overhead,
+            prefill_overheads=steps * blocks))
     comm = comm_prefill = 0.0
     if 0 < k < n and link is not None:
         act = units[k - 1].act_bytes_per_token

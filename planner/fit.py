@@ -80,11 +80,12 @@ def with_values(calibration: Calibration, device: str, **values) -> Calibration:
 
 
 def _stage_roofline_ms(plan: Plan, calibration: Calibration, stage: int, phase: str,
-                       context: float, batch: float, tokens: float) -> tuple[float, float]:
-    """What the executor's Recorder predicts for one step before n_blocks·δ, as (the stage's own
-    roofline, the link term on the receiving stage): planner.predict.predict_step."""
+                       context: float, batch: float, tokens: float) -> tuple[float, float, float]:
+    """What the executor's Recorder predicts for one step before its per-block overheads, as (the
+    stage's own roofline, the link term on the receiving stage, the overheads δ the stage pays:
+    n_blocks, or more where it takes the step in sub-steps): planner.predict.predict_step."""
     step = predict_step(plan, phase, context, batch, tokens, calibration)
-    return step.stages[stage][1], (step.link_ms if stage else 0.0)
+    return step.stages[stage][1], (step.link_ms if stage else 0.0), step.overheads[stage]
 
 
 class RowModel:
@@ -95,12 +96,14 @@ class RowModel:
     η_c does not price, and a scale on all of it would let such rows, where they are many, pin η_c
     against the long chunks that measure it. The link is never scaled."""
 
-    def __init__(self, plan: Plan, row, level: float | None = None, calibration: Calibration | None = None):
+    def __init__(self, plan: Plan, row, level: float | None = None, calibration: Calibration | None = None,
+                 shape: float | None = None):
         """`calibration`: the other parameters' values to evaluate with (default: the measured
-        plan's; the prefill fit passes the decode fit's η_m, η_kv and δ, the table the final ones)."""
+        plan's; the prefill fit passes the decode fit's η_m, η_kv and δ, the table the final ones);
+        `level`: where `scale` is 1 and `shape` where the response to it is taken (defaults: the
+        calibration's)."""
         self.row = row
         self.device = row.device
-        self.blocks = row.num_blocks
         self.measured = row.measured_mean_ms
         self._plan = plan
         self._cal = calibration or plan.calibration
@@ -115,18 +118,23 @@ class RowModel:
         # the two, at the measured plan's calibration, anchors the model to those very steps.
         measured = plan.calibration
         mdev = measured.for_device(row.device)
-        stage, link = self._raw(measured, getattr(mdev, self.shape_name), getattr(mdev, self.level_name))
+        stage, link, overheads = self._raw(measured, getattr(mdev, self.shape_name), getattr(mdev, self.level_name))
         base = stage + link
         self.ratio = row.predicted_roofline_ms / base if base > 0 and row.predicted_roofline_ms > 0 else 1.0
-        # The fraction of the stage's roofline that goes as 1 / level near level0 (at shape0): the
-        # roofline's terms are each bound by one rate, so a 1% higher level takes 1/1.01 of the
-        # responsive part and none of the rest. Exact at level0, where the prefill fit re-centres.
-        here, _ = self.parts(self.shape0)
-        there, _ = self.parts(self.shape0, self.level0 * RESPONSE_STEP)
+        # the per-block overheads δ the row's steps pay: its blocks (a GPU stage taking a streamed
+        # prompt step pays them once per sub-step): the report's mean over those very steps, where
+        # it says (the model at the row's means would miscount a bucket of steps of two sizes)
+        self.blocks = overheads if row.overheads_mean is None else row.overheads_mean
+        # The fraction of the stage's roofline that goes as 1 / level near level0: the roofline's
+        # terms are each bound by one rate, so a 1% higher level takes 1/1.01 of the responsive
+        # part and none of the rest. Exact at level0, where the prefill fit re-centres.
+        at = self.shape0 if shape is None else shape
+        here, _ = self.parts(at)
+        there, _ = self.parts(at, self.level0 * RESPONSE_STEP)
         self.responsive = min(1.0, max(0.0, (here - there) * RESPONSE_STEP / (RESPONSE_STEP - 1) / here)) \
             if here > 0 else 1.0
 
-    def _raw(self, calibration: Calibration, shape: float, level: float) -> tuple[float, float]:
+    def _raw(self, calibration: Calibration, shape: float, level: float) -> tuple[float, float, float]:
         cal = with_values(calibration, self.device, **{self.shape_name: shape, self.level_name: level})
         r = self.row
         return _stage_roofline_ms(self._plan, cal, r.stage, r.phase, r.context_mean, r.batch_mean, r.tokens_mean)
@@ -135,7 +143,7 @@ class RowModel:
         """(stage roofline, link) in ms (level: default the measured plan's)."""
         key = (shape, self.level0 if level is None else level)
         if key not in self._cache:
-            stage, link = self._raw(self._cal, *key)
+            stage, link, _ = self._raw(self._cal, *key)
             self._cache[key] = (self.ratio * stage, self.ratio * link)
         return self._cache[key]
 
@@ -365,13 +373,24 @@ def _fit_phase(plan: Plan, rows: list, how: _Level, what: str, calibration: Cali
         notes.append(f"{sym_shape} ran to the end of its range ({sol.shape:.3g}): the roofline's shape does not "
                      "match these measurements")
     if how.mode == "scale":
-        # The scale is exact only where every step is bound by the level's term (FLOPs for η_c);
-        # a short prompt chunk is partly bound by its weight reads. Re-centre the models on the
-        # level found and solve again until the scale is 1: then the cost model itself fits.
+        # Rows whose steps are bound by other rates than the level's (a GPU's short prompt chunks,
+        # by their weight reads) hardly respond to it: where they cannot pin it, noise would set it.
+        se = _stderrs(models, sol, fit_shape, how, NOMINAL_NOISE).get("scale")
+        if se is None or not math.isfinite(se) or se / sol.scale > ETA_MAX_REL_STDERR:
+            spread = "they do not respond to it" if se is None or not math.isfinite(se) \
+                else f"would be ±{se / sol.scale * 100:.0f}%"
+            notes.append(f"{SYMBOL[m0.level_name]} kept at {m0.level0:g}: these steps are bound by other rates "
+                         f"than it prices ({spread})")
+            how = _Level("fixed", how.delta0)
+            sol = _solve(models, fit_shape, sol.shape, how)
+        # The scale is the level's effect linearised at level0 (a roofline term can change which
+        # rate bounds it): re-centre the models on the level found and solve again until the scale
+        # is 1, where the cost model itself fits.
         for _ in range(MAX_RECENTRES):
             if abs(sol.scale - 1) < 1e-6:
                 break
-            models = [RowModel(plan, m.row, level=m.level0 / sol.scale, calibration=calibration) for m in models]
+            models = [RowModel(plan, m.row, level=m.level0 / sol.scale, calibration=calibration, shape=sol.shape)
+                      for m in models]
             sol = _solve(models, fit_shape, sol.shape, how)
         m0 = models[0]
     se = _stderrs(models, sol, fit_shape, how)

@@ -21,6 +21,7 @@ from planner.plan import (DEFAULT_PAGE_SIZE_TOKENS, DEFAULT_WATERMARK, PLAN_SCHE
 from planner.profile import placeholder_machine
 from planner.provenance import Recalibration
 from planner.search import SearchSpace, best_split, evaluate_all
+from planner.step_shape import step_tokens
 from planner.trace import trace_model
 from planner.units import fmt_bytes, round_sig
 
@@ -171,7 +172,8 @@ def plan_space(plan: Plan) -> SearchSpace:
     policy it chose for its CPU stage's prompt steps (what the executor runs)."""
     return replace(_space(plan.model.dtype, plan.workload, plan.limits, plan.kv),
                    stream_prefill=plan.partition.stream_prefill_min_rows or False,
-                   stream_step_tokens=plan.partition.streamed_step_tokens)
+                   stream_step_tokens=plan.partition.streamed_step_tokens,
+                   priced_step_tokens=step_tokens(plan.workload.batch_size, plan.workload.context_tokens))
 
 
 def _space(dtype: str, workload: Workload, limits: Limits, kv: KVPlan) -> SearchSpace:

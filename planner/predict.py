@@ -41,8 +41,11 @@ def predict_ttft_ms(plan: Plan, prompt_tokens: int, chunk_tokens: int = PREFILL_
 @dataclass(frozen=True)
 class StepCost:
     """One engine step's predicted time per stage, as the executor measures it."""
-    stages: tuple[tuple[float, float], ...]   # per stage: (ms with n_blocks·δ, roofline ms before δ)
+    stages: tuple[tuple[float, float], ...]   # per stage: (ms with its overheads·δ, roofline ms before δ)
     link_ms: float                            # the hand-off; the receiving stage's clock includes it
+    # per stage: the per-block overheads δ the step pays (n_blocks; times the sub-steps the GPU
+    # stage takes a streamed prompt step in)
+    overheads: tuple[float, ...] = ()
 
 
 AS_PLANNED = "as planned"  # predict_step's streaming policy: the plan's own
@@ -69,11 +72,12 @@ def predict_step(plan: Plan, phase: str, context: float, batch: float, tokens: f
     cost = evaluate_at(plan.partition.split_k, plan.ir.units, plan.ir.shared_weights, plan.machine, space,
                        calibration or plan.calibration, prefix=0 if decode else max(0.0, context - chunk))
     if decode:
-        return StepCost(tuple((s.ms, s.roofline_ms) for s in cost.stages), cost.comm_ms)
-    stages = [(s.prefill_ms, s.prefill_ms - s.overhead_ms) for s in cost.stages]
+        return StepCost(tuple((s.ms, s.roofline_ms) for s in cost.stages), cost.comm_ms,
+                        tuple(float(s.num_blocks) for s in cost.stages))
+    stages = [(s.prefill_ms, s.prefill_roofline_ms) for s in cost.stages]
     streams_from = cost.stream_prefill_min_rows
     if riders and streams_from is not None and round(tokens, 6) >= streams_from:  # the executor's rule
         k = plan.partition.split_k
         extra = streamed_riders_ms(plan.ir.units[:k], plan.machine.link, riders, rider_context)
         stages[0] = (stages[0][0] + extra, stages[0][1] + extra)  # the CPU stage: stage 0
-    return StepCost(tuple(stages), cost.comm_prefill_ms)
+    return StepCost(tuple(stages), cost.comm_prefill_ms, tuple(s.prefill_overheads for s in cost.stages))

@@ -74,6 +74,10 @@ class ReportRow:
     # prompt steps a CPU stage ran on the GPU, its weights streamed (a row of their own beside the
     # bucket's other prompt steps); None: not stated (a report from before the field)
     streamed: bool | None = None
+    # the per-block overheads δ the model charged a step, on average: num_blocks, or more where the
+    # stage took steps in sub-steps (a streamed prompt step's GPU stage); None: a report from
+    # before the field (num_blocks)
+    overheads_mean: float | None = None
 
     @property
     def kind(self) -> str:
@@ -88,7 +92,7 @@ class ReportRow:
             tokens_mean=self.tokens_mean, measured_mean_ns=_ns(self.measured_mean_ms),
             measured_p50_ns=_ns(self.measured_p50_ms), measured_p99_ns=_ns(self.measured_p99_ms),
             predicted_mean_ns=_ns(self.predicted_ms), predicted_roofline_mean_ns=_ns(self.predicted_roofline_ms),
-            error_pct=self.error_pct, streamed=self.streamed)
+            error_pct=self.error_pct, streamed=self.streamed, overheads_mean=self.overheads_mean)
 
     @classmethod
     def from_pb(cls, msg, pb) -> "ReportRow":
@@ -96,7 +100,8 @@ class ReportRow:
                    msg.context_min, msg.context_max, msg.samples, msg.context_mean, msg.batch_mean,
                    msg.tokens_mean, msg.measured_mean_ns / 1e6, msg.measured_p50_ns / 1e6,
                    msg.measured_p99_ns / 1e6, msg.predicted_mean_ns / 1e6, msg.predicted_roofline_mean_ns / 1e6,
-                   msg.error_pct, msg.streamed if msg.HasField("streamed") else None)
+                   msg.error_pct, msg.streamed if msg.HasField("streamed") else None,
+                   msg.overheads_mean if msg.HasField("overheads_mean") else None)
 
 
 @dataclass(frozen=True)
@@ -139,8 +144,7 @@ class Report:
             "steps": self.steps,
             **({"stream_prefill_min_rows": self.stream_prefill_min_rows} if self.stream_prefill_min_rows is not None
                else {}),
-            "rows": [{k: _round(v) for k, v in asdict(r).items() if not (k == "streamed" and v is None)}
-                     for r in self.rows],
+            "rows": [{k: _round(v) for k, v in asdict(r).items() if v is not None} for r in self.rows],
         }
 
     def table(self) -> str:

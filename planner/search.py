@@ -31,6 +31,9 @@ class SearchSpace:
     # the most tokens a streamed step takes: None, as many as fit beside the split at its context
     # (the search); a number, an existing plan's
     stream_step_tokens: int | None = None
+    # the step the GPU stage is priced for, which it takes a streamed step in sub-steps of: None,
+    # this space's (step_shape.step_tokens at its batch and context); a number, an existing plan's
+    priced_step_tokens: int | None = None
 
 
 def evaluate_at(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight, ...], machine: MachineProfile,
@@ -42,7 +45,8 @@ def evaluate_at(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight, .
                           watermark=space.watermark, offload=space.offload,
                           gpu_budget_bytes=space.gpu_budget_bytes, host_budget_bytes=space.host_budget_bytes,
                           calibration=calibration, prefix=prefix, dtype=space.dtype, logits=logits,
-                          stream_prefill=space.stream_prefill, stream_step_tokens=space.stream_step_tokens)
+                          stream_prefill=space.stream_prefill, stream_step_tokens=space.stream_step_tokens,
+                          priced_rows=space.priced_step_tokens)
 
 
 def evaluate_all(units: tuple[UnitIR, ...], shared: tuple[SharedWeight, ...], machine: MachineProfile,

@@ -78,8 +78,8 @@ def _request(engine: Engine, recorder: Recorder | None, ids: list[int], new_toke
 
 
 def _stage_rows(recorder: Recorder) -> list[dict]:
-    return [{"stage": r.stage, "device": r.device, "phase": r.kind, "steps": r.samples,
-             "measured_ms": round(r.measured_mean_ms, 3), "predicted_ms": round(r.predicted_ms, 3),
+    return [{"stage": r.stage, "device": r.device, "phase": r.phase, "streamed": bool(r.streamed),
+             "steps": r.samples, "measured_ms": round(r.measured_mean_ms, 3), "predicted_ms": round(r.predicted_ms, 3),
              "error_pct": round(r.error_pct, 1)} for r in recorder.report().rows]
 
 

@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"{b.stage:>5} {f'[{b.context_min}, {b.context_max})':>13} {b.predicted_ms:>9.1f} "
               f"{b.measured_mean_ms:>9.1f} {b.error_pct:>+7.1f}% {a.predicted_ms:>9.1f} {a.measured_mean_ms:>9.1f} "
-              f"{a.error_pct:>+7.1f}%")
+              f"{a.error_pct:>+7.1f}%{'   streamed' if b.streamed else ''}")
         prefill_results.append({"stage": b.stage, "streamed": bool(b.streamed), "context_min": b.context_min,
                                 "context_max": b.context_max,
                                 "before": {"predicted_ms": b.predicted_ms, "measured_ms": b.measured_mean_ms,

@@ -153,8 +153,9 @@ def test_a_step_record_says_what_its_prediction_needs(path):
     eng.step()                                         # the 6-token prompt's last 2; the other decodes
     assert (eng.last_step.phase, eng.last_step.batch, eng.last_step.tokens, eng.last_step.context) == \
         ("prefill", 1, 2, 6)
-    # the decode riding along attends over the other prompt's 3 cached tokens
-    assert (eng.last_step.riders, eng.last_step.rider_context) == (1, 3)
+    # the decode riding along attends over the other prompt's 3 cached tokens: one whole page of
+    # them copied, where the step streams
+    assert eng.page_size == 4 and (eng.last_step.riders, eng.last_step.rider_context) == (1, 4)
     eng.step()                                         # both decode: contexts 7 and 5
     assert (eng.last_step.phase, eng.last_step.batch, eng.last_step.tokens, eng.last_step.context) == \
         ("decode", 2, 2, 6)

@@ -475,14 +475,26 @@ def test_a_plans_ttft_crosses_the_weights_once_per_streamed_step():
 def test_the_gpu_stage_pays_its_per_block_overhead_once_per_sub_step_of_a_streamed_step():
     """The GPU stage takes a streamed step in the sub-steps it is priced for (prompt chunks of 512
     tokens, executor/engine.py): a 2048-token streamed step is four of them, each paying δ per
-    block; a step that does not stream is one."""
+    block; a step that does not stream is one, and a decode step pays δ once whatever the
+    workload's prompt."""
     units, _ = model_units(8, 256 * MIB, 64 * MIB, 64 * MIB)
     m = _flash(machine(link_gibps=1.0, delta_gpu=0.5))
     gpu = lambda c: c.stages[1]  # noqa: E731
+    no_delta = _flash(machine(link_gibps=1.0))
     streamed = split(5, units, (), m, dtype=BF16, context=4096, prompt=2048, stream_step_tokens=2048)
+    bare = split(5, units, (), no_delta, dtype=BF16, context=4096, prompt=2048, stream_step_tokens=2048)
     assert streamed.stream_prefill_min_rows is not None and streamed.stream_prefill_min_rows <= 2048
-    assert gpu(streamed).num_blocks == 4 and gpu(streamed).overhead_ms == pytest.approx(4 * 4 * 0.5)
+    assert gpu(streamed).num_blocks == 4 and gpu(streamed).prefill_overheads == 4 * 4
+    assert gpu(streamed).prefill_ms - gpu(bare).prefill_ms == pytest.approx(4 * 4 * 0.5)
+    assert gpu(streamed).prefill_roofline_ms == pytest.approx(gpu(bare).prefill_ms)
+    assert gpu(streamed).overhead_ms == pytest.approx(4 * 0.5)  # the decode step's
+    assert gpu(streamed).ms - gpu(bare).ms == pytest.approx(4 * 0.5)
     one = split(5, units, (), m, dtype=BF16, context=4096, prompt=512, stream_step_tokens=2048)
-    assert gpu(one).overhead_ms == pytest.approx(4 * 0.5)
+    assert gpu(one).prefill_overheads == 4
     plain = split(5, units, (), m, dtype=BF16, context=4096, prompt=2048, stream_prefill=False)
-    assert plain.stream_prefill_min_rows is None and gpu(plain).overhead_ms == pytest.approx(4 * 0.5)
+    assert plain.stream_prefill_min_rows is None and gpu(plain).prefill_overheads == 4
+    # sub-steps of the plan's priced step, not of the step's own batch (predict_step keeps it)
+    four = split(5, units, (), m, dtype=BF16, batch=4, context=4096, prompt=512, stream_step_tokens=2048)
+    assert gpu(four).prefill_overheads == 4  # 4 × 512 fits one priced step of 2048
+    assert gpu(split(5, units, (), m, dtype=BF16, batch=4, context=4096, prompt=512, stream_step_tokens=2048,
+                     priced_rows=512)).prefill_overheads == 4 * 4

@@ -54,10 +54,6 @@ def synthetic_report(plan, truth: Calibration, contexts, steps: int = 64, noise:
         true_plan = replace(true_plan, partition=replace(plan.partition, stream_prefill_min_rows=None))
     rec = Recorder(plan, "synthetic", plan.model.architecture, "helm-synthetic",
                    **({} if streamed else {"stream_prefill": False}))
-    streams_from = true_plan.partition.stream_prefill_min_rows  # the executor's rule: a step's prompt tokens
-
-    def streams(tokens: int) -> bool:
-        return streams_from is not None and tokens >= streams_from
 
     for c in contexts:
         factor = 1 + (disturb or {}).get(c, 0.0)
@@ -72,11 +68,9 @@ def synthetic_report(plan, truth: Calibration, contexts, steps: int = 64, noise:
             p = predict(replace(true_plan, workload=wl), start + chunk, 1, prefix_tokens=start)
             link = p.ttft_ms - sum(st.prefill_ms for st in p.stages)
             ms = [st.prefill_ms + (link if i else 0.0) for i, st in enumerate(p.stages)]
-            rec.record("prefill", start + chunk, 1, chunk, tuple(m * (1 + noise * rng.gauss(0, 1)) for m in ms),
-                       streams(chunk))
+            rec.record("prefill", start + chunk, 1, chunk, tuple(m * (1 + noise * rng.gauss(0, 1)) for m in ms))
     if not prompts:
-        rec.record("prefill", contexts[0], 1, contexts[0], tuple(100.0 for _ in plan.partition.stages),
-                   streams(contexts[0]))
+        rec.record("prefill", contexts[0], 1, contexts[0], tuple(100.0 for _ in plan.partition.stages))
     return replace(rec.report(), created_unix_ns=CREATED_NS)
 
 
@@ -587,7 +581,6 @@ def test_a_report_from_before_the_field_ran_as_planned(split_plan, tmp_path):
     report.write(tmp_path / "new.json")
     data = json.loads((tmp_path / "new.json").read_text())
     assert data.pop("stream_prefill_min_rows") == split_plan.partition.stream_prefill_min_rows
-    (tmp_path / "old.json").write_text(json.dumps(data))
     for row in data["rows"]:
         row.pop("streamed")
     (tmp_path / "old.json").write_text(json.dumps(data))
@@ -605,7 +598,9 @@ def test_streamed_and_cpu_prompt_steps_of_one_bucket_are_told_apart(split_plan, 
     small = split_plan.partition.stream_prefill_min_rows - 1  # on the CPU, under the threshold
     truth = Calibration(cpu=DeviceCalibration(eta_kv=0.9, delta_ms_per_block=0.8, eta_compute=1.3, eta_attn=0.6),
                         cuda=DeviceCalibration(eta_kv=0.85, delta_ms_per_block=0.14, eta_compute=0.7))
-    report = synthetic_report(split_plan, truth, LONG, seed=11, prompts=PROMPTS, chunks=(small, CHUNK))
+    # the 1024-token steps stream as one step, which the GPU stage takes in two sub-steps (δ twice)
+    assert split_plan.partition.streamed_step_tokens >= 1024
+    report = synthetic_report(split_plan, truth, LONG, seed=11, prompts=PROMPTS, chunks=(small, CHUNK, 1024))
     prefill = [r for r in report.rows if r.phase == "prefill" and r.stage == 0]
     both = {r.context_min for r in prefill if r.streamed} & {r.context_min for r in prefill if not r.streamed}
     assert len(both) >= 4, prefill  # most buckets hold both kinds
@@ -661,3 +656,27 @@ def test_a_row_given_twice_is_refused(split_plan, tmp_path):
     report = synthetic_report(split_plan, truth, SHORT)
     with pytest.raises(PlanError, match="two rows for stage 0's decode steps in context \\[128, 256\\)"):
         recalibrate(split_plan, replace(report, rows=(report.rows[0], *report.rows)), "edited")
+
+
+def test_a_decode_batch_whose_prompts_would_stream_pays_delta_once(split_plan):
+    """A decode step's per-block overhead is paid once, however many tokens the workload's prompts
+    hold (a streamed prompt step's GPU sub-steps are the prefill's): δ is recovered at batch 8,
+    where 8 prompts of the workload's length would stream."""
+    assert 8 * split_plan.workload.prompt_tokens >= split_plan.partition.stream_prefill_min_rows
+    truth = Calibration(cpu=DeviceCalibration(eta_kv=0.9, delta_ms_per_block=0.8),
+                        cuda=DeviceCalibration(eta_kv=0.85, delta_ms_per_block=0.14))
+    assert_recovered(recalibrate(split_plan, synthetic_report(split_plan, truth, LONG, seed=3, batch=8),
+                                 "synthetic"), truth)
+
+
+def test_eta_c_is_kept_where_the_prompt_steps_do_not_respond_to_it(unstreamed_split_plan):
+    """A GPU's short prompt chunks are bound by their weight reads, which η_c does not price: rows
+    of only those cannot pin it, so it is kept (with a note) instead of set by the noise."""
+    truth = Calibration(cpu=DeviceCalibration(eta_kv=0.9, delta_ms_per_block=0.8, eta_compute=1.3, eta_attn=0.6),
+                        cuda=DeviceCalibration(eta_kv=0.85, delta_ms_per_block=0.14, eta_compute=0.7))
+    for seed in (0, 1, 2):
+        report = synthetic_report(unstreamed_split_plan, truth, LONG, seed=seed, prompts=[16, 24, 31] * 2,
+                                  chunks=(31,))
+        gpu = {f.device: f for f in recalibrate(unstreamed_split_plan, report, "synthetic").fits}["cuda"]
+        assert gpu.prefill.eta_compute == unstreamed_split_plan.calibration.cuda.eta_compute, gpu
+        assert "η_c kept at 1: these steps are bound by other rates than it prices" in gpu.prefill.note, gpu
