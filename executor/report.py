@@ -99,8 +99,11 @@ class Recorder:
         return tuple(StagePredicted(ms + (step.link_ms if i else 0.0), roof + (step.link_ms if i else 0.0), n)
                      for i, ((ms, roof), n) in enumerate(zip(step.stages, step.overheads)))
 
-    def record_step(self, step) -> tuple[StagePredicted, ...]:
-        """Store one engine step (an executor.engine.StepRecord); return what the plan predicted."""
+    def record_step(self, step, store: bool = True) -> tuple[StagePredicted, ...]:
+        """Store one engine step (an executor.engine.StepRecord; `store` False: only predict it);
+        return what the plan predicted."""
+        if not store:
+            return self.predict(step.phase, step.context, step.batch, step.tokens, step.riders, step.rider_context)
         return self.record(step.phase, step.context, step.batch, step.tokens, tuple(t.ms for t in step.stages),
                            step.streamed, step.riders, step.rider_context)
 

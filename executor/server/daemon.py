@@ -157,7 +157,7 @@ class Daemon:
         worker = EngineWorker(engine, recorder, name=f"engine-v{plan.plan_version}-{plan.digest[7:15]}",
                               on_end=self._release,
                               on_step=lambda phase, stage_ms: self.on_step(phase, devices, stage_ms),
-                              on_exit=self._worker_exited)
+                              on_exit=self._worker_exited, measuring=lambda: not self._load_lock.locked())
         worker.start()
         with self._lock:
             if self.state == "draining":  # shutdown began while the plan loaded

@@ -82,13 +82,16 @@ class EngineWorker:
     IDLE_POLL_S = 1.0
 
     def __init__(self, engine: Engine, recorder: Recorder, name: str, on_end=lambda request_id: None,
-                 on_step=lambda phase, stage_ms: None, on_exit=lambda worker: None):
+                 on_step=lambda phase, stage_ms: None, on_exit=lambda worker: None, measuring=lambda: True):
         self.engine = engine
         self.recorder = recorder
         self.name = name
         self._on_end = on_end  # called on the engine thread when a request is over for the engine
         self._on_step = on_step  # called on the engine thread with each step's (measured, predicted) ms
         self._on_exit = on_exit  # called on the engine thread as it ends (`crashed` says whether by a fault)
+        # whether a step's times go into the report: not while another plan loads beside it, whose
+        # weight copies and warm-up share the GPU's stream and the host (the step is still predicted)
+        self._measuring = measuring
         self.crashed: str | None = None  # what stopped the engine thread, where a fault did
         self.device_lost = False  # that fault left a GPU unusable for this process (DeviceLostError)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -222,7 +225,7 @@ class EngineWorker:
 
     def _record(self, record) -> None:
         """Pair an executed step's stage times with the plan's prediction and store them."""
-        predicted = self.recorder.record_step(record)
+        predicted = self.recorder.record_step(record, store=self._measuring())
         self._stage_ms = tuple((t.ms, p.ms) for t, p in zip(record.stages, predicted))
         self._on_step(record.phase, self._stage_ms)
 

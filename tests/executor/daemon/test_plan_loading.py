@@ -189,3 +189,40 @@ def test_a_plan_with_a_tiny_context_loads_and_bounds_requests(model, plan_dir):
             tokens_of(daemon, prompt=(11, 12), n=4)
     finally:
         daemon.close()
+
+
+def test_steps_served_while_another_plan_loads_are_not_measured(model, plan_dir, monkeypatch):
+    """A plan's load copies weights and warms up on the GPU's stream and the host beside the plan
+    that serves: the steps it serves meanwhile are timed against that, so its report leaves them
+    out (they still stream their tokens), and measures again once the load is over."""
+    write_plan(model, 3, plan_dir / "other.yaml")
+    daemon = Daemon(model, plan_dir=plan_dir)
+    try:
+        first = daemon.load_plan(PlanSource(path="good.yaml")).plan.digest
+        tokens_of(daemon)
+        measured = daemon.report(first).steps
+        assert measured > 0
+        started, release = threading.Event(), threading.Event()
+        real_warm_up = Daemon._warm_up
+
+        def slow_warm_up(self, engine):
+            started.set()
+            release.wait(30)
+            real_warm_up(self, engine)
+
+        monkeypatch.setattr(Daemon, "_warm_up", slow_warm_up)
+        loading = threading.Thread(target=daemon.load_plan, args=(PlanSource(path="other.yaml"),))
+        loading.start()
+        try:
+            assert started.wait(30)
+            assert len(tokens_of(daemon)) == 4  # served by the first plan, not measured
+            assert daemon.report(first).steps == measured
+        finally:
+            release.set()
+            loading.join(30)
+        assert daemon.report().plan.digest != first
+        tokens_of(daemon)
+        assert daemon.report().steps > 0  # the plan now serving measures its steps
+        assert daemon.report(first).steps == measured
+    finally:
+        daemon.close()
