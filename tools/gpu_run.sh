@@ -11,6 +11,10 @@
 #   bash tools/gpu_run.sh bench --skip-capped --compiled --paged-decode
 #                                                  # all-GPU decode: eager ops vs torch.compile, and
 #                                                  # SDPA vs the paged decode kernels
+#   bash tools/gpu_run.sh sanitize [pytest args]   # the tests whose copies cross CUDA streams (KV
+#                                                  # offload and prefetch, pinned staging, streamed
+#                                                  # prompt steps) under PyTorch's CUDA stream sanitizer,
+#                                                  # which reports an access no event orders
 #   bash tools/gpu_run.sh kernels                  # the CPU kernels' tests on this machine's CPU: its
 #                                                  # AVX-512 / AVX512-BF16 paths, which our VMs may lack
 #   bash tools/gpu_run.sh host                     # tools/bench_host_step.py: the host's work per GPU
@@ -67,6 +71,12 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
         tests/executor/test_streamed_prefill.py 2>&1 \
         | tee "$OUT/cuda_tests.txt" | tail -45
     echo "tests: done at $((SECONDS - start)) s"
+fi
+if [ "$what" = sanitize ]; then
+    # eager steps only: the sanitizer follows kernels launched one by one, not a captured graph's
+    HELM_CUDA_GRAPHS=0 TORCH_CUDA_SANITIZER=1 python -m pytest -q -s -p no:cacheprovider "$@" \
+        tests/executor/test_cuda.py -k "eviction or prefetch or 3000_token or host_page or staging or streamed \
+        or prefix_reuse" 2>&1 | tee "$OUT/sanitized_tests.txt" | tail -25
 fi
 if [ "$what" = kernels ]; then
     python -m pytest -q -p no:cacheprovider tests/executor/kernels tests/executor/test_every_isa.py \
