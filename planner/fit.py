@@ -344,6 +344,14 @@ def finite(x: float | None) -> float | None:
     return round_sig(x) if x is not None and math.isfinite(x) else None
 
 
+def _unpinned(se: float | None, value: float, inestimable: str) -> str:
+    """Why a fitted parameter is noise ("" where its standard error pins it to ETA_MAX_REL_STDERR):
+    `inestimable` where it has none, else the spread it would have."""
+    if se is None or not math.isfinite(se):
+        return inestimable
+    return f"would be ±{se / value * 100:.0f}%" if se / value > ETA_MAX_REL_STDERR else ""
+
+
 def _fit_phase(plan: Plan, rows: list, how: _Level, what: str, calibration: Calibration | None = None) -> PhaseFit:
     """Fit one device's rows of one phase: the level as `how` says, the shape parameter where
     the buckets pin it down, the other parameters at `calibration` (default: the measured plan's).
@@ -358,10 +366,9 @@ def _fit_phase(plan: Plan, rows: list, how: _Level, what: str, calibration: Cali
     if fit_shape:
         # The shape parameter is told apart from the level only by how the step time grows with
         # context; where that part is small, the two are collinear and it would be noise: keep it.
-        se = _stderrs(models, sol, True, how, NOMINAL_NOISE).get("shape")
-        if se is None or not math.isfinite(se) or se / sol.shape > ETA_MAX_REL_STDERR:
-            spread = "cannot be told apart from the level" if se is None or not math.isfinite(se) \
-                else f"would be ±{se / sol.shape * 100:.0f}%"
+        spread = _unpinned(_stderrs(models, sol, True, how, NOMINAL_NOISE).get("shape"), sol.shape,
+                           "cannot be told apart from the level")
+        if spread:
             notes.append(f"{sym_shape} kept at {m0.shape0:g}: these buckets do not pin it down ({spread}; "
                          f"{what} is too small a part of the step)")
             fit_shape = False
@@ -375,10 +382,9 @@ def _fit_phase(plan: Plan, rows: list, how: _Level, what: str, calibration: Cali
     if how.mode == "scale":
         # Rows whose steps are bound by other rates than the level's (a GPU's short prompt chunks,
         # by their weight reads) hardly respond to it: where they cannot pin it, noise would set it.
-        se = _stderrs(models, sol, fit_shape, how, NOMINAL_NOISE).get("scale")
-        if se is None or not math.isfinite(se) or se / sol.scale > ETA_MAX_REL_STDERR:
-            spread = "they do not respond to it" if se is None or not math.isfinite(se) \
-                else f"would be ±{se / sol.scale * 100:.0f}%"
+        spread = _unpinned(_stderrs(models, sol, fit_shape, how, NOMINAL_NOISE).get("scale"), sol.scale,
+                           "they do not respond to it")
+        if spread:
             notes.append(f"{SYMBOL[m0.level_name]} kept at {m0.level0:g}: these steps are bound by other rates "
                          f"than it prices ({spread})")
             how = _Level("fixed", how.delta0)

@@ -125,8 +125,8 @@ def test_a_failed_warm_up_refuses_the_plan_and_the_old_plan_serves(model, plan_d
         daemon.close()
 
 
-def test_one_load_at_a_time(model, plan_dir, monkeypatch):
-    daemon = Daemon(model, plan_dir=plan_dir)
+def held_warm_up(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """Every plan's warm-up from here on signals `started`, then waits for `release`."""
     started, release = threading.Event(), threading.Event()
     real_warm_up = Daemon._warm_up
 
@@ -136,6 +136,12 @@ def test_one_load_at_a_time(model, plan_dir, monkeypatch):
         real_warm_up(self, engine)
 
     monkeypatch.setattr(Daemon, "_warm_up", slow_warm_up)
+    return started, release
+
+
+def test_one_load_at_a_time(model, plan_dir, monkeypatch):
+    daemon = Daemon(model, plan_dir=plan_dir)
+    started, release = held_warm_up(monkeypatch)
     first = threading.Thread(target=daemon.load_plan, args=(PlanSource(path="good.yaml"),))
     first.start()
     try:
@@ -202,15 +208,7 @@ def test_steps_served_while_another_plan_loads_are_not_measured(model, plan_dir,
         tokens_of(daemon)
         measured = daemon.report(first).steps
         assert measured > 0
-        started, release = threading.Event(), threading.Event()
-        real_warm_up = Daemon._warm_up
-
-        def slow_warm_up(self, engine):
-            started.set()
-            release.wait(30)
-            real_warm_up(self, engine)
-
-        monkeypatch.setattr(Daemon, "_warm_up", slow_warm_up)
+        started, release = held_warm_up(monkeypatch)
         loading = threading.Thread(target=daemon.load_plan, args=(PlanSource(path="other.yaml"),))
         loading.start()
         try:
