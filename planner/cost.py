@@ -417,7 +417,7 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
                    gpu_budget_bytes: int, host_budget_bytes: int, calibration=None,
                    prefix: int = 0, dtype: str | None = None, logits: bool = True,
                    stream_prefill: bool | int = True, stream_step_tokens: int | None = None,
-                   priced_rows: int | None = None) -> SplitCost:
+                   priced_rows: int | None = None, riders: float = 0) -> SplitCost:
     """Cost and feasibility of putting units [0, k) on the CPU and [k, N) on the GPU. The prefill
     figures are for `prompt` tokens after `prefix` cached ones (0: the whole prompt at once),
     the output projection included only with `logits` (a prompt's last chunk); `dtype`: the
@@ -427,7 +427,8 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
     stream_step_tokens: the most tokens such a step takes (an existing plan's; None: as many as
     fit beside the split at its context, _streamed_step_tokens); priced_rows: the step the GPU
     stage is priced for, which it takes a streamed step in sub-steps of (an existing plan's; None:
-    step_shape.step_tokens at this batch and context)."""
+    step_shape.step_tokens at this batch and context); riders: decodes in the prompt step (they
+    take rows of those sub-steps; the rest of their cost is predict.predict_step's)."""
     n = len(units)
     if not 0 <= k <= n:
         raise ValueError(f"split {k} out of range 0..{n}")
@@ -527,8 +528,8 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
         overhead = blocks * rates.calibration.delta_ms_per_block
         # the GPU stage takes a streamed step in the sub-steps of the step it is priced for
         # (executor/engine.py _forward), each paying its per-block overhead
-        steps = sub_steps(batch, prompt, priced_rows or step_tokens(math.ceil(batch), math.ceil(context))) \
-            if device == "cuda" and streams_step else 1
+        steps = sub_steps(batch, prompt, priced_rows or step_tokens(math.ceil(batch), math.ceil(context)),
+                          riders=riders) if device == "cuda" and streams_step else 1
         stages.append(StageCost(
             device=device, unit_start=start, unit_end=end, num_blocks=blocks,
             weight_bytes=gpu_weights if device == "cuda" else cpu_weights,

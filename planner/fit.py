@@ -382,7 +382,9 @@ def _fit_phase(plan: Plan, rows: list, how: _Level, what: str, calibration: Cali
     if how.mode == "scale":
         # Rows whose steps are bound by other rates than the level's (a GPU's short prompt chunks,
         # by their weight reads) hardly respond to it: where they cannot pin it, noise would set it.
-        spread = _unpinned(_stderrs(models, sol, fit_shape, how, NOMINAL_NOISE).get("scale"), sol.scale,
+        # (judged by how much the rows respond to it, at nominal noise: not by how well they agree)
+        response = sum(w * (m.scaled_part(sol.shape) / m.measured) ** 2 for m, w in zip(models, sol.weights))
+        spread = _unpinned(NOMINAL_NOISE / math.sqrt(response) if response > 0 else None, sol.scale,
                            "they do not respond to it")
         if spread:
             notes.append(f"{SYMBOL[m0.level_name]} kept at {m0.level0:g}: these steps are bound by other rates "

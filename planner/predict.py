@@ -45,7 +45,7 @@ class StepCost:
     link_ms: float                            # the hand-off; the receiving stage's clock includes it
     # per stage: the per-block overheads δ the step pays (n_blocks; times the sub-steps the GPU
     # stage takes a streamed prompt step in)
-    overheads: tuple[float, ...] = ()
+    overheads: tuple[float, ...]
 
 
 AS_PLANNED = "as planned"  # predict_step's streaming policy: the plan's own
@@ -70,7 +70,8 @@ def predict_step(plan: Plan, phase: str, context: float, batch: float, tokens: f
     if stream_prefill != AS_PLANNED:
         space = replace(space, stream_prefill=stream_prefill)
     cost = evaluate_at(plan.partition.split_k, plan.ir.units, plan.ir.shared_weights, plan.machine, space,
-                       calibration or plan.calibration, prefix=0 if decode else max(0.0, context - chunk))
+                       calibration or plan.calibration, prefix=0 if decode else max(0.0, context - chunk),
+                       riders=0 if decode else riders)
     if decode:
         return StepCost(tuple((s.ms, s.roofline_ms) for s in cost.stages), cost.comm_ms,
                         tuple(float(s.num_blocks) for s in cost.stages))

@@ -38,15 +38,16 @@ class SearchSpace:
 
 def evaluate_at(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight, ...], machine: MachineProfile,
                 space: SearchSpace, calibration: Calibration | None = None, prefix: float = 0,
-                logits: bool = True) -> SplitCost:
-    """Score split k (units [0, k) on the CPU) in `space`; `prefix`, `logits`: see evaluate_split."""
+                logits: bool = True, riders: float = 0) -> SplitCost:
+    """Score split k (units [0, k) on the CPU) in `space`; `prefix`, `logits`, `riders`: see
+    evaluate_split."""
     return evaluate_split(k, units, shared, machine, batch=space.batch, context=space.context,
                           prompt=space.prompt, page_size_tokens=space.page_size_tokens,
                           watermark=space.watermark, offload=space.offload,
                           gpu_budget_bytes=space.gpu_budget_bytes, host_budget_bytes=space.host_budget_bytes,
                           calibration=calibration, prefix=prefix, dtype=space.dtype, logits=logits,
                           stream_prefill=space.stream_prefill, stream_step_tokens=space.stream_step_tokens,
-                          priced_rows=space.priced_step_tokens)
+                          priced_rows=space.priced_step_tokens, riders=riders)
 
 
 def evaluate_all(units: tuple[UnitIR, ...], shared: tuple[SharedWeight, ...], machine: MachineProfile,

@@ -45,15 +45,18 @@ def prompt_steps(prompt_tokens: int, stream_min_rows: int | None, chunk: int = P
     return steps
 
 
-def sub_steps(batch: float, prompt: float, max_rows: int, max_slice: int = PREFILL_CHUNK_TOKENS) -> int:
+def sub_steps(batch: float, prompt: float, max_rows: int, max_slice: int = PREFILL_CHUNK_TOKENS,
+              riders: float = 0) -> int:
     """The consecutive sub-steps a stage priced for steps of `max_rows` tokens takes a step of
-    `batch` prompt chunks of `prompt` tokens each in (means round to whole ones): each chunk in
-    pieces of at most `max_slice`, one piece of a sequence per sub-step, pieces packed in order
-    as executor.batch.StepBatch.split packs them."""
+    `batch` prompt chunks of `prompt` tokens each in (means round to whole ones), after `riders`
+    decodes (the engine schedules them first): each chunk in pieces of at most `max_slice`, one
+    piece of a sequence per sub-step, pieces packed in order as executor.batch.StepBatch.split
+    packs them."""
     count = rows = 0
     last = None  # the sequence of the current sub-step's last piece
-    for seq in range(max(1, round(batch))):
-        left = max(1, round(prompt))
+    decodes = max(0, round(riders))
+    for seq in range(decodes + max(1, round(batch))):
+        left = 1 if seq < decodes else max(1, round(prompt))
         while left:
             n = min(max_slice, left)
             if not count or rows + n > max_rows or last == seq:

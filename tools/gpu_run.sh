@@ -74,9 +74,12 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = sanitize ]; then
     # eager steps only: the sanitizer follows kernels launched one by one, not a captured graph's
-    HELM_CUDA_GRAPHS=0 TORCH_CUDA_SANITIZER=1 python -m pytest -q -s -p no:cacheprovider "$@" \
-        tests/executor/test_cuda.py -k "eviction or prefetch or 3000_token or host_page or staging or streamed \
-        or prefix_reuse" 2>&1 | tee "$OUT/sanitized_tests.txt" | tail -25
+    args=()
+    python -c "import pytest_timeout" 2>/dev/null && args+=(--timeout=420)
+    HELM_CUDA_GRAPHS=0 TORCH_CUDA_SANITIZER=1 python -m pytest -q -s -p no:cacheprovider "${args[@]}" \
+        tests/executor/test_cuda.py tests/executor/test_streamed_prefill.py \
+        -k "eviction or prefetch or 3000_token or host_page or page_locked or staging or streamed or prefix_reuse" \
+        "$@" 2>&1 | tee "$OUT/sanitized_tests.txt" | tail -25
 fi
 if [ "$what" = kernels ]; then
     python -m pytest -q -p no:cacheprovider tests/executor/kernels tests/executor/test_every_isa.py \

@@ -147,16 +147,19 @@ def test_a_step_splits_into_sub_steps_that_keep_its_rows_in_order():
         StepBatch.build([("a", 0, 2), ("b", 0, 2)], logit_rows=[3, 1]).split(2, 2)
 
 
-@pytest.mark.parametrize("batch, prompt, max_rows, max_slice", [
-    (1, 2048, 512, 512), (1, 2048, 2048, 512), (4, 512, 2048, 512), (3, 700, 2048, 512), (2, 1000, 1024, 512),
-    (5, 37, 64, 16), (1, 1, 8, 8), (7, 300, 512, 128), (2, 2048, 512, 512)])
-def test_the_planners_sub_step_count_is_the_executors(batch, prompt, max_rows, max_slice):
+@pytest.mark.parametrize("batch, prompt, max_rows, max_slice, riders", [
+    (1, 2048, 512, 512, 0), (1, 2048, 2048, 512, 0), (4, 512, 2048, 512, 0), (3, 700, 2048, 512, 0),
+    (2, 1000, 1024, 512, 0), (5, 37, 64, 16, 0), (1, 1, 8, 8, 0), (7, 300, 512, 128, 0), (2, 2048, 512, 512, 0),
+    (1, 2045, 512, 512, 3), (1, 2047, 512, 512, 1), (1, 1024, 2048, 512, 6), (2, 600, 1024, 512, 4)])
+def test_the_planners_sub_step_count_is_the_executors(batch, prompt, max_rows, max_slice, riders):
     """planner.step_shape.sub_steps, which prices a streamed step's GPU stage a per-block overhead
-    per sub-step, counts the sub-steps StepBatch.split makes of such a step."""
+    per sub-step, counts the sub-steps StepBatch.split makes of such a step, the decodes riding
+    along first, as the engine schedules them."""
     from planner.step_shape import sub_steps
 
-    step = StepBatch.build([(f"s{i}", 0, prompt) for i in range(batch)], logit_rows=[])
-    assert sub_steps(batch, prompt, max_rows, max_slice) == len(step.split(max_rows, max_slice))
+    decodes = [(f"d{i}", 100 + i, 1) for i in range(riders)]
+    step = StepBatch.build(decodes + [(f"s{i}", 0, prompt) for i in range(batch)], logit_rows=[])
+    assert sub_steps(batch, prompt, max_rows, max_slice, riders) == len(step.split(max_rows, max_slice))
 
 
 def test_bf16_streamed_prefill_is_as_close_to_transformers_as_the_cpu_kernels(checkpoint):

@@ -498,3 +498,6 @@ def test_the_gpu_stage_pays_its_per_block_overhead_once_per_sub_step_of_a_stream
     assert gpu(four).prefill_overheads == 4  # 4 × 512 fits one priced step of 2048
     assert gpu(split(5, units, (), m, dtype=BF16, batch=4, context=4096, prompt=512, stream_step_tokens=2048,
                      priced_rows=512)).prefill_overheads == 4 * 4
+    # decodes riding along take the first sub-step's rows: 3 of them and 2045 prompt tokens make five
+    assert gpu(split(5, units, (), m, dtype=BF16, context=4096, prompt=2045, stream_step_tokens=2048,
+                     priced_rows=512, riders=3)).prefill_overheads == 5 * 4

@@ -680,3 +680,21 @@ def test_eta_c_is_kept_where_the_prompt_steps_do_not_respond_to_it(unstreamed_sp
         gpu = {f.device: f for f in recalibrate(unstreamed_split_plan, report, "synthetic").fits}["cuda"]
         assert gpu.prefill.eta_compute == unstreamed_split_plan.calibration.cuda.eta_compute, gpu
         assert "η_c kept at 1: these steps are bound by other rates than it prices" in gpu.prefill.note, gpu
+
+
+@pytest.mark.parametrize("prompts, disturb", [([300, 300], 0.0), ([300, 300, 700, 700], 0.25)])
+def test_eta_c_is_fitted_from_few_rows_that_respond_to_it(prompts, disturb):
+    """η_c is kept only where the rows do not respond to it, not where they are few (one bucket:
+    no degrees of freedom left) or disagree (one of two disturbed by 25%): compute-bound CPU
+    prompt chunks fit it."""
+    plan = load_plan(DEV_PLAN)
+    truth = Calibration(cpu=DeviceCalibration(eta_kv=0.9, delta_ms_per_block=0.8, eta_compute=1.4))
+    report = synthetic_report(plan, truth, LONG, seed=4, prompts=prompts)
+    if disturb:
+        rows = [r for r in report.rows if r.phase == "prefill"]
+        worst = max(rows, key=lambda r: r.context_min)
+        report = replace(report, rows=tuple(replace(r, measured_mean_ms=r.measured_mean_ms * (1 + disturb))
+                                            if r is worst else r for r in report.rows))
+    cpu = recalibrate(plan, report, "synthetic").fits[0]
+    assert cpu.prefill is not None and "η_c kept" not in cpu.prefill.note, cpu.prefill
+    assert cpu.prefill.eta_compute == pytest.approx(1.4, rel=0.02 if not disturb else 0.2), cpu.prefill
