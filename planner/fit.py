@@ -23,18 +23,20 @@ a bf16 model's GEMMs run at another rate) and η_attn the prompt attention's on 
 attention kernel and GEMMs differ again): time grows with the cached prefix through η_attn.
 
 So every phase has a *level* parameter (δ, or η_m / η_c as a scale on the part of the stage's
-roofline that level prices),
-solved in closed form for each value of a *shape* parameter (η_kv / η_attn), which a 1-D search
+roofline that level prices), solved by Gauss-Newton (the model is linear in it) for each value
+of a *shape* parameter (η_kv / η_attn), which a 1-D search
 on a log grid refined by golden section finds (variable projection); the shape parameter only
 with at least MIN_BUCKETS_FOR_ETA context buckets, and kept where the buckets do not pin it to
 ±ETA_MAX_REL_STDERR (where the KV read or the prefix attention is a small part of the step it is
 collinear with the level). That scale is the cost model's own response to the level near the
 measured plan's value (a roofline term bound by another rate does not move), and the prefill fit
 re-centres on the level found until it is 1; the table and the written plan use the cost model
-itself at the fitted values. The loss is the sum of squared *relative* errors (every
-bucket counts the same, as the targets are per-bucket percentages), made robust by iteratively
-reweighted least squares — Huber weights, then Tukey's bisquare on the MAD scale — so one
-disturbed bucket (another process on the machine) gets no say.
+itself at the fitted values. The loss is the sum of squared *relative* errors, as log(measured /
+T̂) (every bucket counts the same, as the targets are per-bucket percentages, and a bucket
+predicted several-fold too slow weighs no more than one predicted several-fold too fast), made
+robust by iteratively reweighted least squares — Huber weights, then Tukey's bisquare on the MAD
+scale — so one disturbed bucket (another process on the machine, a profile it disturbed) gets no
+say.
 """
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ BISQUARE_C = 4.685            # Tukey bisquare cut-off after the Huber start: ro
 SIGMA_FLOOR = 0.005           # robust scale floor (0.5% relative error): exact data is not "all outliers"
 MAX_IRLS_ITERATIONS = 30
 MAX_RECENTRES = 8             # prefill: re-solves around the level found until the scale is 1
+GN_ITERATIONS = 50            # Gauss-Newton steps for the level at one shape (it converges in a few)
 NOMINAL_NOISE = 0.01          # relative noise of a bucket mean assumed at least when judging η's precision
 ETA_MAX_REL_STDERR = 0.10     # a shape parameter is fitted only if the buckets pin it to ±10% (else kept)
 TARGET_ERROR_PCT = 5.0        # per-bucket error the calibrated model should reach (issue 6); notes say when not
@@ -66,10 +69,10 @@ RESPONSE_STEP = 1.01          # the level's step over which a row's roofline is 
 PARAMS = {"decode": ("eta_kv", "eta_memory"), "prefill": ("eta_attn", "eta_compute")}
 SYMBOL = {"eta_kv": "η_kv", "eta_memory": "η_m", "eta_attn": "η_attn", "eta_compute": "η_c"}
 
-METHOD = (f"robust least squares per device and phase: minimise Σ ρ((measured - T̂)/measured); decode rows "
-          f"T̂ = T_roofline(η_kv) + n_blocks·δ (+ link), δ >= 0 in closed form (where it would be < 0: δ = 0 and "
-          f"the η_m that fits); prefill rows T̂ = T_prefill(η_attn, η_c) + n_blocks·δ(decode), η_c in closed "
-          f"form; η_kv / η_attn by log-grid + golden section when >= {MIN_BUCKETS_FOR_ETA} context buckets pin "
+METHOD = (f"robust least squares per device and phase: minimise Σ ρ(log(measured / T̂)); decode rows "
+          f"T̂ = T_roofline(η_kv) + n_blocks·δ (+ link), δ >= 0 by Gauss-Newton (where it would be < 0: δ = 0 and "
+          f"the η_m that fits); prefill rows T̂ = T_prefill(η_attn, η_c) + n_blocks·δ(decode), η_c by "
+          f"Gauss-Newton; η_kv / η_attn by log-grid + golden section when >= {MIN_BUCKETS_FOR_ETA} context buckets pin "
           f"them to ±{ETA_MAX_REL_STDERR:.0%} (else kept); IRLS, Huber k={HUBER_K} then Tukey bisquare "
           f"c={BISQUARE_C}, MAD scale")
 
@@ -177,42 +180,76 @@ class Solution:
     shape: float
     scale: float                     # level(measured plan) / level: 1 unless the level was fitted as a scale
     weights: tuple[float, ...]       # robust weights of the final iteration (bisquare; 0: left out)
-    residuals: tuple[float, ...]     # relative: (measured - T̂) / measured
+    residuals: tuple[float, ...]     # relative: log(measured / T̂)
     scaled: bool                     # the level was fitted as a scale (η_m or η_c)
 
 
-def _level_for(rows: list[RowModel], shape: float, w: list[float], how: _Level) -> tuple[float, float, bool]:
-    """The level for a fixed shape parameter, in closed form (weighted least squares on relative
-    residuals). Returns (δ, scale, scaled)."""
-    if how.mode == "fixed":
-        return how.delta0, 1.0, False
-    if how.mode == "delta":
+def _residual(r: RowModel, predicted: float) -> float:
+    """log(measured / predicted): a relative error that counts over- and under-prediction alike.
+    (measured − T̂) / measured does not: a bucket predicted several-fold too slow has a residual
+    without bound and a leverage to match, so one such bucket can pull the fit to where every
+    residual looks alike and none is an outlier."""
+    return math.log(r.measured / max(predicted, 1e-12))
+
+
+def _gauss_newton(rows: list[RowModel], w: list[float], theta: float, predict: Callable[[RowModel, float], float],
+                  slope: Callable[[RowModel, float], float], lo: float, hi: float) -> float:
+    """θ in [lo, hi] minimising Σ w·log²(measured / predict(row, θ)), from `theta`; slope(row, θ):
+    ∂predict/∂θ. The steps are halved where they would not lower the loss."""
+    def loss(t: float) -> float:
+        return sum(wi * _residual(r, predict(r, t)) ** 2 for r, wi in zip(rows, w))
+
+    theta = min(hi, max(lo, theta))
+    current = loss(theta)
+    for _ in range(GN_ITERATIONS):
         num = den = 0.0
         for r, wi in zip(rows, w):
-            v = wi / r.measured ** 2
-            num += v * r.blocks * (r.measured - r.predict(shape, 0.0))
-            den += v * r.blocks ** 2
+            t_hat = max(predict(r, theta), 1e-12)
+            g = slope(r, theta) / t_hat  # ∂ log T̂ / ∂θ
+            num += wi * g * _residual(r, t_hat)
+            den += wi * g * g
         if den <= 0:
-            return how.delta0, 1.0, False
-        if num >= 0:
-            return num / den, 1.0, False
+            break
+        step = num / den
+        for _ in range(30):
+            candidate = min(hi, max(lo, theta + step))
+            value = loss(candidate)
+            if value <= current:
+                break
+            step /= 2
+        else:
+            break
+        converged = abs(candidate - theta) <= 1e-10 * max(1.0, abs(theta))
+        theta, current = candidate, value
+        if converged:
+            break
+    return theta
+
+
+def _level_for(rows: list[RowModel], shape: float, w: list[float], how: _Level) -> tuple[float, float, bool]:
+    """The level for a fixed shape parameter: weighted least squares on log(measured / T̂), by
+    Gauss-Newton (T̂ is linear in δ, and in the scale). Returns (δ, scale, scaled)."""
+    if how.mode == "fixed":
+        return how.delta0, 1.0, False
+    if how.mode == "delta" and any(wi * r.blocks for r, wi in zip(rows, w)):
+        start = max(0.0, _median([(r.measured - r.predict(shape, 0.0)) / r.blocks for r in rows if r.blocks]))
+        delta = _gauss_newton(rows, w, start, lambda r, d: r.predict(shape, d), lambda r, d: r.blocks,
+                              -math.inf, math.inf)
+        if delta >= 0:
+            return delta, 1.0, False
+    elif how.mode == "delta":
+        return how.delta0, 1.0, False
     delta = how.delta0 if how.mode == "scale" else 0.0
-    num = den = 0.0
-    for r, wi in zip(rows, w):
-        v = wi / r.measured ** 2
-        scaled = r.scaled_part(shape)
-        fixed = r.predict(shape, 0.0, 0.0)  # the roofline's part the level does not price, + the link
-        num += v * scaled * (r.measured - fixed - r.blocks * delta)
-        den += v * scaled * scaled
-    scale = num / den if den > 0 else 1.0
     lowest = max(r.level0 for r in rows) / LEVEL_MAX
     highest = 1.0 if how.mode == "delta" else min(r.level0 for r in rows) / LEVEL_MIN
-    return delta, min(highest, max(scale, lowest)), True
+    scale = _gauss_newton(rows, w, 1.0, lambda r, sc: r.predict(shape, delta, sc),
+                          lambda r, sc: r.scaled_part(shape), lowest, highest)
+    return delta, scale, True
 
 
 def _loss(rows: list[RowModel], shape: float, w: list[float], how: _Level) -> float:
     delta, scale, _ = _level_for(rows, shape, w, how)
-    return sum(wi * ((r.measured - r.predict(shape, delta, scale)) / r.measured) ** 2 for r, wi in zip(rows, w))
+    return sum(wi * _residual(r, r.predict(shape, delta, scale)) ** 2 for r, wi in zip(rows, w))
 
 
 def _argmin_log(f: Callable[[float], float], lo: float, hi: float) -> float:
@@ -261,8 +298,7 @@ def _solve(rows: list[RowModel], fit_shape: bool, shape0: float, how: _Level) ->
             if fit_shape:
                 shape = _argmin_log(lambda e: _loss(rows, e, w, how), ETA_MIN, ETA_MAX)
             delta, scale, _ = _level_for(rows, shape, w, how)
-            new_w = robust_weights([(r.measured - r.predict(shape, delta, scale)) / r.measured for r in rows],
-                                   bisquare)
+            new_w = robust_weights([_residual(r, r.predict(shape, delta, scale)) for r in rows], bisquare)
             done = max(abs(a - b) for a, b in zip(w, new_w)) < 1e-6
             w = new_w
             if done:
@@ -270,14 +306,14 @@ def _solve(rows: list[RowModel], fit_shape: bool, shape0: float, how: _Level) ->
     if fit_shape:
         shape = _argmin_log(lambda e: _loss(rows, e, w, how), ETA_MIN, ETA_MAX)
     delta, scale, scaled = _level_for(rows, shape, w, how)
-    res = tuple((r.measured - r.predict(shape, delta, scale)) / r.measured for r in rows)
+    res = tuple(_residual(r, r.predict(shape, delta, scale)) for r in rows)
     return Solution(delta, shape, scale, tuple(w), res, scaled)
 
 
 def _stderrs(rows: list[RowModel], sol: Solution, fit_shape: bool, how: _Level,
              min_sigma: float = 0.0) -> dict[str, float]:
     """Standard errors of the fitted parameters — "delta" or "scale" (the level) and "shape" —
-    from the weighted Jacobian of the relative residuals, at the residuals' own scale (or
+    from the weighted Jacobian of the log residuals, at the residuals' own scale (or
     `min_sigma` if larger). Missing where not estimable; inf where the two cannot be told apart."""
     params = []
     if how.mode != "fixed":
@@ -291,13 +327,14 @@ def _stderrs(rows: list[RowModel], sol: Solution, fit_shape: bool, how: _Level,
     jac = []
     for r in rows:
         g = []
+        t_hat = max(r.predict(sol.shape, sol.delta, sol.scale), 1e-12)  # ∂ log T̂ = ∂T̂ / T̂
         if "delta" in params:
-            g.append(r.blocks / r.measured)
+            g.append(r.blocks / t_hat)
         if "scale" in params:
-            g.append(r.scaled_part(sol.shape) / r.measured)
+            g.append(r.scaled_part(sol.shape) / t_hat)
         if "shape" in params:
             g.append((r.predict(sol.shape + h, sol.delta, sol.scale) - r.predict(sol.shape - h, sol.delta, sol.scale))
-                     / (2 * h) / r.measured)
+                     / (2 * h) / t_hat)
         jac.append(g)
     p = len(params)
     jtj = [[sum(w * jac[i][a] * jac[i][b] for i, w in enumerate(sol.weights)) for b in range(p)] for a in range(p)]
@@ -383,7 +420,8 @@ def _fit_phase(plan: Plan, rows: list, how: _Level, what: str, calibration: Cali
         # Rows whose steps are bound by other rates than the level's (a GPU's short prompt chunks,
         # by their weight reads) hardly respond to it: where they cannot pin it, noise would set it.
         # (judged by how much the rows respond to it, at nominal noise: not by how well they agree)
-        response = sum(w * (m.scaled_part(sol.shape) / m.measured) ** 2 for m, w in zip(models, sol.weights))
+        response = sum(w * (m.scaled_part(sol.shape) / m.predict(sol.shape, sol.delta, sol.scale)) ** 2
+                       for m, w in zip(models, sol.weights))
         spread = _unpinned(NOMINAL_NOISE / math.sqrt(response) if response > 0 else None, sol.scale,
                            "they do not respond to it")
         if spread:

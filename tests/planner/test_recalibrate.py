@@ -698,3 +698,23 @@ def test_eta_c_is_fitted_from_few_rows_that_respond_to_it(prompts, disturb):
     cpu = recalibrate(plan, report, "synthetic").fits[0]
     assert cpu.prefill is not None and "η_c kept" not in cpu.prefill.note, cpu.prefill
     assert cpu.prefill.eta_compute == pytest.approx(1.4, rel=0.02 if not disturb else 0.2), cpu.prefill
+
+
+@pytest.mark.parametrize("factor", [1 / 5, 5])
+def test_one_bucket_predicted_several_fold_off_gets_no_say(factor):
+    """A prompt bucket measured at a fifth (or five times) of what the model says of it, as a
+    profile disturbed at one chunk size makes it, is left out as an outlier either way, and the
+    others fit η_c: the fit's residual is log(measured / predicted), so an over-prediction has no
+    more leverage than an under-prediction."""
+    plan = load_plan(DEV_PLAN)
+    truth = Calibration(cpu=DeviceCalibration(eta_kv=0.9, delta_ms_per_block=0.8, eta_compute=1.4, eta_attn=0.7))
+    report = synthetic_report(plan, truth, LONG, seed=6, prompts=PROMPTS)
+    prefill = [r for r in report.rows if r.phase == "prefill"]
+    odd = min(prefill, key=lambda r: r.context_min)
+    report = replace(report, rows=tuple(replace(r, measured_mean_ms=r.measured_mean_ms * factor) if r is odd else r
+                                        for r in report.rows))
+    result = recalibrate(plan, report, "synthetic")
+    pre = result.fits[0].prefill
+    assert pre.eta_compute == pytest.approx(1.4, rel=RECOVERY_TOLERANCE), pre
+    assert [r.status for r in result.rows if r.phase == "prefill" and r.context_min == odd.context_min] == \
+        ["outlier: weight 0"]
