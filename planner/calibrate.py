@@ -21,7 +21,8 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 
 from planner.errors import PlanError
-from planner.fit import METHOD, RowModel, device_fit, fit_decode, fit_prefill, pct, robust_weights, with_values
+from planner.fit import (METHOD, RowModel, device_fit, fit_decode, fit_prefill, pct, residual, robust_weights,
+                         with_values)
 from planner.plan import Plan
 from planner.planning import replan
 from planner.provenance import DeviceFit, FitResidual, MeasurementSource, Recalibration
@@ -214,7 +215,7 @@ def recalibrate(plan: Plan, report, source: str, min_samples: int = MIN_STAGE_SA
     for device in devices:
         for phase in ("decode", "prefill"):
             group = [r for r in fitted_rows if r.device == device and r.phase == phase]
-            res = [(r.measured_mean_ms - after[_key(r)]) / r.measured_mean_ms for r in group]
+            res = [residual(r.measured_mean_ms, after[_key(r)]) for r in group]
             weights.update(zip(map(_key, group), robust_weights(res) if group else []))
 
     table, residuals = [], []

@@ -23,7 +23,7 @@ a bf16 model's GEMMs run at another rate) and η_attn the prompt attention's on 
 attention kernel and GEMMs differ again): time grows with the cached prefix through η_attn.
 
 So every phase has a *level* parameter (δ, or η_m / η_c as a scale on the part of the stage's
-roofline that level prices), solved by Gauss-Newton (the model is linear in it) for each value
+roofline that level prices), solved by Newton's method (the model is linear in it) for each value
 of a *shape* parameter (η_kv / η_attn), which a 1-D search
 on a log grid refined by golden section finds (variable projection); the shape parameter only
 with at least MIN_BUCKETS_FOR_ETA context buckets, and kept where the buckets do not pin it to
@@ -59,7 +59,8 @@ BISQUARE_C = 4.685            # Tukey bisquare cut-off after the Huber start: ro
 SIGMA_FLOOR = 0.005           # robust scale floor (0.5% relative error): exact data is not "all outliers"
 MAX_IRLS_ITERATIONS = 30
 MAX_RECENTRES = 8             # prefill: re-solves around the level found until the scale is 1
-GN_ITERATIONS = 50            # Gauss-Newton steps for the level at one shape (it converges in a few)
+NEWTON_ITERATIONS = 50        # Newton steps for the level at one shape (it converges in a few)
+NEWTON_TOLERANCE = 1e-8       # relative step at which they stop (the prefill re-centres below 1e-6)
 NOMINAL_NOISE = 0.01          # relative noise of a bucket mean assumed at least when judging η's precision
 ETA_MAX_REL_STDERR = 0.10     # a shape parameter is fitted only if the buckets pin it to ±10% (else kept)
 TARGET_ERROR_PCT = 5.0        # per-bucket error the calibrated model should reach (issue 6); notes say when not
@@ -70,9 +71,9 @@ PARAMS = {"decode": ("eta_kv", "eta_memory"), "prefill": ("eta_attn", "eta_compu
 SYMBOL = {"eta_kv": "η_kv", "eta_memory": "η_m", "eta_attn": "η_attn", "eta_compute": "η_c"}
 
 METHOD = (f"robust least squares per device and phase: minimise Σ ρ(log(measured / T̂)); decode rows "
-          f"T̂ = T_roofline(η_kv) + n_blocks·δ (+ link), δ >= 0 by Gauss-Newton (where it would be < 0: δ = 0 and "
+          f"T̂ = T_roofline(η_kv) + n_blocks·δ (+ link), δ >= 0 by Newton's method (where it would be < 0: δ = 0 and "
           f"the η_m that fits); prefill rows T̂ = T_prefill(η_attn, η_c) + n_blocks·δ(decode), η_c by "
-          f"Gauss-Newton; η_kv / η_attn by log-grid + golden section when >= {MIN_BUCKETS_FOR_ETA} context buckets pin "
+          f"Newton's method; η_kv / η_attn by log-grid + golden section when >= {MIN_BUCKETS_FOR_ETA} context buckets pin "
           f"them to ±{ETA_MAX_REL_STDERR:.0%} (else kept); IRLS, Huber k={HUBER_K} then Tukey bisquare "
           f"c={BISQUARE_C}, MAD scale")
 
@@ -184,66 +185,88 @@ class Solution:
     scaled: bool                     # the level was fitted as a scale (η_m or η_c)
 
 
+def residual(measured: float, predicted: float) -> float:
+    """The fit's residual of a row, log(measured / predicted): a relative error that counts over-
+    and under-prediction alike. (measured − T̂) / measured does not: a bucket predicted several-
+    fold too slow has a residual without bound and a leverage to match, so one such bucket can
+    pull the fit to where every residual looks alike and none is an outlier."""
+    return math.log(measured / max(predicted, 1e-12))
+
+
 def _residual(r: RowModel, predicted: float) -> float:
-    """log(measured / predicted): a relative error that counts over- and under-prediction alike.
-    (measured − T̂) / measured does not: a bucket predicted several-fold too slow has a residual
-    without bound and a leverage to match, so one such bucket can pull the fit to where every
-    residual looks alike and none is an outlier."""
-    return math.log(r.measured / max(predicted, 1e-12))
+    return residual(r.measured, predicted)
 
 
-def _gauss_newton(rows: list[RowModel], w: list[float], theta: float, predict: Callable[[RowModel, float], float],
-                  slope: Callable[[RowModel, float], float], lo: float, hi: float) -> float:
-    """θ in [lo, hi] minimising Σ w·log²(measured / predict(row, θ)), from `theta`; slope(row, θ):
-    ∂predict/∂θ. The steps are halved where they would not lower the loss."""
-    def loss(t: float) -> float:
-        return sum(wi * _residual(r, predict(r, t)) ** 2 for r, wi in zip(rows, w))
+def _newton(rows: list[RowModel], w: list[float], theta: float, predict: Callable[[RowModel, float], float],
+            slope: Callable[[RowModel, float], float], lo: float, hi: float) -> float:
+    """θ in [lo, hi] minimising Σ w·log²(measured / predict(row, θ)) for a prediction linear in θ
+    (slope(row, θ) = ∂predict/∂θ), from `theta`: Newton's steps on the loss (Gauss-Newton's where
+    its curvature is not positive), halved where they would not lower it."""
+    def at(t: float) -> tuple[float, float]:
+        """(the loss, Newton's step) at t, from one pass over the rows."""
+        loss = num = den = gauss = 0.0
+        for r, wi in zip(rows, w):
+            t_hat = max(predict(r, t), 1e-12)
+            g = slope(r, t) / t_hat  # -∂res/∂θ, res = log(measured / T̂); ∂²res/∂θ² = g²
+            res = _residual(r, t_hat)
+            loss += wi * res * res
+            num += wi * g * res
+            den += wi * g * g * (1 + res)
+            gauss += wi * g * g
+        return loss, (num / (den if den > 0 else gauss) if gauss > 0 else 0.0)
 
     theta = min(hi, max(lo, theta))
-    current = loss(theta)
-    for _ in range(GN_ITERATIONS):
-        num = den = 0.0
-        for r, wi in zip(rows, w):
-            t_hat = max(predict(r, theta), 1e-12)
-            g = slope(r, theta) / t_hat  # ∂ log T̂ / ∂θ
-            num += wi * g * _residual(r, t_hat)
-            den += wi * g * g
-        if den <= 0:
+    current, step = at(theta)
+    for _ in range(NEWTON_ITERATIONS):
+        if not step:
             break
-        step = num / den
         for _ in range(30):
             candidate = min(hi, max(lo, theta + step))
-            value = loss(candidate)
+            value, next_step = at(candidate)
             if value <= current:
                 break
             step /= 2
         else:
             break
-        converged = abs(candidate - theta) <= 1e-10 * max(1.0, abs(theta))
-        theta, current = candidate, value
+        # (the loss resolves θ to about √ε of it: a tighter test would halve steps on rounding)
+        converged = abs(candidate - theta) <= NEWTON_TOLERANCE * max(1.0, abs(theta))
+        theta, current, step = candidate, value, next_step
         if converged:
             break
     return theta
 
 
+def _linearised(rows: list[RowModel], w: list[float], predict0: Callable[[RowModel], float],
+                slope: Callable[[RowModel], float]) -> float | None:
+    """The least-squares θ of measured ≈ predict0 + θ·slope on (measured − T̂) / measured, the log
+    residual's linearisation: Newton's start (None where no row has a slope)."""
+    num = den = 0.0
+    for r, wi in zip(rows, w):
+        v, b = wi / r.measured ** 2, slope(r)
+        num += v * b * (r.measured - predict0(r))
+        den += v * b * b
+    return num / den if den > 0 else None
+
+
 def _level_for(rows: list[RowModel], shape: float, w: list[float], how: _Level) -> tuple[float, float, bool]:
     """The level for a fixed shape parameter: weighted least squares on log(measured / T̂), by
-    Gauss-Newton (T̂ is linear in δ, and in the scale). Returns (δ, scale, scaled)."""
+    Newton's method (T̂ is linear in δ, and in the scale). Returns (δ, scale, scaled)."""
     if how.mode == "fixed":
         return how.delta0, 1.0, False
-    if how.mode == "delta" and any(wi * r.blocks for r, wi in zip(rows, w)):
-        start = max(0.0, _median([(r.measured - r.predict(shape, 0.0)) / r.blocks for r in rows if r.blocks]))
-        delta = _gauss_newton(rows, w, start, lambda r, d: r.predict(shape, d), lambda r, d: r.blocks,
-                              -math.inf, math.inf)
+    if how.mode == "delta":
+        start = _linearised(rows, w, lambda r: r.predict(shape, 0.0), lambda r: r.blocks)
+        if start is None:
+            return how.delta0, 1.0, False
+        delta = _newton(rows, w, max(0.0, start), lambda r, d: r.predict(shape, d), lambda r, d: r.blocks,
+                        -math.inf, math.inf)
         if delta >= 0:
             return delta, 1.0, False
-    elif how.mode == "delta":
-        return how.delta0, 1.0, False
     delta = how.delta0 if how.mode == "scale" else 0.0
     lowest = max(r.level0 for r in rows) / LEVEL_MAX
     highest = 1.0 if how.mode == "delta" else min(r.level0 for r in rows) / LEVEL_MIN
-    scale = _gauss_newton(rows, w, 1.0, lambda r, sc: r.predict(shape, delta, sc),
-                          lambda r, sc: r.scaled_part(shape), lowest, highest)
+    start = _linearised(rows, w, lambda r: r.predict(shape, delta, 0.0), lambda r: r.scaled_part(shape))
+    scale = _newton(rows, w, 1.0 if start is None else start, lambda r, sc: r.predict(shape, delta, sc),
+                    lambda r, sc: r.scaled_part(shape), lowest, highest)
     return delta, scale, True
 
 
