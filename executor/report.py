@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from planner.plan import Plan
 from planner.predict import AS_PLANNED, predict_step
 from planner.report import PHASES, PlanSummary, Report, ReportRow, context_bucket
+from planner.step_shape import streams
 
 PERCENTILE_SAMPLE = 4096  # steps kept per row for p50/p99 (a uniform reservoir); means use every step
 
@@ -116,7 +117,7 @@ class Recorder:
         riding along included."""
         predicted = self.predict(phase, context, batch, tokens, riders, rider_context)
         if streamed is None:  # the executor's rule, as the cost model prices it (streamed_prefill accepts)
-            streamed = phase == "prefill" and self.streams_from is not None and tokens >= self.streams_from
+            streamed = phase == "prefill" and streams(tokens, self.streams_from)
         lo, _ = context_bucket(context)
         key = (phase, lo, bool(streamed))
         with self._lock:

@@ -39,7 +39,7 @@ from executor.backends import TorchBackend
 from executor.kv_cache import KVCache, lock_in_place, unlock
 from executor.rope import inverse_frequencies
 from executor.torch_ops import rms_norm, silu_mul
-from planner.step_shape import PREFILL_CHUNK_TOKENS, STREAM_PIECE_BYTES, STREAM_SLOTS
+from planner.step_shape import PREFILL_CHUNK_TOKENS, STREAM_PIECE_BYTES, STREAM_SLOTS, streams
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class StreamedPrefill:
         """A step whose prompt chunks (slices of more than one token) hold min_rows tokens: the
         size the plan priced streamed. Decode steps, however many sequences, stay on the CPU (the
         plan prices decode there); a decode riding along with prompt chunks streams with them."""
-        return sum(s.count for s in batch.slices if s.count > 1) >= self.min_rows
+        return streams(sum(s.count for s in batch.slices if s.count > 1), self.min_rows)
 
     def __call__(self, x: torch.Tensor, batch) -> torch.Tensor:
         """x: [T, H] fp32 on the host → [T, H] fp32 on the host after the stage's blocks, their K/V

@@ -26,6 +26,7 @@ from planner.fit import (METHOD, RowModel, device_fit, fit_decode, fit_prefill, 
 from planner.plan import Plan
 from planner.planning import replan
 from planner.provenance import DeviceFit, FitResidual, MeasurementSource, Recalibration
+from planner.step_shape import streams
 from planner.units import round_sig
 
 MIN_STEP_MS = 1e-6            # a row whose steps took less (a nanosecond) measured nothing
@@ -67,8 +68,7 @@ def check_report(plan: Plan, report, label: str = "the report") -> None:
     # Each row is modelled from its means under the streaming policy that ran: a streamed row's
     # steps all reach its threshold and no other prompt step does, as the executor decides
     # (executor/streamed_prefill.py accepts); a row that says otherwise was not measured so.
-    ran = plan.partition.stream_prefill_min_rows if report.stream_prefill_min_rows is None \
-        else report.stream_prefill_min_rows or None
+    ran = _streamed_from(plan, report)
     seen = set()
     for row in report.rows:
         if _key(row) in seen:
@@ -80,7 +80,7 @@ def check_report(plan: Plan, report, label: str = "the report") -> None:
                 raise PlanError(f"{label}: stage {row.stage}'s decode row in context [{row.context_min}, "
                                 f"{row.context_max}) says it streamed; only prompt steps stream")
             continue
-        if row.streamed != (ran is not None and row.tokens_mean >= ran):
+        if row.streamed != streams(row.tokens_mean, ran):
             policy = f"prompt steps of >= {ran} tokens streamed" if ran else "nothing streamed"
             raise PlanError(f"{label}: stage {row.stage}'s prefill row in context [{row.context_min}, "
                             f"{row.context_max}) ({row.tokens_mean:g} tokens a step) says it "
@@ -168,7 +168,15 @@ def _streamed(row, streamed_from: int | None) -> bool:
     a bucket holding both kinds of step."""
     if row.streamed is not None:
         return row.streamed
-    return row.phase == "prefill" and streamed_from is not None and row.tokens_mean >= streamed_from
+    return row.phase == "prefill" and streams(row.tokens_mean, streamed_from)
+
+
+def _streamed_from(plan: Plan, report) -> int | None:
+    """The measured load's policy for its CPU stage's prompt steps: streamed from that many tokens,
+    or None (a report from before it said ran the plan's)."""
+    if report.stream_prefill_min_rows is None:
+        return plan.partition.stream_prefill_min_rows
+    return report.stream_prefill_min_rows or None
 
 
 def _key(row) -> tuple[int, str, int, bool]:
@@ -187,8 +195,7 @@ def recalibrate(plan: Plan, report, source: str, min_samples: int = MIN_STAGE_SA
     # The rows are modelled as the measured load ran: its CPU stage's prompt steps streamed from
     # the report's row count, or not at all (0: it may not have run the plan's policy; a report
     # that does not say ran as planned); the next plan version's search decides the policy afresh.
-    ran = plan if report.stream_prefill_min_rows is None else \
-        replace(plan, partition=replace(plan.partition, stream_prefill_min_rows=report.stream_prefill_min_rows or None))
+    ran = replace(plan, partition=replace(plan.partition, stream_prefill_min_rows=_streamed_from(plan, report)))
     calibration = plan.calibration
     fits, fitted_rows = [], []
     for device, rows in devices.items():

@@ -37,7 +37,7 @@ from typing import Callable
 from planner.machine import DeviceCalibration, GpuProfile, MachineProfile
 from planner.ir import SharedWeight, UnitIR
 from planner.step_shape import (MAX_STEP_TOKENS, PREFILL_CHUNK_TOKENS, STREAM_PIECE_BYTES, STREAM_SLOTS,
-                                STREAMED_STEP_TOKENS, step_tokens, sub_steps)
+                                STREAMED_STEP_TOKENS, step_tokens, streams, sub_steps)
 from planner.units import GIB, fmt_bytes
 from planner.working_set import STREAM_ROWS_GRAIN, cpu_working_bytes, gpu_working_bytes, streamed_step_bytes
 
@@ -497,7 +497,7 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
     streamed = host_pages / needed if needed else 0.0
     # the step's prompt tokens (batch·prompt: a mean over steps may make them fractional) reach the
     # policy's threshold: the executor streams it (executor/streamed_prefill.py accepts)
-    streams_step = stream_rows is not None and round(batch * prompt, 6) >= stream_rows
+    streams_step = streams(batch * prompt, stream_rows)
     for device, start, end in (("cpu", 0, k), ("cuda", k, n)):
         if start == end:
             continue

@@ -71,11 +71,11 @@ PARAMS = {"decode": ("eta_kv", "eta_memory"), "prefill": ("eta_attn", "eta_compu
 SYMBOL = {"eta_kv": "η_kv", "eta_memory": "η_m", "eta_attn": "η_attn", "eta_compute": "η_c"}
 
 METHOD = (f"robust least squares per device and phase: minimise Σ ρ(log(measured / T̂)); decode rows "
-          f"T̂ = T_roofline(η_kv) + n_blocks·δ (+ link), δ >= 0 by Newton's method (where it would be < 0: δ = 0 and "
-          f"the η_m that fits); prefill rows T̂ = T_prefill(η_attn, η_c) + n_blocks·δ(decode), η_c by "
-          f"Newton's method; η_kv / η_attn by log-grid + golden section when >= {MIN_BUCKETS_FOR_ETA} context buckets pin "
-          f"them to ±{ETA_MAX_REL_STDERR:.0%} (else kept); IRLS, Huber k={HUBER_K} then Tukey bisquare "
-          f"c={BISQUARE_C}, MAD scale")
+          f"T̂ = T_roofline(η_kv) + n_blocks·δ (+ link), δ >= 0 by Newton's method (where it would be < 0: "
+          f"δ = 0 and the η_m that fits); prefill rows T̂ = T_prefill(η_attn, η_c) + n_blocks·δ(decode), η_c "
+          f"by Newton's method; η_kv / η_attn by log-grid + golden section when >= {MIN_BUCKETS_FOR_ETA} "
+          f"context buckets pin them to ±{ETA_MAX_REL_STDERR:.0%} (else kept); IRLS, Huber k={HUBER_K} then "
+          f"Tukey bisquare c={BISQUARE_C}, MAD scale")
 
 
 def with_values(calibration: Calibration, device: str, **values) -> Calibration:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from planner.cost import streamed_riders_ms
-from planner.step_shape import PREFILL_CHUNK_TOKENS, prompt_steps
+from planner.step_shape import PREFILL_CHUNK_TOKENS, prompt_steps, streams
 from planner.machine import Calibration
 from planner.plan import Plan, Prediction
 from planner.planning import plan_space, prediction_of
@@ -76,8 +76,7 @@ def predict_step(plan: Plan, phase: str, context: float, batch: float, tokens: f
         return StepCost(tuple((s.ms, s.roofline_ms) for s in cost.stages), cost.comm_ms,
                         tuple(float(s.num_blocks) for s in cost.stages))
     stages = [(s.prefill_ms, s.prefill_roofline_ms) for s in cost.stages]
-    streams_from = cost.stream_prefill_min_rows
-    if riders and streams_from is not None and round(tokens, 6) >= streams_from:  # the executor's rule
+    if riders and streams(tokens, cost.stream_prefill_min_rows):
         k = plan.partition.split_k
         extra = streamed_riders_ms(plan.ir.units[:k], plan.machine.link, riders, rider_context)
         stages[0] = (stages[0][0] + extra, stages[0][1] + extra)  # the CPU stage: stage 0

@@ -30,6 +30,14 @@ def step_tokens(batch: int, context: int) -> int:
     return min(MAX_STEP_TOKENS, max(1, batch) * min(PREFILL_CHUNK_TOKENS, max(1, context)))
 
 
+def streams(prompt_tokens: float, min_rows: int | None) -> bool:
+    """Whether a step whose prompt chunks hold `prompt_tokens` tokens (a mean over steps may be
+    fractional) runs a CPU stage's blocks on the GPU, weights streamed, under a policy that streams
+    from `min_rows` (None: never): executor/streamed_prefill.py decides so, and the cost model,
+    the Recorder and recalibration read a step alike."""
+    return min_rows is not None and round(prompt_tokens, 6) >= min_rows
+
+
 def prompt_steps(prompt_tokens: int, stream_min_rows: int | None, chunk: int = PREFILL_CHUNK_TOKENS,
                  stream_chunk: int = STREAMED_STEP_TOKENS) -> list[tuple[int, int]]:
     """(first position, tokens) of the steps one request's prompt is computed in, alone in the
