@@ -255,7 +255,8 @@ def _generate(args) -> int:
     seq = engine.add_request(prompt_ids, sampling, stop)
     recorder = Recorder(plan, args.plan, config.architecture, kernel_isa(model),
                         stream_prefill=model.stream_prefill) if plan is not None else None
-    engine.on_step = recorder.record_step if recorder is not None else None
+    if recorder is not None:
+        recorder.attach(engine)
 
     decoder = IncrementalDecoder(tokenizer) if tokenizer and not args.json else None
     while engine.has_work():

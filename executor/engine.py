@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -161,6 +161,10 @@ class Engine:
         self._kv_pages: dict[object, int] = {}  # the ledger: pages held for each started sequence
         # Called with every executed step's record (a measurement: executor.report.Recorder.record_step).
         self.on_step: Callable[[StepRecord], object] | None = None
+        # Called with each step's record before its times are known, once its device work is queued
+        # and before the host waits for it: host work that needs only the step's shape (the plan's
+        # prediction: Recorder.prepare) then runs while a GPU stage computes, not after it.
+        self.on_launched: Callable[[StepRecord], object] | None = None
         on_gpu = any(s.device == "cuda" for s in placement.stages)
         if max_step_tokens is None:  # a plan prices the GPU stage's working set for its batch's prompt chunks
             max_step_tokens = (step_tokens(placement.kv_sequences, self.context_limit)
@@ -314,8 +318,17 @@ class Engine:
         ids = torch.tensor([seq.token(i) for seq, start, count in scheduled for i in range(start, start + count)],
                            dtype=torch.int64)
         emitting = self._emitting(scheduled)
-        return sample_rows(self._run_stages(ids, batch), [seq.sampling for seq in emitting],
-                           [seq.generator for seq in emitting])
+        logits, clocks = self._run_stages(ids, batch)
+        streamed = any(s.streamed is not None and s.streamed.accepts(batch) for s in self.model.stages)
+        step = StepRecord.of(batch, (), streamed, self.page_size)  # its times once the device is done
+        if self.on_launched is not None:
+            self.on_launched(step)
+        # the sampler's device work queues behind the stages'; reading its tokens waits for both
+        tokens = sample_rows(logits, [seq.sampling for seq in emitting], [seq.generator for seq in emitting])
+        self.last_step = replace(step, stages=self._stage_clocks(clocks))
+        if self.on_step is not None:
+            self.on_step(self.last_step)
+        return tokens
 
     def _commit(self, scheduled: list[tuple[Sequence, int, int]], tokens: list[int]) -> list[TokenEvent]:
         """Advance the step's sequences and append their tokens; a sequence whose ending fails
@@ -497,9 +510,10 @@ class Engine:
         own = need - len(reuse.full)
         return used + shared_anew + held_source + own <= self.kv_budget_pages
 
-    def _run_stages(self, ids: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        """Run the stages in order; time each one (CUDA events on a GPU, the wall clock on the CPU).
-        The last stage's logits [rows, V] fp32, left on its device for the sampler."""
+    def _run_stages(self, ids: torch.Tensor, batch: StepBatch) -> tuple[torch.Tensor, list]:
+        """Run the stages in order, each timed (CUDA events on a GPU, the wall clock on the CPU):
+        the last stage's logits [rows, V] fp32, left on its device for the sampler and maybe still
+        being computed there, and each stage's clock (`_stage_clocks` reads them)."""
         x, clocks = ids, []
         for stage in self.model.stages:
             if stage.device.type == "cuda":
@@ -512,18 +526,17 @@ class Engine:
                 t0 = time.perf_counter()
                 x = self._forward(stage, x, batch)
                 clocks.append((time.perf_counter() - t0) * 1e3)
-        logits = x.float()
+        return x.float(), clocks
+
+    def _stage_clocks(self, clocks: list) -> tuple[StageClock, ...]:
+        """Each stage's time in ms from `_run_stages`' clocks (waiting for a GPU stage's end)."""
         timings = []
         for i, (stage, clock) in enumerate(zip(self.model.stages, clocks)):
             if isinstance(clock, tuple):
                 clock[1].synchronize()
                 clock = clock[0].elapsed_time(clock[1])
             timings.append(StageClock(i, stage.device.type, clock))
-        streamed = any(s.streamed is not None and s.streamed.accepts(batch) for s in self.model.stages)
-        self.last_step = StepRecord.of(batch, tuple(timings), streamed, self.page_size)
-        if self.on_step is not None:
-            self.on_step(self.last_step)
-        return logits
+        return tuple(timings)
 
     def _forward(self, stage, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """stage.forward of the step; a step larger than the stage is priced for (a streaming

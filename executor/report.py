@@ -100,6 +100,18 @@ class Recorder:
         return tuple(StagePredicted(ms + (step.link_ms if i else 0.0), roof + (step.link_ms if i else 0.0), n)
                      for i, ((ms, roof), n) in enumerate(zip(step.stages, step.overheads)))
 
+    def attach(self, engine) -> None:
+        """Record every step `engine` (an executor.engine.Engine) runs from now on, each predicted
+        while its device work runs (`prepare`)."""
+        engine.on_launched = self.prepare
+        engine.on_step = self.record_step
+
+    def prepare(self, step) -> None:
+        """Predict a step whose times are not known yet (Engine.on_launched): on the host while a
+        GPU stage computes it, where it would otherwise delay the next step; `record_step` then
+        finds the prediction made."""
+        self.predict(step.phase, step.context, step.batch, step.tokens, step.riders, step.rider_context)
+
     def record_step(self, step, store: bool = True) -> tuple[StagePredicted, ...]:
         """Store one engine step (an executor.engine.StepRecord; `store` False: only predict it);
         return what the plan predicted."""

@@ -69,11 +69,12 @@ def prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
 
 def _request(engine: Engine, recorder: Recorder | None, ids: list[int], new_tokens: int):
     """One greedy request alone on the engine, its steps recorded against `recorder`'s plan."""
-    engine.on_step = recorder.record_step if recorder is not None else None
+    if recorder is not None:
+        recorder.attach(engine)
     seq = engine.add_request(ids, SamplingParams(), StopCriteria(max_new_tokens=new_tokens, ignore_eos=True))
     while engine.has_work():
         engine.step()
-    engine.on_step = None
+    engine.on_step = engine.on_launched = None
     return seq
 
 

@@ -98,7 +98,8 @@ class EngineWorker:
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._retired = False
         self._stage_ms: tuple[tuple[float, float], ...] = ()  # the step's (measured, predicted) ms per stage
-        engine.on_step = self._record   # every step from now on (the plan's warm-up is not measured)
+        engine.on_launched = recorder.prepare  # every step from now on (the plan's warm-up is not measured)
+        engine.on_step = self._record
         self.snapshot = self._snapshot()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 

@@ -1,4 +1,6 @@
 """Engine lifecycle: stopping rules, abort, and requests joining a running batch."""
+import dataclasses
+
 import pytest
 
 from executor.engine import Engine
@@ -137,6 +139,26 @@ def test_timings_are_recorded_per_stage(path):
     rec = eng.last_step
     assert [t.stage for t in rec.stages] == [0, 1] and all(t.ms > 0 for t in rec.stages)
     assert (rec.phase, rec.batch, rec.tokens, rec.context) == ("decode", 1, 1, 5)   # token 5 attends over 5
+
+
+def test_a_step_is_announced_once_its_device_work_is_queued_before_the_host_waits_for_it(path, monkeypatch):
+    """Engine.on_launched gets the step's record, its times not yet known, after the stages ran
+    and before the sampler reads their logits (a GPU stage may still be computing); on_step then
+    gets the same record with its times."""
+    import executor.engine as engine_module
+
+    order = []
+    sample_rows = engine_module.sample_rows
+    monkeypatch.setattr(engine_module, "sample_rows", lambda *a: (order.append("sampled"), sample_rows(*a))[1])
+    eng = engine_for(path, split=3, eos_token_ids=())
+    eng.on_launched = lambda step: order.append(("launched", step))
+    eng.on_step = lambda step: order.append(("step", step))
+    eng.generate([prompt_ids(5, 256, seed=72)], stop=StopCriteria(max_new_tokens=3, ignore_eos=True))
+    assert [e if isinstance(e, str) else e[0] for e in order] == ["launched", "sampled", "step"] * 3
+    for launched, step in zip(order[0::3], order[2::3]):
+        assert launched[1].stages == () and len(step[1].stages) == 2
+        assert launched[1] == dataclasses.replace(step[1], stages=())
+    assert [e[1].phase for e in order[0::3]] == ["prefill", "decode", "decode"]
 
 
 def test_a_step_record_says_what_its_prediction_needs(path):

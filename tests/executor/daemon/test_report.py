@@ -34,6 +34,30 @@ def test_decode_prediction_is_the_plans_cost_model(plan):
     assert prefill[0].ms > predicted[0].ms  # 64 prompt tokens cost more than one decode
 
 
+def test_an_attached_recorder_predicts_each_step_as_it_launches_and_stores_it_once_timed(plan, checkpoint):
+    """Recorder.attach: the prediction is made in Engine.on_launched (while a GPU stage computes)
+    and the step's record, once timed, finds it made; the report holds every step once."""
+    from executor.engine import Engine
+    from executor.loader import load_model
+    from executor.model_config import ModelConfig
+    from executor.plan_io import placement_for
+    from executor.request_params import StopCriteria
+
+    path = checkpoint("qwen3", "fp32")
+    config = ModelConfig.from_dir(path)
+    engine = Engine(load_model(path, placement_for(plan, config), config), eos_token_ids=())
+    rec = Recorder(plan, "test", config.architecture, "torch")
+    rec.attach(engine)
+    made = []
+    predict = rec.predict
+    rec.predict = lambda *shape: (made.append((shape, predict.cache_info().misses)), predict(*shape))[1]
+    engine.generate([[11, 12, 13]], stop=StopCriteria(max_new_tokens=4, ignore_eos=True))
+    assert len(made) == 2 * 4
+    for (launched, misses), (recorded, misses_then) in zip(made[0::2], made[1::2]):
+        assert launched == recorded and misses_then == misses + 1  # made at launch, found when timed
+    assert sum(r.samples for r in rec.report().rows if r.stage == 0) == 4 == rec.report().steps
+
+
 def test_rows_aggregate_per_stage_phase_and_bucket(plan):
     rec = Recorder(plan, "test", "Qwen3ForCausalLM", "helm-avx2")
     for i in range(100):
