@@ -285,9 +285,14 @@ class ResidentDecode:
         current.wait_stream(self._side)
         graph = torch.cuda.CUDAGraph()
         # the warm-up compiled what the capture runs: a compile inside it (Triton's autotuning
-        # synchronises) would break the capture, so one fails at once, saying so
-        stance = torch.compiler.set_stance("fail_on_recompile") if self.compiled else contextlib.nullcontext()
-        with GATE.capture(), stance, \
-                torch.cuda.graph(graph, pool=self._mempool, stream=self._side, capture_error_mode="thread_local"):
+        # synchronises) would break the capture, so one fails at once, saying so. The stance is the
+        # process's from the moment it is made: only once the gate holds other engines' steps back
+        # (whose compiled steps may still need to recompile).
+        with contextlib.ExitStack() as held:
+            held.enter_context(GATE.capture())
+            if self.compiled:
+                held.enter_context(torch.compiler.set_stance("fail_on_recompile"))
+            held.enter_context(torch.cuda.graph(graph, pool=self._mempool, stream=self._side,
+                                                capture_error_mode="thread_local"))
             out = self.step(x, index)
         return _Graph(graph, x, index, out)
