@@ -137,7 +137,8 @@ def _forget_capture_streams(device) -> None:
     """cuBLAS keeps a workspace for every stream that ran a GEMM, for the life of the process: the
     probe stages' capture streams would leave theirs behind, and the profile would count them as
     VRAM the CUDA context reserves. So every workspace goes back, and the current stream's (the
-    one the profile's earlier GEMMs had made) is made again by one GEMM."""
+    one the profile's earlier GEMMs had made) is made again by one GEMM. For a profile's process
+    only: a CUDA graph captured beside it (a loaded model's) would replay on a workspace freed."""
     torch.cuda.synchronize(device)
     torch._C._cuda_clearCublasWorkspaces()
     a = torch.ones(64, 64, device=device, dtype=torch.bfloat16)

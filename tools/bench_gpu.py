@@ -220,7 +220,7 @@ def run_helm(model_dir: Path, plan, config: ModelConfig, ids: list[int], new_tok
            "decode_tok_s": round(seq.decode_tokens_per_s or 0.0, 3), "decode_ms_per_token": _ms_per_token(seq),
            "decode_ms_per_token_recorded": _ms_per_token(recorded),
            "predicted_ms_per_token": plan.prediction.ms_per_token, "stages": _stage_rows(recorder)}
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and any(s.device == "cuda" for s in plan.partition.stages):
         out["gpu_memory"] = _gpu_memory(plan, model, after_load)
     if ttft_prompts:
         out["streamed_prefill"] = streamed_prefill_ttft(engine, plan, list(ttft_prompts))
