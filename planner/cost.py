@@ -398,6 +398,11 @@ class SplitCost:
     def ttft_ms(self) -> float:
         return sum(s.prefill_ms for s in self.stages) + self.comm_prefill_ms
 
+    def request_ms(self, new_tokens: int) -> float:
+        """A request of the workload end to end: its prompt (the first token), then a decode step
+        for each further token, all priced at the split's context (what the search minimises)."""
+        return self.ttft_ms + max(0, new_tokens - 1) * self.ms
+
 
 def _alike(units) -> list[tuple[UnitIR, int]]:
     """(a unit, how many of `units` cost as it does), in order of first appearance."""

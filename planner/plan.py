@@ -154,6 +154,8 @@ class Candidate:
     total_ms: float | None
     gpu_bytes: int                      # weights + device KV + working set
     host_bytes: int                     # CPU weights + CPU KV + offloaded pages + working set
+    # the workload's prompt (None in plans made before the search weighed it: SEARCH_OBJECTIVE)
+    ttft_ms: float | None = field(default=None, metadata=OMIT_IF_NONE)
 
 
 @dataclass(frozen=True)
@@ -346,6 +348,11 @@ def _calibration_line(plan: Plan) -> str:
     return f"Calibrated {where}: {fits}; rms decode error {errors}."
 
 
+def _request_s(c: Candidate, new_tokens: int) -> float:
+    """A candidate's request of the workload in seconds (SplitCost.request_ms, from its rounded figures)."""
+    return (c.ttft_ms + max(0, new_tokens - 1) * c.total_ms) / 1e3
+
+
 def _why(plan: Plan) -> str:
     cands = {c.split_k: c for c in plan.search.candidates}
     k, n = plan.partition.split_k, plan.partition.num_units
@@ -361,6 +368,10 @@ def _why(plan: Plan) -> str:
         c = cands[k - 1]
         if not c.feasible:
             notes.append(f"k={k - 1} (one more unit on the GPU) is infeasible: {c.reason}")
+        elif c.total_ms is not None and c.ttft_ms is not None and cands[k].ttft_ms is not None:
+            new = plan.workload.max_new_tokens
+            notes.append(f"k={k - 1} serves the workload's request slower: TTFT {c.ttft_ms:g} ms + {new - 1} x "
+                         f"{c.total_ms:g} ms/token = {_request_s(c, new):.4g} s, against {_request_s(cands[k], new):.4g} s")
         elif c.total_ms is not None:
             notes.append(f"k={k - 1} is slower ({c.total_ms:g} ms/token)")
     else:

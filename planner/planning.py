@@ -25,7 +25,10 @@ from planner.step_shape import step_tokens
 from planner.trace import trace_model
 from planner.units import fmt_bytes, round_sig
 
-SEARCH_OBJECTIVE = "minimum predicted ms/token among feasible splits (ties: larger k)"
+SEARCH_OBJECTIVE = ("minimum predicted time of the workload's request (TTFT + a decode step per further token) "
+                    "among feasible splits (ties: larger k)")
+# what plans made before the request was the objective say (their decode step alone): read as ours
+EARLIER_SEARCH_OBJECTIVES = ("minimum predicted ms/token among feasible splits (ties: larger k)",)
 
 
 def _r(x: float | None) -> float | None:
@@ -59,7 +62,7 @@ def _candidate(c: SplitCost) -> Candidate:
     cuda = c.stage_ms("cuda") if has_cuda else 0.0
     return Candidate(split_k=c.split_k, feasible=c.feasible, reason=c.reason,
                      cpu_ms=_r(c.stage_ms("cpu")) or 0.0, cuda_ms=_r(cuda), comm_ms=_r(c.comm_ms) or 0.0,
-                     total_ms=_r(c.ms), gpu_bytes=c.gpu_bytes, host_bytes=c.host_bytes)
+                     total_ms=_r(c.ms), gpu_bytes=c.gpu_bytes, host_bytes=c.host_bytes, ttft_ms=_r(c.ttft_ms))
 
 
 def _budgets(machine: MachineProfile, gpu_memory: int | None, host_memory: int | None) -> tuple[int, int]:
@@ -250,7 +253,7 @@ def replan(plan: Plan, calibration: Calibration, recalibration: Recalibration | 
     # A context chosen by --max-context stays, but its latency bound held for the old calibration,
     # not necessarily for this one: the objective says where the context came from, nothing more.
     previous = plan.search.objective.replace(STALE_IR_NOTE, "")
-    objective = SEARCH_OBJECTIVE if previous == SEARCH_OBJECTIVE else (
+    objective = SEARCH_OBJECTIVE if previous in (SEARCH_OBJECTIVE, *EARLIER_SEARCH_OBJECTIVES) else (
         f"{SEARCH_OBJECTIVE}, at the context plan v{plan.plan_version} chose ({plan.workload.context_tokens} tokens: "
         f"{previous.split(';')[0]}, under that plan's calibration)")
     if _stale_ir(plan.ir.units):
@@ -268,7 +271,7 @@ def _assemble(identity: ModelIdentity, ir: IRSummary, machine: MachineProfile, w
     units, shared, n = ir.units, ir.shared_weights, len(ir.units)
     space = _space(identity.dtype, workload, limits, kv_settings)
     costs = evaluate_all(units, shared, machine, space, calibration)
-    best = best_split(costs)
+    best = best_split(costs, workload.max_new_tokens)
     model_name = f"{identity.architecture} ({identity.source})"
     if split_k is not None:
         if not 0 <= split_k <= n:

@@ -1,4 +1,7 @@
-"""The split search: enumerate every k in 0..N, score it, keep the fastest feasible one.
+"""The split search: enumerate every k in 0..N, score it, keep the feasible one that serves the
+workload's request fastest: its prompt, then a decode step per further token (SplitCost.request_ms).
+Decode is most of that, but not all: where a split leaves no VRAM for the streamed prompt steps'
+ring, its prompts run on the CPU, which a few % of decode speed elsewhere does not make up for.
 
 Boring on purpose (FlexGen): no pruning, every candidate recorded so a reviewer sees why k won.
 Ties go to the larger k (same speed, more VRAM left free), which also keeps the choice monotone:
@@ -56,9 +59,10 @@ def evaluate_all(units: tuple[UnitIR, ...], shared: tuple[SharedWeight, ...], ma
     return tuple(evaluate_at(k, units, shared, machine, space, calibration) for k in range(len(units) + 1))
 
 
-def best_split(candidates: tuple[SplitCost, ...]) -> SplitCost | None:
-    """The fastest feasible candidate (ties: larger k); None when nothing is feasible."""
+def best_split(candidates: tuple[SplitCost, ...], new_tokens: int) -> SplitCost | None:
+    """The feasible candidate that serves a request of `new_tokens` fastest (ties: larger k);
+    None when nothing is feasible."""
     feasible = [c for c in candidates if c.feasible]
     if not feasible:
         return None
-    return min(feasible, key=lambda c: (c.ms, -c.split_k))
+    return min(feasible, key=lambda c: (c.request_ms(new_tokens), -c.split_k))

@@ -30,14 +30,15 @@ def model_units(num_blocks: int, block_bytes: int, emb_bytes: int, head_bytes: i
 def machine(*, cpu_gibps: float = 10.0, cpu_gflops: float = 100.0, l3_bytes: int = 32 * MIB,
             l3_gibps: float = 30.0, ram_bytes: int = 64 * GIB, gpu: bool = True, hbm_gibps: float = 100.0,
             gpu_gflops: float = 10000.0, vram_usable: int = 8 * GIB, link_gibps: float = 10.0,
-            latency_us: float = 10.0, delta_cpu: float = 0.0, delta_gpu: float = 0.0) -> MachineProfile:
+            latency_us: float = 10.0, delta_cpu: float = 0.0, delta_gpu: float = 0.0,
+            flash_attention: bool | None = None) -> MachineProfile:
     cpu = CpuProfile(model_name="test cpu", cores=4, threads=8, isa=("avx2",), l3_bytes=l3_bytes,
                      dram_read_gibps=cpu_gibps, dram_read_gibps_runs=(), dram_buffer_bytes=0,
                      l3_read_gibps=l3_gibps, l3_read_source="manual", compute_gflops=cpu_gflops,
                      ram_total_bytes=ram_bytes, ram_available_bytes=ram_bytes)
     g = GpuProfile(name="test gpu", vram_total_bytes=vram_usable + GIB, vram_usable_bytes=vram_usable,
                    cuda_context_reserve_bytes=GIB, hbm_gibps=hbm_gibps, hbm_gibps_runs=(),
-                   prefill_gflops=gpu_gflops, prefill_matmul="test")
+                   prefill_gflops=gpu_gflops, prefill_matmul="test", flash_attention=flash_attention)
     link = LinkProfile(h2d_gibps=link_gibps, d2h_gibps=link_gibps, h2d_latency_us=latency_us,
                        d2h_latency_us=latency_us, pinned=True)
     cal = Calibration(cpu=DeviceCalibration(delta_ms_per_block=delta_cpu),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -12,8 +13,8 @@ from planner.config import config_digest
 from planner.cost import stream_ring_bytes
 from planner.errors import PlanError
 from planner.machine import load_machine
-from planner.plan import Plan, load_plan, plan_digest, plan_from_dict, save_plan
-from planner.planning import make_plan, plan_for_split, workload_for
+from planner.plan import Plan, header_lines, load_plan, plan_digest, plan_from_dict, save_plan, seal
+from planner.planning import SEARCH_OBJECTIVE, make_plan, plan_for_split, workload_for
 from planner.predict import predict
 from planner.units import GIB
 from planner.working_set import gpu_working_bytes
@@ -135,6 +136,36 @@ def test_plan_for_split_on_a_checkpoint_without_profiling(checkpoint):
     assert load_plan(p.to_yaml()) == p
     all_cpu = plan_for_split(ckpt, split_k=n, page_size_tokens=16)
     assert [s.device for s in all_cpu.partition.stages] == ["cpu"] and all_cpu.kv.page_size_tokens == 16
+
+
+def test_the_search_weighs_the_prompt_where_a_split_leaves_no_room_to_stream_it(laptop):
+    """Qwen3-8B on the laptop at 16k tokens of context: one unit more on the GPU (k=24) decodes
+    faster, but leaves no VRAM for the streamed prompt steps' ring, so its prompts run on the CPU;
+    the plan takes k=25, which serves the workload's request (512 + 512 tokens) sooner."""
+    from planner.planning import replan
+
+    plan = make_plan(config_path("qwen3-8b"), laptop, workload=workload_for(512, 512, context_tokens=16384))
+    cands = {c.split_k: c for c in plan.search.candidates}
+    k = plan.partition.split_k
+    faster_decode = cands[k - 1]
+    assert faster_decode.feasible and faster_decode.total_ms < cands[k].total_ms
+    assert plan.partition.stream_prefill_min_rows is not None
+    assert plan_for_split(config_path("qwen3-8b"), k - 1, laptop, workload=workload_for(512, 512, context_tokens=16384)) \
+        .partition.stream_prefill_min_rows is None  # no ring beside k - 1's KV
+    request_s = {j: (c.ttft_ms + 511 * c.total_ms) / 1e3 for j, c in cands.items() if c.feasible}
+    assert min(request_s, key=lambda j: (request_s[j], -j)) == k
+    assert faster_decode.ttft_ms > 10 * cands[k].ttft_ms
+    assert f"k={k - 1} serves the workload's request slower" in header_lines(plan)[2]
+    # a plan made before the candidates carried their TTFT reads as before, and re-planning it (as
+    # recalibration does) ranks by the request, saying so
+    old = dataclasses.replace(plan, search=dataclasses.replace(
+        plan.search, objective="minimum predicted ms/token among feasible splits (ties: larger k)",
+        candidates=tuple(dataclasses.replace(c, ttft_ms=None) for c in plan.search.candidates)))
+    old = load_plan(seal(old).to_yaml())
+    candidate_lines = [line for line in old.to_yaml().splitlines() if line.startswith("  - {split_k")]
+    assert len(candidate_lines) == 39 and not any("ttft_ms" in line for line in candidate_lines)
+    assert f"k={k - 1} is slower" in header_lines(old)[2]
+    assert replan(old, old.calibration, None).search.objective == SEARCH_OBJECTIVE
 
 
 def test_forced_and_impossible_requests_are_clear_errors(laptop):

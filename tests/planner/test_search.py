@@ -1,5 +1,5 @@
-"""Search properties (hypothesis): the chosen split is feasible and fastest; tighter VRAM never
-moves units from the CPU to the GPU."""
+"""Search properties (hypothesis): the chosen split is feasible and serves the workload's request
+fastest; tighter VRAM never moves units from the CPU to the GPU."""
 from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
@@ -26,41 +26,45 @@ def problems(draw, offload=None):
                 l3_bytes=draw(st.sampled_from([0, 8 * MIB, 300 * MIB])), l3_gibps=draw(st.floats(1, 600)),
                 hbm_gibps=draw(st.floats(50, 4000)), gpu_gflops=draw(st.floats(1e3, 1e6)),
                 link_gibps=draw(st.floats(1, 64)), latency_us=draw(st.floats(0, 50)),
-                delta_cpu=draw(st.sampled_from([0.0, 0.8])), delta_gpu=draw(st.sampled_from([0.0, 0.14])))
+                delta_cpu=draw(st.sampled_from([0.0, 0.8])), delta_gpu=draw(st.sampled_from([0.0, 0.14])),
+                flash_attention=draw(st.sampled_from([None, True])))  # True: prompt steps may stream
     space = SearchSpace(batch=draw(st.integers(1, 8)), context=draw(st.integers(1, 32768)),
                         prompt=draw(st.integers(1, 2048)), page_size_tokens=draw(st.sampled_from([16, 512])),
                         watermark=draw(st.sampled_from([0.5, 0.8, 1.0])),
                         offload=draw(st.booleans()) if offload is None else offload,
                         gpu_budget_bytes=draw(st.integers(0, 40 * GIB)),
-                        host_budget_bytes=draw(st.integers(0, 64 * GIB)))
+                        host_budget_bytes=draw(st.integers(0, 64 * GIB)),
+                        dtype=draw(st.sampled_from([None, "bfloat16"])))  # half precision: streamable
     return units, shared, m, space
 
 
 @SETTINGS
-@given(problems())
-def test_chosen_split_is_feasible_and_fastest(problem):
+@given(problems(), st.integers(1, 4096))
+def test_chosen_split_is_feasible_and_fastest(problem, new_tokens):
+    """Fastest for the workload's request: its prompt, then a decode step per further token."""
     units, shared, m, space = problem
     cands = evaluate_all(units, shared, m, space)
     assert [c.split_k for c in cands] == list(range(len(units) + 1))
-    best = best_split(cands)
+    best = best_split(cands, new_tokens)
     feasible = [c for c in cands if c.feasible]
     if best is None:
         assert not feasible
         return
     assert best.feasible
-    assert best.ms == min(c.ms for c in feasible)
-    assert best.split_k == max(c.split_k for c in feasible if c.ms == best.ms)   # ties: larger k
+    fastest = min(c.ttft_ms + (new_tokens - 1) * c.ms for c in feasible)  # the workload's request
+    assert best.request_ms(new_tokens) == fastest
+    assert best.split_k == max(c.split_k for c in feasible if c.request_ms(new_tokens) == fastest)  # ties: larger k
 
 
 @SETTINGS
-@given(problems(), st.floats(0.0, 1.0))
-def test_tighter_vram_never_moves_units_to_the_gpu(problem, shrink):
+@given(problems(), st.floats(0.0, 1.0), st.integers(1, 4096))
+def test_tighter_vram_never_moves_units_to_the_gpu(problem, shrink, new_tokens):
     """Also with KV offload, where a tighter budget slows GPU attention (more pages streamed)."""
     units, shared, m, space = problem
     tight_budget = int(space.gpu_budget_bytes * shrink)
-    loose = best_split(evaluate_all(units, shared, m, space))
+    loose = best_split(evaluate_all(units, shared, m, space), new_tokens)
     tight = best_split(evaluate_all(units, shared, with_vram(m, tight_budget),
-                                    SearchSpace(**{**space.__dict__, "gpu_budget_bytes": tight_budget})))
+                                    SearchSpace(**{**space.__dict__, "gpu_budget_bytes": tight_budget})), new_tokens)
     if tight is not None:
         assert loose is not None, "a looser budget lost a feasible split"
         assert tight.split_k >= loose.split_k
@@ -70,7 +74,7 @@ def test_no_gpu_means_all_cpu_or_nothing():
     units, shared = model_units(4, 100 * MIB, 10 * MIB, 10 * MIB)
     space = SearchSpace(batch=1, context=1024, prompt=16, page_size_tokens=512, watermark=0.8, offload=False,
                         gpu_budget_bytes=0, host_budget_bytes=GIB)
-    best = best_split(evaluate_all(units, shared, machine(gpu=False), space))
+    best = best_split(evaluate_all(units, shared, machine(gpu=False), space), 512)
     assert best.split_k == len(units)
     space = SearchSpace(**{**space.__dict__, "host_budget_bytes": MIB})
-    assert best_split(evaluate_all(units, shared, machine(gpu=False), space)) is None
+    assert best_split(evaluate_all(units, shared, machine(gpu=False), space), 512) is None
