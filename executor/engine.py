@@ -322,13 +322,26 @@ class Engine:
         streamed = any(s.streamed is not None and s.streamed.accepts(batch) for s in self.model.stages)
         step = StepRecord.of(batch, (), streamed, self.page_size)  # its times once the device is done
         if self.on_launched is not None:
-            self.on_launched(step)
-        # the sampler's device work queues behind the stages'; reading its tokens waits for both
-        tokens = sample_rows(logits, [seq.sampling for seq in emitting], [seq.generator for seq in emitting])
-        self.last_step = replace(step, stages=self._stage_clocks(clocks))
-        if self.on_step is not None:
-            self.on_step(self.last_step)
-        return tokens
+            try:
+                self.on_launched(step)
+            except Exception:  # noqa: BLE001 — a measurement's; the step's requests do not depend on it
+                log.exception("announcing a step failed; the step runs on")
+        try:  # the sampler's device work queues behind the stages'; reading its tokens waits for both
+            return sample_rows(logits, [seq.sampling for seq in emitting], [seq.generator for seq in emitting])
+        finally:  # the stages ran and are measured, whether or not their logits gave tokens
+            self._measured(step, clocks)
+
+    def _measured(self, step: StepRecord, clocks: list) -> None:
+        """Time the step's stages and hand its record on (on_step). The sampler has drawn by now,
+        moving the requests' generators: a measurement that fails is logged, never failing the
+        step's requests (a retry would draw anew), unless the GPU is gone (DeviceLostError)."""
+        try:
+            self.last_step = replace(step, stages=self._stage_clocks(clocks))
+            if self.on_step is not None:
+                self.on_step(self.last_step)
+        except Exception as e:  # noqa: BLE001
+            self._check_devices(e)
+            log.exception("measuring a step failed; its tokens stand")
 
     def _commit(self, scheduled: list[tuple[Sequence, int, int]], tokens: list[int]) -> list[TokenEvent]:
         """Advance the step's sequences and append their tokens; a sequence whose ending fails

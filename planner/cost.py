@@ -401,7 +401,9 @@ class SplitCost:
     def request_ms(self, new_tokens: int) -> float:
         """A request of the workload end to end: its prompt (the first token), then a decode step
         for each further token, all priced at the split's context (what the search minimises)."""
-        return self.ttft_ms + max(0, new_tokens - 1) * self.ms
+        decode = (new_tokens - 1) * self.ms if new_tokens > 1 else 0.0
+        total = self.ttft_ms + decode
+        return total if math.isfinite(total) else math.inf  # unpriced (no rates) ranks last, never NaN
 
 
 def _alike(units) -> list[tuple[UnitIR, int]]:

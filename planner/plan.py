@@ -370,8 +370,10 @@ def _why(plan: Plan) -> str:
             notes.append(f"k={k - 1} (one more unit on the GPU) is infeasible: {c.reason}")
         elif c.total_ms is not None and c.ttft_ms is not None and cands[k].ttft_ms is not None:
             new = plan.workload.max_new_tokens
-            notes.append(f"k={k - 1} serves the workload's request slower: TTFT {c.ttft_ms:g} ms + {new - 1} x "
-                         f"{c.total_ms:g} ms/token = {_request_s(c, new):.4g} s, against {_request_s(cands[k], new):.4g} s")
+            mine, theirs = _request_s(cands[k], new), _request_s(c, new)
+            how = "as fast (ties: the larger k)" if theirs == mine else "slower"
+            notes.append(f"k={k - 1} serves the workload's request {how}: TTFT {c.ttft_ms:g} ms + {new - 1} x "
+                         f"{c.total_ms:g} ms/token = {theirs:.4g} s, against {mine:.4g} s")
         elif c.total_ms is not None:
             notes.append(f"k={k - 1} is slower ({c.total_ms:g} ms/token)")
     else:

@@ -167,7 +167,7 @@ def make_plan(model: str | Path | dict, machine: MachineProfile | None = None, *
         workload, objective = _longest_workload(identity, ir, machine, workload, limits, kv_settings, calibration,
                                                 model_max, latency_bound_ms, split_k)
     return _assemble(identity, ir, machine, workload, limits, kv_settings, split_k, allow_infeasible, calibration,
-                     recalibration, parent, model_max, objective)
+                     recalibration, parent, model_max, objective, latency_bound_ms if max_context else None)
 
 
 def plan_space(plan: Plan) -> SearchSpace:
@@ -265,13 +265,14 @@ def replan(plan: Plan, calibration: Calibration, recalibration: Recalibration | 
 def _assemble(identity: ModelIdentity, ir: IRSummary, machine: MachineProfile, workload: Workload,
               limits: Limits, kv_settings: KVPlan, split_k: int | None, allow_infeasible: bool,
               calibration: Calibration, recalibration: Recalibration | None, parent: Plan | None,
-              model_max: int | None, objective: str) -> Plan:
+              model_max: int | None, objective: str, bound_ms: float | None = None) -> Plan:
     """Score every split of `ir` on `machine` and build the plan for the best (or `split_k`);
-    `model_max`: the model's position limit for the longest context (None: not stated)."""
+    `model_max`: the model's position limit for the longest context (None: not stated); `bound_ms`:
+    the best among splits whose decode step is within it (--max-context's --latency-bound)."""
     units, shared, n = ir.units, ir.shared_weights, len(ir.units)
     space = _space(identity.dtype, workload, limits, kv_settings)
     costs = evaluate_all(units, shared, machine, space, calibration)
-    best = best_split(costs, workload.max_new_tokens)
+    best = best_split(costs, workload.max_new_tokens, bound_ms)
     model_name = f"{identity.architecture} ({identity.source})"
     if split_k is not None:
         if not 0 <= split_k <= n:

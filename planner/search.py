@@ -59,10 +59,12 @@ def evaluate_all(units: tuple[UnitIR, ...], shared: tuple[SharedWeight, ...], ma
     return tuple(evaluate_at(k, units, shared, machine, space, calibration) for k in range(len(units) + 1))
 
 
-def best_split(candidates: tuple[SplitCost, ...], new_tokens: int) -> SplitCost | None:
-    """The feasible candidate that serves a request of `new_tokens` fastest (ties: larger k);
-    None when nothing is feasible."""
-    feasible = [c for c in candidates if c.feasible]
+def best_split(candidates: tuple[SplitCost, ...], new_tokens: int,
+               bound_ms: float | None = None) -> SplitCost | None:
+    """The feasible candidate that serves a request of `new_tokens` fastest (ties: larger k),
+    among those whose decode step is within `bound_ms` where one is given (--latency-bound);
+    None when there is none."""
+    feasible = [c for c in candidates if c.feasible and (bound_ms is None or c.ms <= bound_ms)]
     if not feasible:
         return None
     return min(feasible, key=lambda c: (c.request_ms(new_tokens), -c.split_k))

@@ -96,14 +96,17 @@ def format_summary(plan: Plan) -> str:
 
 
 def format_table(plan: Plan) -> str:
+    # the prompt's TTFT, which the search weighs with decode (plans before it do not record it)
+    ttft = any(c.ttft_ms is not None for c in plan.search.candidates)
     rows = [f"{'':1}{'k':>4} {'fits':>4} {'cpu_ms':>10} {'cuda_ms':>10} {'link_ms':>8} {'total_ms':>10} "
-            f"{'gpu_GiB':>8} {'host_GiB':>8}  why not"]
+            + (f"{'ttft_ms':>10} " if ttft else "") + f"{'gpu_GiB':>8} {'host_GiB':>8}  why not"]
     for c in plan.search.candidates:
         mark = "*" if c.split_k == plan.partition.split_k else " "
         num = lambda x, w, d: f"{x:>{w}.{d}f}" if x is not None else f"{'-':>{w}}"  # noqa: E731
         rows.append(f"{mark}{c.split_k:>4} {'yes' if c.feasible else 'no':>4} {num(c.cpu_ms, 10, 3)} "
                     f"{num(c.cuda_ms, 10, 3)} {num(c.comm_ms, 8, 4)} {num(c.total_ms, 10, 3)} "
-                    f"{c.gpu_bytes / GIB:>8.2f} {c.host_bytes / GIB:>8.2f}  {c.reason}")
+                    + (f"{num(c.ttft_ms, 10, 1)} " if ttft else "")
+                    + f"{c.gpu_bytes / GIB:>8.2f} {c.host_bytes / GIB:>8.2f}  {c.reason}")
     return "search (every k = units on the CPU; * = chosen)\n" + "\n".join(rows)
 
 

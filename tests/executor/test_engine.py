@@ -161,6 +161,34 @@ def test_a_step_is_announced_once_its_device_work_is_queued_before_the_host_wait
     assert [e[1].phase for e in order[0::3]] == ["prefill", "decode", "decode"]
 
 
+def test_a_failing_measurement_fails_no_request_and_a_failed_draw_is_still_measured(path, monkeypatch):
+    """The hooks measure; they do not decide tokens. A hook that raises is logged, and the seeded
+    requests draw what they draw without it (a retry after the sampler moved their generators would
+    draw anew); a step whose logits give no token (not finite) was run, and is measured."""
+    import executor.engine as engine_module
+
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=7)
+    stop = StopCriteria(max_new_tokens=4, ignore_eos=True)
+    prompts = [prompt_ids(5, 256, seed=73), prompt_ids(3, 256, seed=74)]
+    want = [s.output_ids for s in engine_for(path, split=3, eos_token_ids=()).generate(prompts, params, stop)]
+    eng = engine_for(path, split=3, eos_token_ids=())
+    eng.on_launched = eng.on_step = lambda step: 1 / 0
+    got = eng.generate(prompts, params, stop)
+    assert [s.output_ids for s in got] == want and all(s.finish_reason == "length" for s in got)
+
+    recorded = []
+    eng = engine_for(path, split=3, eos_token_ids=())
+    eng.on_step = recorded.append
+
+    def not_finite(*args):
+        raise ValueError("logits are not finite")
+
+    monkeypatch.setattr(engine_module, "sample_rows", not_finite)
+    seq = eng.generate([prompts[0]], SamplingParams(), stop)[0]
+    assert seq.finish_reason == "error" and [r.phase for r in recorded] == ["prefill"]
+    assert len(recorded[0].stages) == 2 and all(t.ms > 0 for t in recorded[0].stages)
+
+
 def test_a_step_record_says_what_its_prediction_needs(path):
     """Prompt chunks make a prefill step (their count, tokens and mean end); decodes a decode step
     (sequences, mean context through the new token)."""

@@ -176,3 +176,21 @@ def test_a_recalibrated_max_context_plan_does_not_claim_the_old_bound():
     assert slower.workload.context_tokens == plan.workload.context_tokens
     assert slower.search.objective.startswith(SEARCH_OBJECTIVE) and \
         "under that plan's calibration" in slower.search.objective
+
+
+def test_a_latency_bounded_plan_keeps_its_bound_where_the_request_favours_a_slower_decode(laptop):
+    """--max-context --latency-bound: the context is the longest a split serves within the bound,
+    and the plan's split is the best among those within it. Qwen3-8B on the laptop at 16k tokens:
+    the request favours k=25 (its prompt streamed) over k=24's faster decode; a bound between the
+    two keeps the plan's decode within it, where the unbounded search at the same context is not."""
+    from tests.planner.conftest import config_path
+
+    at_16k = make_plan(config_path("qwen3-8b"), laptop, workload=workload_for(512, 512, context_tokens=16384))
+    cands = {c.split_k: c for c in at_16k.search.candidates}
+    k = at_16k.partition.split_k
+    assert cands[k - 1].feasible and cands[k - 1].total_ms < cands[k].total_ms  # the request chose k
+    bound = (cands[k - 1].total_ms + cands[k].total_ms) / 2
+    bounded = make_plan(config_path("qwen3-8b"), laptop, max_context=True, latency_bound_ms=bound)
+    assert bounded.prediction.ms_per_token <= bound
+    unbounded = make_plan(config_path("qwen3-8b"), laptop, workload=bounded.workload)
+    assert unbounded.prediction.ms_per_token > bound  # the bound made the difference
