@@ -67,9 +67,11 @@ def _memory_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=_int_arg("--page-size", 1), default=DEFAULT_PAGE_SIZE_TOKENS,
                    help=f"KV page size in tokens (default {DEFAULT_PAGE_SIZE_TOKENS})")
     p.add_argument("--watermark", type=_float_arg, default=DEFAULT_WATERMARK,
-                   help="fraction of the VRAM left after weights that KV may use before offloading "
+                   help="with --kv-offload, where a split's KV pages do not all fit: the fraction of the "
+                        "VRAM left after weights and working set that the pages kept on the GPU may use "
                         f"(default {DEFAULT_WATERMARK:g})")
-    p.add_argument("--kv-offload", action="store_true", help="let GPU-stage KV pages move to pinned host memory")
+    p.add_argument("--kv-offload", action="store_true",
+                   help="let GPU-stage KV pages that do not fit in VRAM park in pinned host memory")
     p.add_argument("--gpu-memory", type=_unit_arg("--gpu-memory", parse_bytes), metavar="SIZE",
                    help="cap on VRAM for weights + KV, e.g. 8GiB (as Accelerate's max_memory)")
     p.add_argument("--host-memory", type=_unit_arg("--host-memory", parse_bytes), metavar="SIZE",

@@ -268,18 +268,18 @@ def _size_gpu(k: int, units: tuple[UnitIR, ...], machine: MachineProfile, gpu_we
                                         streamed_step=streamed_step)
 
     device_pages, host_pages = needed, 0
-    if offload and dev_page:
+
+    def fits(pages: int) -> bool:
+        return gpu_weights + pages * dev_page + work(pages) <= gpu_budget_bytes
+
+    # Offload parks pages only where they do not all fit: where they do, the layout is the one
+    # without offload (which fills the VRAM the same way), never a slower one under the watermark.
+    # All of them may fit where fewer do not, since a sequence then never streams its chunks.
+    if offload and dev_page and not fits(needed):
         room = max(0, gpu_budget_bytes - gpu_weights - work(0))
         # the decode graphs' gather grows with the pool: the most pages under the watermark that
-        # fit beside it. Below `needed` what they need only grows with their number (bisect); all
-        # of them may fit where fewer do not, since a sequence then never streams its chunks.
-        def fits(pages: int) -> bool:
-            return gpu_weights + pages * dev_page + work(pages) <= gpu_budget_bytes
-
-        top = min(needed, int(watermark * room // dev_page))
-        lo, hi = 0, top - (top == needed)
-        if top == needed and fits(top):
-            lo = hi = top
+        # fit beside it; below `needed` what they need only grows with their number (bisect)
+        lo, hi = 0, min(needed - 1, int(watermark * room // dev_page))
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if fits(mid):

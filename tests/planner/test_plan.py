@@ -222,6 +222,25 @@ def test_kv_offload_parks_pages_on_the_host_when_vram_runs_out(laptop):
     assert best.prediction.ms_per_token <= off.prediction.ms_per_token
 
 
+def test_kv_offload_parks_no_page_where_every_page_fits():
+    """--kv-offload parks the pages that do not fit: where all fit, a split keeps the layout it has
+    without offload, none held under the watermark to stream back each step. Qwen3-8B on the RTX
+    3090 server, 16 sequences of 4096 tokens: k=3 holds all 128 pages in more than 0.8 of the room
+    its weights and working set leave."""
+    server = load_machine(REPO / "plans/machines/server-rtx3090-epyc7h12.yaml")
+    wl = workload_for(512, 512, 16, context_tokens=4096)
+    plain = make_plan(config_path("qwen3-8b"), server, workload=wl)
+    offload = make_plan(config_path("qwen3-8b"), server, workload=wl, kv_offload=True)
+    k, kv = plain.partition.split_k, plain.kv
+    gpu = plain.partition.stages[1]
+    room = plain.limits.gpu_budget_bytes - gpu.weight_bytes - gpu_working_bytes(
+        plain.ir.units[k:], dtype="bfloat16", batch=16, context=4096, page_size_tokens=512, budget_pages=128,
+        device_pages=0, device_page_bytes=kv.device_page_bytes) - stream_ring_bytes(plain.ir.units, k)
+    assert kv.device_pages == 128 > 0.8 * room // kv.device_page_bytes   # past the watermark, and fits
+    assert offload.partition.split_k == k and (offload.kv.device_pages, offload.kv.host_pages) == (128, 0)
+    assert offload.prediction.ms_per_token == plain.prediction.ms_per_token
+
+
 def test_predict_reevaluates_the_cost_model_at_another_context(laptop_plan_8b):
     p = laptop_plan_8b
     assert predict(p, p.workload.context_tokens) == p.prediction

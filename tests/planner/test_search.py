@@ -70,6 +70,20 @@ def test_tighter_vram_never_moves_units_to_the_gpu(problem, shrink, new_tokens):
         assert tight.split_k >= loose.split_k
 
 
+@SETTINGS
+@given(problems(offload=False))
+def test_offload_never_slows_a_split_that_fits_without_it(problem):
+    """--kv-offload lets pages that do not fit park on the host; where they all fit, every split
+    keeps the layout it has without offload (none parked under the watermark to stream back)."""
+    units, shared, m, space = problem
+    without = evaluate_all(units, shared, m, space)
+    allowed = evaluate_all(units, shared, m, SearchSpace(**{**space.__dict__, "offload": True}))
+    for plain, offload in zip(without, allowed):
+        if plain.feasible:
+            assert offload.feasible and offload.kv.host_pages == 0
+            assert (offload.ms, offload.kv.device_pages) == (plain.ms, plain.kv.device_pages)
+
+
 def test_no_gpu_means_all_cpu_or_nothing():
     units, shared = model_units(4, 100 * MIB, 10 * MIB, 10 * MIB)
     space = SearchSpace(batch=1, context=1024, prompt=16, page_size_tokens=512, watermark=0.8, offload=False,
