@@ -12,8 +12,8 @@ so a layer's K of one page is a contiguous [H_kv, n, D] block, what attention re
 `PagePool` is the mechanism (bounded memory on one device, with a free list so pinned host pages
 are not re-allocated); `KVCache` is the policy: which pages a sequence owns, where they live,
 and which to evict (the oldest full pages, when a new page needs room on the device). How many
-pages the device holds is the plan's decision (the planner applies the watermark to the VRAM left
-after weights), not the cache's.
+pages the device holds is the plan's decision (the planner parks only the pages that do not fit,
+keeping those under the watermark of the VRAM left after weights and working set), not the cache's.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Contexts are whole pages (the KV cache's unit of allocation), so the figure is a
 page size unless the model's limit caps it, also with a latency bound, which the step's time
 could meet for a few tokens more. A split serves a context when its KV pages fit (DESIGN §5 feasibility, the one rule in
 planner/cost.py): the GPU stage's pages in the VRAM left after its weights and working set (with
-KV offload, the pages beyond the watermark parked in pinned host memory), the CPU stage's pages
+KV offload, the pages that do not fit parked in pinned host memory), the CPU stage's pages
 and the parked ones in the host RAM left after the CPU stage's weights and working set, for every
 sequence of the batch. The
 context is also capped by the model's position limit. Feasibility only changes at page
@@ -32,7 +32,7 @@ class LongestContext:
     model_max_tokens: int                # the model's max_position_embeddings (0: the config has none)
     without_offload_tokens: int          # every KV page on its stage's device (0: not even one page fits)
     without_offload_bound: str           # what stops it: the model's limit, or the memory that runs out
-    with_offload_tokens: int             # GPU-stage pages beyond the watermark parked in pinned host memory
+    with_offload_tokens: int             # GPU-stage pages that do not fit parked in pinned host memory
     with_offload_bound: str              # (the same as without when the split has no GPU stage)
 
 

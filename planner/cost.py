@@ -463,12 +463,13 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
         stream_rows = stream_prefill or None
     cpu_pages = batch * pages if cpu_kv_tok else 0
 
-    def fit(ring: int, rows: int | None):
+    def fit(ring: int, rows: int | None, park: bool = False):
         """(why the GPU stage does not fit, (device pages, host pages, GPU work, GPU bytes), host
-        work, host bytes) with a ring and streamed steps of up to `rows` tokens (None: none)."""
+        work, host bytes) with a ring and streamed steps of up to `rows` tokens (None: none), KV
+        pages that do not fit parked on the host where `park`."""
         step = streamed_step_bytes(units[1:k], rows, page_size_tokens, dtype) if rows else 0
         reasons, sized = _size_gpu(k, units, machine, gpu_weights, gpu_budget_bytes, needed, dev_page, ring, step,
-                                   offload=offload, watermark=watermark, dtype=dtype, batch=batch, context=context,
+                                   offload=park, watermark=watermark, dtype=dtype, batch=batch, context=context,
                                    page_size_tokens=page_size_tokens, pages=pages)
         # the sequences the KV budget holds bound the host's step, wherever the pages live
         work = cpu_working_bytes(units[:k], dtype=dtype, batch=batch, context=context,
@@ -476,20 +477,26 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
                                  streamed_rows=rows or 0)
         return reasons, sized, work, cpu_weights + cpu_pages * cpu_page + sized[1] * dev_page + work
 
-    variants = []  # (ring, the most tokens a streamed step takes)
-    if stream_rows:
-        ring = stream_ring_bytes(units, k)
-        most = min(STREAMED_STEP_TOKENS, math.ceil(batch * context))  # a step holds no more than the prompts
-        rows = stream_step_tokens or _streamed_step_tokens(fit, ring, most, host_budget_bytes)
-        if rows >= stream_rows or stream_prefill is not True:
-            variants.append((ring, rows))
-        # else no step the search would allow reaches the threshold: nothing streams
-    if not stream_rows or stream_prefill is True:
-        variants.append((0, None))
-    for ring, streamed_rows in variants:
-        gpu_reasons, sized, cpu_work, host_bytes = fit(ring, streamed_rows)
+    def variants():
+        """(ring, the most tokens a streamed step takes, park) to try, in order: with the ring, then
+        without (which may fit where it does not); with offload, KV pages parked on the host only
+        where neither fits with all of them in VRAM (offload parks the pages that do not fit)."""
+        for park in (False, True) if offload else (False,):
+            if stream_rows:
+                ring = stream_ring_bytes(units, k)
+                most = min(STREAMED_STEP_TOKENS, math.ceil(batch * context))  # a step holds no more than the prompts
+                rows = stream_step_tokens or _streamed_step_tokens(
+                    lambda ring, rows: fit(ring, rows, park), ring, most, host_budget_bytes)
+                if rows >= stream_rows or stream_prefill is not True:
+                    yield ring, rows, park
+                # else no step the search would allow reaches the threshold: nothing streams
+            if not stream_rows or stream_prefill is True:
+                yield 0, None, park
+
+    for ring, streamed_rows, park in variants():
+        gpu_reasons, sized, cpu_work, host_bytes = fit(ring, streamed_rows, park)
         if not gpu_reasons and host_bytes <= host_budget_bytes:
-            break  # (else the next: without streaming, which may fit where it does not)
+            break
     stream_rows = stream_rows if ring else None
     device_pages, host_pages, gpu_work, gpu_bytes = sized
     reasons = list(gpu_reasons)

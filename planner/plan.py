@@ -109,7 +109,7 @@ class Partition:
 @dataclass(frozen=True)
 class KVPlan:
     page_size_tokens: int = DEFAULT_PAGE_SIZE_TOKENS
-    watermark: float = DEFAULT_WATERMARK  # fraction of the VRAM left after weights before pages move out
+    watermark: float = DEFAULT_WATERMARK  # offload, pages not all fitting: the VRAM share kept ones may use
     offload: bool = False               # GPU-stage pages may move to pinned host memory
     pages_per_sequence: int = 0         # ceil(context_tokens / page_size_tokens)
     device_page_bytes: int = 0          # one page over every GPU-stage block

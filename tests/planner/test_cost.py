@@ -153,6 +153,24 @@ def test_kv_offload_parks_pages_on_the_host_and_streams_them_back():
     assert not tight.feasible and "offload needs" in tight.reason
 
 
+def test_kv_offload_parks_pages_only_where_no_layout_holds_them_all():
+    """With offload a split first tries what it tries without: the streamed prompt steps' ring, then
+    no ring, each with every KV page in VRAM; pages are parked only where neither fits. Here the
+    ring fits only by parking 6 of 32 pages, which would stream back every decode step."""
+    units, shared = model_units(8, block_bytes=256 * MIB, emb_bytes=64 * MIB, head_bytes=64 * MIB, kv=16384)
+    budget = 2053531238
+    m = machine(flash_attention=True, l3_bytes=8 * MIB, vram_usable=budget)
+    args = dict(context=16384, prompt=512, gpu_budget_bytes=budget, host_budget_bytes=64 * GIB, dtype="bfloat16")
+    plain = split(6, units, shared, m, **args)
+    offload = split(6, units, shared, m, offload=True, **args)
+    assert plain.feasible and plain.stream_prefill_min_rows is None  # no room for the ring beside 32 pages
+    assert (offload.kv.device_pages, offload.kv.host_pages) == (plain.kv.device_pages, 0) == (32, 0)
+    assert offload.ms == plain.ms and offload.ttft_ms == plain.ttft_ms
+    # the ring's layout, which parks pages, is what a budget too small for every page gets
+    tight = split(6, units, shared, m, offload=True, **{**args, "gpu_budget_bytes": budget - 64 * MIB})
+    assert tight.feasible and tight.kv.host_pages > 0
+
+
 def test_tied_weights_are_held_once_per_device():
     units, shared = model_units(2, block_bytes=100, emb_bytes=1000, head_bytes=1000 + 8, tied=True)
     assert stage_weight_bytes(units, 0, 4, shared) == 1000 + 200 + 8      # all on one device: once
@@ -446,8 +464,8 @@ def test_a_split_whose_host_memory_holds_it_only_without_streaming_streams_nothi
     units, _ = model_units(8, 256 * MIB, 64 * MIB, 64 * MIB)
     m = _flash(machine())
     args = dict(dtype=BF16, offload=True, context=16384)
-    roomy = split(5, units, (), m, **args)
-    vram = roomy.gpu_bytes - roomy.kv.device_pages * roomy.kv.device_page_bytes + 3 * roomy.kv.device_page_bytes
+    resident = split(5, units, (), m, dtype=BF16, context=16384, stream_prefill=False)  # every page, no ring
+    vram = resident.gpu_bytes - 4 * resident.kv.device_page_bytes  # neither layout holds every page
     tight = with_vram(m, vram)
     streams = split(5, units, (), tight, gpu_budget_bytes=vram, **args)
     plain = split(5, units, (), tight, gpu_budget_bytes=vram, stream_prefill=False, **args)
