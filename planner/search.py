@@ -5,7 +5,10 @@ ring, its prompts run on the CPU, which a few % of decode speed elsewhere does n
 
 Boring on purpose (FlexGen): no pruning, every candidate recorded so a reviewer sees why k won.
 Ties go to the larger k (same speed, more VRAM left free), which also keeps the choice monotone:
-a tighter VRAM budget never moves units from the CPU to the GPU.
+a tighter VRAM budget never moves units from the CPU to the GPU, but for one case. Where it takes
+the ring from the split that streamed its prompts (one unit more on the CPU than the splits that
+had no room for the ring), no split streams, and one with fewer units on the CPU, which computes
+less of the prompt there, may then serve the request sooner.
 """
 from __future__ import annotations
 
