@@ -4,11 +4,12 @@ Decode is most of that, but not all: where a split leaves no VRAM for the stream
 ring, its prompts run on the CPU, which a few % of decode speed elsewhere does not make up for.
 
 Boring on purpose (FlexGen): no pruning, every candidate recorded so a reviewer sees why k won.
-Ties go to the larger k (same speed, more VRAM left free), which also keeps the choice monotone:
-a tighter VRAM budget never moves units from the CPU to the GPU, but for one case. Where it takes
-the ring from the split that streamed its prompts (one unit more on the CPU than the splits that
-had no room for the ring), no split streams, and one with fewer units on the CPU, which computes
-less of the prompt there, may then serve the request sooner.
+Ties go to the larger k (same speed, more VRAM left free), which also keeps the choice monotone
+where no split streams its prompts: a tighter VRAM budget never moves units from the CPU to the
+GPU. Where prompt steps stream, the streamed steps' ring (and their size, and with KV offload the
+pages parked) compete for the VRAM with the KV pages, and a tighter budget can move the choice
+either way: taking the ring from the split that streamed leaves the prompts to the CPU, where a
+split with fewer units there computes them sooner.
 """
 from __future__ import annotations
 

@@ -79,9 +79,8 @@ def test_chosen_split_is_feasible_and_fastest(problem, new_tokens):
 @given(problems(), st.floats(0.0, 1.0), st.integers(1, 4096))
 def test_tighter_vram_never_moves_units_to_the_gpu(problem, shrink, new_tokens):
     """Also with KV offload, where a tighter budget slows GPU attention (more pages streamed).
-    Not where a tighter budget takes the streamed prompt steps' ring from the split that had it
-    (streaming_problems): then the split with more of the prompt's work on the GPU may serve the
-    request sooner, one unit fewer on the CPU (planner/search.py)."""
+    Not where prompt steps stream (streaming_problems): the ring competes for the VRAM there, and
+    the choice may move either way (planner/search.py)."""
     units, shared, m, space = problem
     tight_budget = int(space.gpu_budget_bytes * shrink)
     loose = best_split(evaluate_all(units, shared, m, space), new_tokens)
