@@ -110,7 +110,7 @@ class Recorder:
         """Predict a step whose times are not known yet (Engine.on_launched): on the host while a
         GPU stage computes it, where it would otherwise delay the next step; `record_step` then
         finds the prediction made."""
-        self.predict(step.phase, step.context, step.batch, step.tokens, step.riders, step.rider_context)
+        self.record_step(step, store=False)
 
     def record_step(self, step, store: bool = True) -> tuple[StagePredicted, ...]:
         """Store one engine step (an executor.engine.StepRecord; `store` False: only predict it);

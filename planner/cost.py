@@ -399,11 +399,15 @@ class SplitCost:
         return sum(s.prefill_ms for s in self.stages) + self.comm_prefill_ms
 
     def request_ms(self, new_tokens: int) -> float:
-        """A request of the workload end to end: its prompt (the first token), then a decode step
-        for each further token, all priced at the split's context (what the search minimises)."""
-        decode = (new_tokens - 1) * self.ms if new_tokens > 1 else 0.0
-        total = self.ttft_ms + decode
-        return total if math.isfinite(total) else math.inf  # unpriced (no rates) ranks last, never NaN
+        return request_ms(self.ttft_ms, self.ms, new_tokens)
+
+
+def request_ms(ttft_ms: float, ms_per_token: float, new_tokens: int) -> float:
+    """A request of the workload end to end: its prompt (the first token), then a decode step for
+    each further token, all priced at the split's context (what the search minimises)."""
+    decode = (new_tokens - 1) * ms_per_token if new_tokens > 1 else 0.0
+    total = ttft_ms + decode
+    return total if math.isfinite(total) else math.inf  # unpriced (no rates) ranks last, never NaN
 
 
 def _alike(units) -> list[tuple[UnitIR, int]]:

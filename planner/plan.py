@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from planner.capacity import LongestContext
+from planner.cost import request_ms
 from planner.errors import PlanError
 from planner.machine import Calibration, MachineProfile, check_machine
 from planner.provenance import Recalibration
@@ -350,7 +351,7 @@ def _calibration_line(plan: Plan) -> str:
 
 def _request_s(c: Candidate, new_tokens: int) -> float:
     """A candidate's request of the workload in seconds (SplitCost.request_ms, from its rounded figures)."""
-    return (c.ttft_ms + max(0, new_tokens - 1) * c.total_ms) / 1e3
+    return request_ms(c.ttft_ms, c.total_ms, new_tokens) / 1e3
 
 
 def _why(plan: Plan) -> str:
