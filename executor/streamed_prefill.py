@@ -9,9 +9,10 @@ the stream faster than the CPU's kernels) the CPU stage's blocks run on the GPU 
 - each projection's weight crosses in pieces of at most `piece_bytes` (whole rows) into a ring of
   `slots` device buffers, on a copy stream, while the compute stream multiplies the pieces before
   it (a piece of rows is a block of the output's columns, so the product is the same);
-- norms, rotation and attention run in PyTorch on the GPU: a chunk with nothing cached before it
-  by flash attention, a later one streaming over the sequence's cached pages (the stage's own
-  host pages, page-locked), copied in one at a time, then over its own keys;
+- norms, rotation and attention run in PyTorch on the GPU, attention by flash attention over the
+  chunk's own keys and, for a chunk after cached ones, the sequence's cached keys: each of its
+  pages (the stage's own host pages, page-locked) copied in once per layer, whatever the number
+  of query blocks that read it;
 - the chunk's K/V go back into those host pages, where the stage's decode steps (our kernels)
   read them, and the hidden state goes back to the host for the next stage.
 
@@ -26,15 +27,13 @@ and all, without streams.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import weakref
 
 import torch
 import torch.nn.functional as F
 
-from executor.attention import (TorchAttention, fused_prompt_attention, streaming_attention,
-                                without_cudnn_attention)
+from executor.attention import TorchAttention, fused_prompt_attention, without_cudnn_attention
 from executor.backends import TorchBackend
 from executor.kv_cache import KVCache, lock_in_place, unlock
 from executor.rope import inverse_frequencies
@@ -135,8 +134,10 @@ class StreamedPrefill:
             qkv = self._product(self._normed(x, small["input_norm"], w.qkv.weight.dtype), w.qkv.weight)
             attn = torch.empty(x.shape[0], h_q * d, dtype=qkv.dtype, device=dev)
             for s in batch.slices:
-                own_k = torch.empty(s.count, h_kv, d, dtype=self.kv.dtype, device=dev)
-                own_v = torch.empty_like(own_k)
+                # K/V of the sequence up to the slice's end: its cached keys copied in once, the
+                # slice's own (views of the tail) as its query blocks make them
+                visible = self._visible(layer, s, h_kv, d)  # [2, H_kv, start + count, D]
+                own_k, own_v = visible[0, :, s.start:].transpose(0, 1), visible[1, :, s.start:].transpose(0, 1)
                 for r0 in range(0, s.count, rows_at_once):
                     r1 = min(s.count, r0 + rows_at_once)
                     rows = slice(s.offset + r0, s.offset + r1)
@@ -145,34 +146,19 @@ class StreamedPrefill:
                         part += small["qkv_bias"]
                     qk, v = self.attention.project(part, small["q_norm"], small["k_norm"], cos[rows], sin[rows])
                     own_k[r0:r1], own_v[r0:r1] = qk[:, h_q:], v  # in the cache's dtype: what decode will read
-                    q = qk[:, :h_q]
-                    del part, qk, v
-                    attn[rows] = self._attend(layer, s, q, own_k, own_v, r0, r1, positions[rows])
-                    del q
+                    del part, v
+                    # causal over every key up to the block's last query: flash attention on CUDA
+                    end = s.start + r1
+                    attn[rows] = fused_prompt_attention(qk[:, :h_q].reshape(r1 - r0, h_q * d), visible[0, :, :end],
+                                                        visible[1, :, :end], s.start + r0, h_q, self.scale)
+                    del qk
                 self.kv.write(layer, s.seq_id, s.start, own_k, own_v)  # into its host pages, asynchronously
-                del own_k, own_v
+                del visible, own_k, own_v
             del qkv
             self._add(x, self._product(attn, w.o.weight))
             del attn
             self._add(x, self._product(self._mlp(x, w, small), w.down.weight))
         return x
-
-    def _attend(self, layer: int, s, q: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor, r0: int, r1: int,
-                positions: torch.Tensor) -> torch.Tensor:
-        """Attention of the slice's queries r0..r1-1 (q [n, H_q, D] fp32) over the sequence's cached
-        keys before the slice and the slice's own up to theirs (own_k/own_v [count, H_kv, D])."""
-        h_q, d = q.shape[1], q.shape[2]
-        if s.start == 0:  # nothing cached: the slice's own keys, flash attention on CUDA
-            return fused_prompt_attention(q.reshape(r1 - r0, h_q * d), own_k[:r1].transpose(0, 1),
-                                          own_v[:r1].transpose(0, 1), r0, h_q, self.scale)
-        # over the cached pages one at a time, then its own keys a page at a time (online softmax):
-        # device memory of a few pages, not of the whole context, as the GPU stage's prompt chunks
-        # stream over pages parked on the host (planner/working_set.py prices that)
-        page = self.kv.page_size
-        own = ((own_k[a:min(r1, a + page)].transpose(0, 1), own_v[a:min(r1, a + page)].transpose(0, 1), s.start + a)
-               for a in range(0, r1, page))
-        pages = itertools.chain(self._cached(layer, s.seq_id, s.start), own)
-        return streaming_attention(q, pages, self.scale, positions, first_query=s.start + r0).reshape(r1 - r0, h_q * d)
 
     def _mlp(self, x: torch.Tensor, w, small) -> torch.Tensor:
         """silu(gate)·up of the normed x [T, I] in the weights' dtype: gate's and up's rows
@@ -245,12 +231,18 @@ class StreamedPrefill:
         if self._copy_stream is not None:
             self._slot_free[slot].record(torch.cuda.current_stream(self.device))
 
-    def _cached(self, layer: int, seq_id, length: int):
-        """K and V of the sequence's positions < length for `layer`, a page at a time on the device
-        (k, v [H_kv, n, D], first position): each page's layer slice copied in whole, as it is
-        needed (asynchronously from a page-locked page), let go once attention has read it."""
+    def _visible(self, layer: int, s, h_kv: int, d: int) -> torch.Tensor:
+        """[2, H_kv, start + count, D] in the cache's dtype on the device, for `layer` and the
+        slice `s`: the sequence's cached K/V (positions < start) filled in, page by page, each
+        page crossing the link once for all of the slice's query blocks (a page's layer slice
+        copied in whole, asynchronously from a page-locked page, as a strided host slice would
+        be staged through pageable memory); the slice's own positions left for the caller.
+        Device memory of the sequence's keys, which planner/working_set.py prices at the plan's
+        context, and no scores or masks: flash attention reads it as it is."""
+        visible = torch.empty(2, h_kv, s.start + s.count, d, dtype=self.kv.dtype, device=self.device)
         page = self.kv.page_size
-        for i, p in enumerate(self.kv.pages_of(seq_id)[:-(-length // page)]):
-            n = min(page, length - i * page)
-            kv = p.data[layer].to(self.device, non_blocking=True)  # [2, H_kv, P, D]
-            yield kv[0, :, :n], kv[1, :, :n], i * page
+        for i, p in enumerate(self.kv.pages_of(s.seq_id)[:-(-s.start // page)]):
+            a = i * page
+            n = min(page, s.start - a)
+            visible[:, :, a:a + n] = p.data[layer].to(self.device, non_blocking=True)[:, :, :n]
+        return visible

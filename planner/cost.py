@@ -153,13 +153,12 @@ def streamed_block_prefill_ms(unit: UnitIR, gpu: DeviceRates, link, batch: int, 
                               prefix: int = 0, crossings: int = 1) -> float:
     """A CPU-stage block's prompt step run on the GPU with its weights streamed over the link
     (executor/streamed_prefill.py): the weights' crossing overlapped with the GPU's work on them
-    (the slower of the two), then the K/V the step copies: the sequences' cached prefix in, once
-    for each block of PREFILL_CHUNK_TOKENS queries, the step's own tokens back out to the stage's
-    host pages. crossings: the steps the prompt takes (each crosses the weights again)."""
+    (the slower of the two), then the K/V the step copies: the sequences' cached prefix in (once:
+    every query block's flash attention reads the one copy), the step's own tokens back out to
+    the stage's host pages. crossings: the steps the prompt takes (each crosses the weights again)."""
     upload = crossings * 1e3 * unit.weight_bytes / (link.h2d_gibps * GIB)
     kv = batch * unit.kv_bytes_per_token
-    query_blocks = math.ceil(prompt / PREFILL_CHUNK_TOKENS)
-    copies = 1e3 * (kv * prefix * query_blocks / (link.h2d_gibps * GIB) + kv * prompt / (link.d2h_gibps * GIB))
+    copies = 1e3 * (kv * prefix / (link.h2d_gibps * GIB) + kv * prompt / (link.d2h_gibps * GIB))
     return max(upload, unit_prefill_ms(unit, gpu, batch, prompt, prefix)) + copies
 
 
@@ -471,7 +470,7 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
         """(why the GPU stage does not fit, (device pages, host pages, GPU work, GPU bytes), host
         work, host bytes) with a ring and streamed steps of up to `rows` tokens (None: none), KV
         pages that do not fit parked on the host where `park`."""
-        step = streamed_step_bytes(units[1:k], rows, page_size_tokens, dtype) if rows else 0
+        step = streamed_step_bytes(units[1:k], rows, page_size_tokens, dtype, context) if rows else 0
         reasons, sized = _size_gpu(k, units, machine, gpu_weights, gpu_budget_bytes, needed, dev_page, ring, step,
                                    offload=park, watermark=watermark, dtype=dtype, batch=batch, context=context,
                                    page_size_tokens=page_size_tokens, pages=pages)

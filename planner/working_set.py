@@ -207,18 +207,20 @@ def streamed_prompt_attention_bytes(chunk: int, page: int, kv_token: int, heads:
             + 3 * FP32_BYTES * chunk * attn_flops // 4)
 
 
-def streamed_step_bytes(units: tuple[UnitIR, ...], rows: int, page: int, dtype: str | None,
+def streamed_step_bytes(units: tuple[UnitIR, ...], rows: int, page: int, dtype: str | None, context: int,
                         row_block: int = PREFILL_CHUNK_TOKENS, piece_bytes: int = STREAM_PIECE_BYTES) -> int:
     """Device memory a CPU stage's prompt step of `rows` tokens takes streamed through its blocks
     `units` (executor/streamed_prefill.py), beside its ring of weight pieces: the residual stream,
     positions and the rotation's tables; the products' outputs for every row in the weights'
-    dtype, at the larger of attention (qkv, the attention output, the step's own K/V) and the MLP
-    (normed input, silu(gate)·up, one piece of gate's and of up's columns); the fp32 values made
-    from them a `row_block` of rows at a time (a piece's gate and up and silu, or qkv widened,
-    normed and rotated); and one query block's attention, flash (its queries and output in the
-    weights' dtype) or streamed over pages, the larger. The block's dimensions come off its IR:
-    H from the hidden state it hands on, the attention's from its KV and FLOPs per context token,
-    I from what its weights leave."""
+    dtype, at the larger of attention (qkv and the attention output, and one sequence's K/V up to
+    the step's last token, `context` at most: its cached keys copied in for flash attention, its
+    own made into the tail) and the MLP (normed input, silu(gate)·up, one piece of gate's and of
+    up's columns); the fp32 values made from them a `row_block` of rows at a time (a piece's gate
+    and up and silu, or qkv widened, normed and rotated); and one query block's flash attention
+    (its queries and output in the weights' dtype), or two pages of K/V in transit (a cached
+    page's copy in, a page of the step's own on its way back). The block's dimensions come off
+    its IR: H from the hidden state it hands on, the attention's from its KV and FLOPs per
+    context token, I from what its weights leave."""
     b = DTYPE_BYTES.get(dtype or "bfloat16", 2)
     row_block = min(rows, row_block)
     most = 0
@@ -230,18 +232,16 @@ def streamed_step_bytes(units: tuple[UnitIR, ...], rows: int, page: int, dtype: 
         qkv = q_width + 2 * kv_width
         inter = max(0, (u.weight_bytes // b - hidden * (qkv + q_width)) // (3 * hidden))  # norms: < 1 of it
         cols = max(1, min(inter, piece_bytes // (hidden * b)))                            # a piece's columns
-        heads, group = u.attn_heads or 1, q_width // max(1, kv_width)  # query heads per KV head
         # a query block's rows: qkv widened, then its queries and keys normed and rotated (fp32
-        # copies), or its rotated queries and keys held while it attends
+        # copies), or its rotated queries and keys held while flash attention reads its queries
         project = row_block * FP32_BYTES * (qkv + 3 * (q_width + kv_width))
-        attend = row_block * FP32_BYTES * (q_width + kv_width) + max(
-            2 * row_block * q_width * b,
-            streamed_prompt_attention_bytes(row_block, page, u.kv_bytes_per_token, heads, group,
-                                            u.attn_flops_per_context_token, b))
-        attention = rows * (b * (qkv + q_width) + 2 * kv_width * b) + max(project, attend)
+        attend = row_block * FP32_BYTES * (q_width + kv_width) + 2 * row_block * q_width * b
+        in_transit = 2 * page * u.kv_bytes_per_token
+        keys = fused_prompt_attention_bytes(max(1, context), row_block, u.kv_bytes_per_token, u.attn_heads or 1)
+        attention = rows * b * (qkv + q_width) + keys + max(project, attend, in_transit)
         mlp = rows * b * (hidden + inter + 2 * cols) + row_block * cols * (3 * FP32_BYTES + b)
         # the rotation's cos and sin for every row, and its int64 position
-        tables = 2 * rows * FP32_BYTES * q_width // heads + 8 * rows
+        tables = 2 * rows * FP32_BYTES * q_width // (u.attn_heads or 1) + 8 * rows
         most = max(most, rows * hidden * FP32_BYTES + tables + max(attention, mlp))
     return most
 

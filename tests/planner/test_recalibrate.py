@@ -615,7 +615,10 @@ def test_streamed_and_cpu_prompt_steps_of_one_bucket_are_told_apart(split_plan, 
     assert {r.status for r in streamed_rows if r.device == "cpu"} == \
         {"not fitted (streamed: times the link and the GPU)"}
     assert all(r.status.startswith("fitted") for r in streamed_rows if r.device == "cuda")
-    assert all(abs(r.error_after_pct) < 3 for r in streamed_rows), streamed_rows
+    # a row is predicted at the mean shape of its steps: where some are bound by the weights'
+    # crossing and some by the GPU's work on them (the slower of the two), that falls short of their
+    # mean time (3.4% in the [4096, 8192) bucket here with no noise at all)
+    assert all(abs(r.error_after_pct) < 4 for r in streamed_rows), streamed_rows
     # the GPU stage's streamed rows are residuals of its fit, marked so beside its other prompt steps
     residuals = result.plan.recalibration.residuals
     assert {(r.device, r.streamed) for r in residuals if r.phase == "prefill"} == {("cpu", None), ("cuda", None),
