@@ -427,7 +427,7 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
                    gpu_budget_bytes: int, host_budget_bytes: int, calibration=None,
                    prefix: int = 0, dtype: str | None = None, logits: bool = True,
                    stream_prefill: bool | int = True, stream_step_tokens: int | None = None,
-                   priced_rows: int | None = None, riders: float = 0) -> SplitCost:
+                   priced_rows: int | None = None, riders: float = 0, new_tokens: int | None = None) -> SplitCost:
     """Cost and feasibility of putting units [0, k) on the CPU and [k, N) on the GPU. The prefill
     figures are for `prompt` tokens after `prefix` cached ones (0: the whole prompt at once),
     the output projection included only with `logits` (a prompt's last chunk); `dtype`: the
@@ -438,7 +438,10 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
     fit beside the split at its context, _streamed_step_tokens); priced_rows: the step the GPU
     stage is priced for, which it takes a streamed step in sub-steps of (an existing plan's; None:
     step_shape.step_tokens at this batch and context); riders: decodes in the prompt step (they
-    take rows of those sub-steps; the rest of their cost is predict.predict_step's)."""
+    take rows of those sub-steps; the rest of their cost is predict.predict_step's). new_tokens:
+    the workload's (the search's), by which a split with KV offload takes the layout that serves
+    its request soonest; None: the first layout that fits (an existing plan's, whose streaming
+    policy says which it took)."""
     n = len(units)
     if not 0 <= k <= n:
         raise ValueError(f"split {k} out of range 0..{n}")
@@ -496,74 +499,90 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
             if not stream_rows or stream_prefill is True:
                 yield 0, None, park
 
+    def priced(ring: int, streamed_rows: int | None, fitted) -> SplitCost:
+        """The split with this layout (a variant and what `fit` found of it) priced."""
+        gpu_reasons, sized, cpu_work, host_bytes = fitted
+        stream_from = stream_rows if ring else None
+        device_pages, host_pages, gpu_work, gpu_bytes = sized
+        reasons = list(gpu_reasons)
+
+        if host_bytes > host_budget_bytes:
+            reasons.append(f"host needs {fmt_bytes(host_bytes)} (weights {fmt_bytes(cpu_weights)} + KV "
+                           f"{fmt_bytes(host_bytes - cpu_weights - cpu_work)} + working set {fmt_bytes(cpu_work)}) > "
+                           f"{fmt_bytes(host_budget_bytes)} available")
+
+        stages = []
+        link = machine.link
+        streamed = host_pages / needed if needed else 0.0
+        # the step's prompt tokens (batch·prompt: a mean over steps may make them fractional) reach the
+        # policy's threshold: the executor streams it (executor/streamed_prefill.py accepts)
+        streams_step = streams(batch * prompt, stream_from)
+        for device, start, end in (("cpu", 0, k), ("cuda", k, n)):
+            if start == end:
+                continue
+            if device == "cuda" and not has_gpu:
+                stages.append(StageCost(device, start, end, sum(u.kind == "block" for u in units[start:end]),
+                                        gpu_weights, 0, 0, math.inf, 0.0, 0.0, math.inf))
+                continue
+            rates = device_rates(machine, device, calibration, dtype)
+            proj = attn = prefill = 0.0
+            groups = _alike(units[start:end])  # a stage's blocks cost alike: each priced once
+            read_bytes = sum(n * weight_read_bytes(u, batch) for u, n in groups)
+            step_bytes = read_bytes + batch * context * (gpu_kv_tok if device == "cuda" else cpu_kv_tok)
+            for u, alike in groups:
+                p, a = unit_decode_ms(u, rates, batch, context, streamed if device == "cuda" else 0.0,
+                                      link.h2d_gibps if link else 0.0, step_bytes)
+                proj += alike * p
+                attn += alike * a
+                if device == "cpu" and u.kind == "block" and streams_step:
+                    # a prompt larger than a streamed step takes several (the engine's), each a crossing
+                    crossings = math.ceil(round(batch * prompt, 6) / streamed_rows)
+                    gpu_rates = device_rates(machine, "cuda", calibration, dtype)
+                    prefill += alike * streamed_block_prefill_ms(u, gpu_rates, link, batch, prompt, prefix,
+                                                                 crossings=crossings)
+                elif logits or u.kind != "head":
+                    prefill += alike * unit_prefill_ms(u, rates, batch, prompt, prefix)
+            if device == "cpu" and streams_step:
+                prefill += streamed_handoff_ms(units, link, batch * prompt)
+            blocks = sum(n for u, n in groups if u.kind == "block")
+            overhead = blocks * rates.calibration.delta_ms_per_block
+            # the GPU stage takes a streamed step in the sub-steps of the step it is priced for
+            # (executor/engine.py _forward), each paying its per-block overhead
+            steps = sub_steps(batch, prompt, priced_rows or step_tokens(math.ceil(batch), math.ceil(context)),
+                              riders=riders) if device == "cuda" and streams_step else 1
+            stages.append(StageCost(
+                device=device, unit_start=start, unit_end=end, num_blocks=blocks,
+                weight_bytes=gpu_weights if device == "cuda" else cpu_weights,
+                read_bytes_per_step=read_bytes,
+                kv_bytes=batch * context * (gpu_kv_tok if device == "cuda" else cpu_kv_tok),
+                proj_ms=proj, attn_ms=attn, overhead_ms=overhead, prefill_ms=prefill + steps * overhead,
+                prefill_overheads=steps * blocks))
+        comm = comm_prefill = 0.0
+        if 0 < k < n and link is not None:
+            act = units[k - 1].act_bytes_per_token
+            comm = link.h2d_latency_us / 1e3 + 1e3 * batch * act / (link.h2d_gibps * GIB)
+            comm_prefill = link.h2d_latency_us / 1e3 + 1e3 * batch * prompt * act / (link.h2d_gibps * GIB)
+        kv = KVLayout(pages_per_sequence=pages, device_page_bytes=dev_page, cpu_page_bytes=cpu_page,
+                      device_pages=device_pages if k < n else 0, host_pages=host_pages if k < n else 0,
+                      cpu_pages=cpu_pages)
+        return SplitCost(split_k=k, feasible=not reasons, reason="; ".join(reasons), stages=tuple(stages),
+                         comm_ms=comm, comm_prefill_ms=comm_prefill, kv=kv, gpu_bytes=gpu_bytes,
+                         host_bytes=host_bytes, gpu_budget_bytes=gpu_budget_bytes,
+                         host_budget_bytes=host_budget_bytes, gpu_work_bytes=gpu_work, cpu_work_bytes=cpu_work,
+                         stream_prefill_min_rows=stream_from, stream_prefill_step_tokens=streamed_rows)
+
+    # The first layout that fits; with offload, where its new-token count is known (the search's),
+    # the one that fits and serves the workload's request soonest (ties: the first): a ring that
+    # only fits with pages parked can save more on the prompt than the parked pages cost decode.
+    best = tried = None
     for ring, streamed_rows, park in variants():
-        gpu_reasons, sized, cpu_work, host_bytes = fit(ring, streamed_rows, park)
-        if not gpu_reasons and host_bytes <= host_budget_bytes:
-            break
-    stream_rows = stream_rows if ring else None
-    device_pages, host_pages, gpu_work, gpu_bytes = sized
-    reasons = list(gpu_reasons)
-
-    if host_bytes > host_budget_bytes:
-        reasons.append(f"host needs {fmt_bytes(host_bytes)} (weights {fmt_bytes(cpu_weights)} + KV "
-                       f"{fmt_bytes(host_bytes - cpu_weights - cpu_work)} + working set {fmt_bytes(cpu_work)}) > "
-                       f"{fmt_bytes(host_budget_bytes)} available")
-
-    stages = []
-    link = machine.link
-    streamed = host_pages / needed if needed else 0.0
-    # the step's prompt tokens (batch·prompt: a mean over steps may make them fractional) reach the
-    # policy's threshold: the executor streams it (executor/streamed_prefill.py accepts)
-    streams_step = streams(batch * prompt, stream_rows)
-    for device, start, end in (("cpu", 0, k), ("cuda", k, n)):
-        if start == end:
+        fitted = fit(ring, streamed_rows, park)
+        tried = ring, streamed_rows, fitted
+        if fitted[0] or fitted[3] > host_budget_bytes:
             continue
-        if device == "cuda" and not has_gpu:
-            stages.append(StageCost(device, start, end, sum(u.kind == "block" for u in units[start:end]),
-                                    gpu_weights, 0, 0, math.inf, 0.0, 0.0, math.inf))
-            continue
-        rates = device_rates(machine, device, calibration, dtype)
-        proj = attn = prefill = 0.0
-        groups = _alike(units[start:end])  # a stage's blocks cost alike: each priced once
-        read_bytes = sum(n * weight_read_bytes(u, batch) for u, n in groups)
-        step_bytes = read_bytes + batch * context * (gpu_kv_tok if device == "cuda" else cpu_kv_tok)
-        for u, alike in groups:
-            p, a = unit_decode_ms(u, rates, batch, context, streamed if device == "cuda" else 0.0,
-                                  link.h2d_gibps if link else 0.0, step_bytes)
-            proj += alike * p
-            attn += alike * a
-            if device == "cpu" and u.kind == "block" and streams_step:
-                # a prompt larger than a streamed step takes several (the engine's), each a crossing
-                crossings = math.ceil(round(batch * prompt, 6) / streamed_rows)
-                prefill += alike * streamed_block_prefill_ms(u, device_rates(machine, "cuda", calibration, dtype), link,
-                                                             batch, prompt, prefix, crossings=crossings)
-            elif logits or u.kind != "head":
-                prefill += alike * unit_prefill_ms(u, rates, batch, prompt, prefix)
-        if device == "cpu" and streams_step:
-            prefill += streamed_handoff_ms(units, link, batch * prompt)
-        blocks = sum(n for u, n in groups if u.kind == "block")
-        overhead = blocks * rates.calibration.delta_ms_per_block
-        # the GPU stage takes a streamed step in the sub-steps of the step it is priced for
-        # (executor/engine.py _forward), each paying its per-block overhead
-        steps = sub_steps(batch, prompt, priced_rows or step_tokens(math.ceil(batch), math.ceil(context)),
-                          riders=riders) if device == "cuda" and streams_step else 1
-        stages.append(StageCost(
-            device=device, unit_start=start, unit_end=end, num_blocks=blocks,
-            weight_bytes=gpu_weights if device == "cuda" else cpu_weights,
-            read_bytes_per_step=read_bytes,
-            kv_bytes=batch * context * (gpu_kv_tok if device == "cuda" else cpu_kv_tok),
-            proj_ms=proj, attn_ms=attn, overhead_ms=overhead, prefill_ms=prefill + steps * overhead,
-            prefill_overheads=steps * blocks))
-    comm = comm_prefill = 0.0
-    if 0 < k < n and link is not None:
-        act = units[k - 1].act_bytes_per_token
-        comm = link.h2d_latency_us / 1e3 + 1e3 * batch * act / (link.h2d_gibps * GIB)
-        comm_prefill = link.h2d_latency_us / 1e3 + 1e3 * batch * prompt * act / (link.h2d_gibps * GIB)
-    kv = KVLayout(pages_per_sequence=pages, device_page_bytes=dev_page, cpu_page_bytes=cpu_page,
-                  device_pages=device_pages if k < n else 0, host_pages=host_pages if k < n else 0,
-                  cpu_pages=cpu_pages)
-    return SplitCost(split_k=k, feasible=not reasons, reason="; ".join(reasons), stages=tuple(stages),
-                     comm_ms=comm, comm_prefill_ms=comm_prefill, kv=kv, gpu_bytes=gpu_bytes,
-                     host_bytes=host_bytes, gpu_budget_bytes=gpu_budget_bytes,
-                     host_budget_bytes=host_budget_bytes, gpu_work_bytes=gpu_work, cpu_work_bytes=cpu_work,
-                     stream_prefill_min_rows=stream_rows, stream_prefill_step_tokens=streamed_rows)
+        cost = priced(*tried)
+        if not offload or new_tokens is None:
+            return cost
+        if best is None or cost.request_ms(new_tokens) < best.request_ms(new_tokens):
+            best = cost
+    return best if best is not None else priced(*tried)  # nothing fits: the last tried says why

@@ -176,14 +176,15 @@ def plan_space(plan: Plan) -> SearchSpace:
     return replace(_space(plan.model.dtype, plan.workload, plan.limits, plan.kv),
                    stream_prefill=plan.partition.stream_prefill_min_rows or False,
                    stream_step_tokens=plan.partition.streamed_step_tokens,
-                   priced_step_tokens=step_tokens(plan.workload.batch_size, plan.workload.context_tokens))
+                   priced_step_tokens=step_tokens(plan.workload.batch_size, plan.workload.context_tokens),
+                   new_tokens=None)
 
 
 def _space(dtype: str, workload: Workload, limits: Limits, kv: KVPlan) -> SearchSpace:
     return SearchSpace(batch=workload.batch_size, context=workload.context_tokens, prompt=workload.prompt_tokens,
                        page_size_tokens=kv.page_size_tokens, watermark=kv.watermark, offload=kv.offload,
                        gpu_budget_bytes=limits.gpu_budget_bytes, host_budget_bytes=limits.host_budget_bytes,
-                       dtype=dtype)
+                       dtype=dtype, new_tokens=workload.max_new_tokens)
 
 
 def _longest_workload(identity: ModelIdentity, ir: IRSummary, machine: MachineProfile, workload: Workload,

@@ -41,6 +41,10 @@ class SearchSpace:
     # the step the GPU stage is priced for, which it takes a streamed step in sub-steps of: None,
     # this space's (step_shape.step_tokens at its batch and context); a number, an existing plan's
     priced_step_tokens: int | None = None
+    # tokens a request of the workload generates: with KV offload a split takes the layout (the
+    # ring, pages parked) that serves such a request soonest; None: the first that fits (an
+    # existing plan's)
+    new_tokens: int | None = None
 
 
 def evaluate_at(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight, ...], machine: MachineProfile,
@@ -54,7 +58,7 @@ def evaluate_at(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight, .
                           gpu_budget_bytes=space.gpu_budget_bytes, host_budget_bytes=space.host_budget_bytes,
                           calibration=calibration, prefix=prefix, dtype=space.dtype, logits=logits,
                           stream_prefill=space.stream_prefill, stream_step_tokens=space.stream_step_tokens,
-                          priced_rows=space.priced_step_tokens, riders=riders)
+                          priced_rows=space.priced_step_tokens, riders=riders, new_tokens=space.new_tokens)
 
 
 def evaluate_all(units: tuple[UnitIR, ...], shared: tuple[SharedWeight, ...], machine: MachineProfile,

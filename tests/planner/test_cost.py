@@ -171,6 +171,28 @@ def test_kv_offload_parks_pages_only_where_no_layout_holds_them_all():
     assert tight.feasible and tight.kv.host_pages > 0
 
 
+def test_with_offload_a_split_takes_the_layout_that_serves_the_workloads_request_soonest():
+    """The split above, at the budget where the ring fits only with pages parked: the search's
+    evaluation, which knows how many tokens a request of the workload generates, weighs the two
+    layouts by that request. A short answer takes the ring (its prompt streamed to the GPU, the
+    first token 40x sooner), a long one every page in VRAM (each token sooner). An existing
+    plan's evaluation (no new-token count) takes the first that fits, as it did."""
+    units, shared = model_units(8, block_bytes=256 * MIB, emb_bytes=64 * MIB, head_bytes=64 * MIB, kv=16384)
+    budget = 2053531238
+    m = machine(flash_attention=True, l3_bytes=8 * MIB, vram_usable=budget)
+    args = dict(context=16384, prompt=512, gpu_budget_bytes=budget, host_budget_bytes=64 * GIB, dtype="bfloat16",
+                offload=True)
+    resident = split(6, units, shared, m, **args)
+    assert (resident.kv.device_pages, resident.kv.host_pages, resident.stream_prefill_min_rows) == (32, 0, None)
+    short = split(6, units, shared, m, new_tokens=8, **args)
+    assert short.kv.host_pages > 0 and short.stream_prefill_min_rows is not None
+    assert short.ttft_ms * 40 < resident.ttft_ms and short.ms > resident.ms
+    assert short.request_ms(8) < resident.request_ms(8)
+    long = split(6, units, shared, m, new_tokens=512, **args)
+    assert long.request_ms(512) < short.request_ms(512)
+    assert (long.kv, long.ms, long.ttft_ms) == (resident.kv, resident.ms, resident.ttft_ms)
+
+
 def test_tied_weights_are_held_once_per_device():
     units, shared = model_units(2, block_bytes=100, emb_bytes=1000, head_bytes=1000 + 8, tied=True)
     assert stage_weight_bytes(units, 0, 4, shared) == 1000 + 200 + 8      # all on one device: once

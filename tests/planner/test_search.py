@@ -2,6 +2,8 @@
 fastest; tighter VRAM never moves units from the CPU to the GPU."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -60,9 +62,10 @@ def streaming_problems(draw, offload=None):
 @SETTINGS
 @given(st.one_of(problems(), streaming_problems()), st.integers(1, 4096))
 def test_chosen_split_is_feasible_and_fastest(problem, new_tokens):
-    """Fastest for the workload's request: its prompt, then a decode step per further token."""
+    """Fastest for the workload's request: its prompt, then a decode step per further token (which
+    also picks each split's layout where KV offload gives it a choice)."""
     units, shared, m, space = problem
-    cands = evaluate_all(units, shared, m, space)
+    cands = evaluate_all(units, shared, m, replace(space, new_tokens=new_tokens))
     assert [c.split_k for c in cands] == list(range(len(units) + 1))
     best = best_split(cands, new_tokens)
     feasible = [c for c in cands if c.feasible]
@@ -92,17 +95,26 @@ def test_tighter_vram_never_moves_units_to_the_gpu(problem, shrink, new_tokens):
 
 
 @SETTINGS
-@given(st.one_of(problems(offload=False), streaming_problems(offload=False)))
-def test_offload_never_slows_a_split_that_fits_without_it(problem):
-    """--kv-offload lets pages that do not fit park on the host; where they all fit, every split
-    keeps the layout it has without offload (none parked under the watermark to stream back)."""
+@given(st.one_of(problems(offload=False), streaming_problems(offload=False)), st.integers(1, 4096))
+def test_offload_never_slows_a_split_that_fits_without_it(problem, new_tokens):
+    """--kv-offload lets pages that do not fit park on the host; where they all fit, a split serves
+    the workload's request no slower than without offload: with the layout it has without it
+    (none parked under the watermark to stream back), or with the ring beside pages parked where
+    that serves the request sooner. An existing plan's evaluation (no new-token count) keeps
+    the layout it has without offload."""
     units, shared, m, space = problem
     without = evaluate_all(units, shared, m, space)
-    allowed = evaluate_all(units, shared, m, SearchSpace(**{**space.__dict__, "offload": True}))
-    for plain, offload in zip(without, allowed):
+    allowed = evaluate_all(units, shared, m, replace(space, offload=True))
+    ranked = evaluate_all(units, shared, m, replace(space, offload=True, new_tokens=new_tokens))
+    for plain, offload, best in zip(without, allowed, ranked):
         if plain.feasible:
             assert offload.feasible and offload.kv.host_pages == 0
             assert (offload.ms, offload.kv.device_pages) == (plain.ms, plain.kv.device_pages)
+            assert best.feasible and best.request_ms(new_tokens) <= plain.request_ms(new_tokens)
+            if best.kv.host_pages == 0:
+                assert (best.ms, best.kv.device_pages) == (plain.ms, plain.kv.device_pages)
+            else:  # parked pages bought the ring: a prompt that starts sooner
+                assert best.stream_prefill_min_rows is not None and plain.stream_prefill_min_rows is None
 
 
 def test_no_gpu_means_all_cpu_or_nothing():
