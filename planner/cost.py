@@ -37,7 +37,7 @@ from typing import Callable
 from planner.machine import DeviceCalibration, GpuProfile, MachineProfile
 from planner.ir import SharedWeight, UnitIR
 from planner.step_shape import (MAX_STEP_TOKENS, PREFILL_CHUNK_TOKENS, STREAM_PIECE_BYTES, STREAM_SLOTS,
-                                STREAMED_STEP_TOKENS, step_tokens, streams, sub_steps)
+                                STREAMED_STEP_TOKENS, prompt_steps, step_tokens, streams, sub_steps)
 from planner.units import GIB, fmt_bytes
 from planner.working_set import STREAM_ROWS_GRAIN, cpu_working_bytes, gpu_working_bytes, streamed_step_bytes
 
@@ -427,7 +427,8 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
                    gpu_budget_bytes: int, host_budget_bytes: int, calibration=None,
                    prefix: int = 0, dtype: str | None = None, logits: bool = True,
                    stream_prefill: bool | int = True, stream_step_tokens: int | None = None,
-                   priced_rows: int | None = None, riders: float = 0, new_tokens: int | None = None) -> SplitCost:
+                   priced_rows: int | None = None, riders: float = 0, new_tokens: int | None = None,
+                   prompt_in_steps: bool = False) -> SplitCost:
     """Cost and feasibility of putting units [0, k) on the CPU and [k, N) on the GPU. The prefill
     figures are for `prompt` tokens after `prefix` cached ones (0: the whole prompt at once),
     the output projection included only with `logits` (a prompt's last chunk); `dtype`: the
@@ -441,7 +442,9 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
     take rows of those sub-steps; the rest of their cost is predict.predict_step's). new_tokens:
     the workload's (the search's), by which a split with KV offload takes the layout that serves
     its request soonest; None: the first layout that fits (an existing plan's, whose streaming
-    policy says which it took)."""
+    policy says which it took). prompt_in_steps: the prefill figures are for a request's whole
+    prompt of `prompt` tokens taken as the executor takes it, in steps (step_shape.prompt_steps),
+    each after the ones before it, logits in the last; else for one step."""
     n = len(units)
     if not 0 <= k <= n:
         raise ValueError(f"split {k} out of range 0..{n}")
@@ -511,12 +514,19 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
                            f"{fmt_bytes(host_bytes - cpu_weights - cpu_work)} + working set {fmt_bytes(cpu_work)}) > "
                            f"{fmt_bytes(host_budget_bytes)} available")
 
-        stages = []
         link = machine.link
         streamed = host_pages / needed if needed else 0.0
-        # the step's prompt tokens (batch·prompt: a mean over steps may make them fractional) reach the
-        # policy's threshold: the executor streams it (executor/streamed_prefill.py accepts)
-        streams_step = streams(batch * prompt, stream_from)
+        # the prompt's steps: (tokens per sequence, cached before them, whether logits are made);
+        # with prompt_in_steps as the executor takes a request's prompt (step_shape.prompt_steps,
+        # every sequence of the batch in step), else one step of `prompt` after `prefix`
+        if prompt_in_steps:
+            per_seq = max(1, math.ceil(batch))
+            steps = [(m, prefix + s, logits and s + m >= prompt) for s, m in prompt_steps(
+                math.ceil(prompt), -(-stream_from // per_seq) if stream_from else None, PREFILL_CHUNK_TOKENS,
+                max(1, (streamed_rows or PREFILL_CHUNK_TOKENS) // per_seq))]
+        else:
+            steps = [(prompt, prefix, logits)]
+        stages = []
         for device, start, end in (("cpu", 0, k), ("cuda", k, n)):
             if start == end:
                 continue
@@ -525,7 +535,7 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
                                         gpu_weights, 0, 0, math.inf, 0.0, 0.0, math.inf))
                 continue
             rates = device_rates(machine, device, calibration, dtype)
-            proj = attn = prefill = 0.0
+            proj = attn = 0.0
             groups = _alike(units[start:end])  # a stage's blocks cost alike: each priced once
             read_bytes = sum(n * weight_read_bytes(u, batch) for u, n in groups)
             step_bytes = read_bytes + batch * context * (gpu_kv_tok if device == "cuda" else cpu_kv_tok)
@@ -534,34 +544,42 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
                                       link.h2d_gibps if link else 0.0, step_bytes)
                 proj += alike * p
                 attn += alike * a
-                if device == "cpu" and u.kind == "block" and streams_step:
-                    # a prompt larger than a streamed step takes several (the engine's), each a crossing
-                    crossings = math.ceil(round(batch * prompt, 6) / streamed_rows)
-                    gpu_rates = device_rates(machine, "cuda", calibration, dtype)
-                    prefill += alike * streamed_block_prefill_ms(u, gpu_rates, link, batch, prompt, prefix,
-                                                                 crossings=crossings)
-                elif logits or u.kind != "head":
-                    prefill += alike * unit_prefill_ms(u, rates, batch, prompt, prefix)
-            if device == "cpu" and streams_step:
-                prefill += streamed_handoff_ms(units, link, batch * prompt)
             blocks = sum(n for u, n in groups if u.kind == "block")
             overhead = blocks * rates.calibration.delta_ms_per_block
-            # the GPU stage takes a streamed step in the sub-steps of the step it is priced for
-            # (executor/engine.py _forward), each paying its per-block overhead
-            steps = sub_steps(batch, prompt, priced_rows or step_tokens(math.ceil(batch), math.ceil(context)),
-                              riders=riders) if device == "cuda" and streams_step else 1
+            prefill = overheads = 0.0
+            for rows, cached, last in steps:
+                # the step's prompt tokens (batch·rows: a mean over steps may make them fractional)
+                # reach the policy's threshold: the executor streams it (streamed_prefill.py accepts)
+                streams_step = streams(batch * rows, stream_from)
+                for u, alike in groups:
+                    if device == "cpu" and u.kind == "block" and streams_step:
+                        # a step larger than a streamed step (one priced whole) takes several: each a crossing
+                        crossings = math.ceil(round(batch * rows, 6) / streamed_rows)
+                        gpu_rates = device_rates(machine, "cuda", calibration, dtype)
+                        prefill += alike * streamed_block_prefill_ms(u, gpu_rates, link, batch, rows, cached,
+                                                                     crossings=crossings)
+                    elif last or u.kind != "head":
+                        prefill += alike * unit_prefill_ms(u, rates, batch, rows, cached)
+                if device == "cpu" and streams_step:
+                    prefill += streamed_handoff_ms(units, link, batch * rows)
+                # the GPU stage takes a streamed step in the sub-steps of the step it is priced for
+                # (executor/engine.py _forward), each paying its per-block overhead
+                sub = sub_steps(batch, rows, priced_rows or step_tokens(math.ceil(batch), math.ceil(context)),
+                                riders=riders) if device == "cuda" and streams_step else 1
+                prefill += sub * overhead
+                overheads += sub * blocks
             stages.append(StageCost(
                 device=device, unit_start=start, unit_end=end, num_blocks=blocks,
                 weight_bytes=gpu_weights if device == "cuda" else cpu_weights,
                 read_bytes_per_step=read_bytes,
                 kv_bytes=batch * context * (gpu_kv_tok if device == "cuda" else cpu_kv_tok),
-                proj_ms=proj, attn_ms=attn, overhead_ms=overhead, prefill_ms=prefill + steps * overhead,
-                prefill_overheads=steps * blocks))
+                proj_ms=proj, attn_ms=attn, overhead_ms=overhead, prefill_ms=prefill, prefill_overheads=overheads))
         comm = comm_prefill = 0.0
         if 0 < k < n and link is not None:
             act = units[k - 1].act_bytes_per_token
             comm = link.h2d_latency_us / 1e3 + 1e3 * batch * act / (link.h2d_gibps * GIB)
-            comm_prefill = link.h2d_latency_us / 1e3 + 1e3 * batch * prompt * act / (link.h2d_gibps * GIB)
+            comm_prefill = sum(link.h2d_latency_us / 1e3 + 1e3 * batch * rows * act / (link.h2d_gibps * GIB)
+                               for rows, _, _ in steps)
         kv = KVLayout(pages_per_sequence=pages, device_page_bytes=dev_page, cpu_page_bytes=cpu_page,
                       device_pages=device_pages if k < n else 0, host_pages=host_pages if k < n else 0,
                       cpu_pages=cpu_pages)

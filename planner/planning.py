@@ -184,7 +184,7 @@ def _space(dtype: str, workload: Workload, limits: Limits, kv: KVPlan) -> Search
     return SearchSpace(batch=workload.batch_size, context=workload.context_tokens, prompt=workload.prompt_tokens,
                        page_size_tokens=kv.page_size_tokens, watermark=kv.watermark, offload=kv.offload,
                        gpu_budget_bytes=limits.gpu_budget_bytes, host_budget_bytes=limits.host_budget_bytes,
-                       dtype=dtype, new_tokens=workload.max_new_tokens)
+                       dtype=dtype, new_tokens=workload.max_new_tokens, prompt_in_steps=True)
 
 
 def _longest_workload(identity: ModelIdentity, ir: IRSummary, machine: MachineProfile, workload: Workload,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from planner.cost import streamed_riders_ms
-from planner.step_shape import PREFILL_CHUNK_TOKENS, prompt_steps, streams
+from planner.step_shape import streams
 from planner.machine import Calibration
 from planner.plan import Plan, Prediction
 from planner.planning import plan_space, prediction_of
@@ -25,17 +25,13 @@ def predict(plan: Plan, context_tokens: int, batch_size: int | None = None, pref
     return prediction_of(cost, replace(plan.workload, batch_size=batch), context_tokens)
 
 
-def predict_ttft_ms(plan: Plan, prompt_tokens: int, chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> float:
+def predict_ttft_ms(plan: Plan, prompt_tokens: int) -> float:
     """The plan's time to first token for a prompt of `prompt_tokens` at batch 1, prefilled the way
-    the executor does it (planner.step_shape.prompt_steps): in steps of at most chunk_tokens, or
-    of the plan's streamed step where they stream, each after the steps before it, the logits
-    computed by the last one only."""
-    total = 0.0
-    for start, n in prompt_steps(prompt_tokens, plan.partition.stream_prefill_min_rows, chunk_tokens,
-                                 plan.partition.streamed_step_tokens or chunk_tokens):
-        chunk = replace(plan, workload=replace(plan.workload, prompt_tokens=n))
-        total += predict(chunk, start + n, 1, prefix_tokens=start, logits=start + n == prompt_tokens).ttft_ms
-    return total
+    the executor does it (planner.step_shape.prompt_steps): in prompt chunks, or in the plan's
+    streamed steps where they stream, each after the steps before it, the logits computed by the
+    last one only (cost.evaluate_split prices a plan's own prompt so)."""
+    return predict(replace(plan, workload=replace(plan.workload, prompt_tokens=prompt_tokens)),
+                   max(1, prompt_tokens), 1).ttft_ms
 
 
 @dataclass(frozen=True)
@@ -66,7 +62,7 @@ def predict_step(plan: Plan, phase: str, context: float, batch: float, tokens: f
     decode = phase == "decode"
     chunk = max(1.0, tokens / max(batch, 1.0))
     space = replace(plan_space(plan), batch=batch, context=context if decode else max(context, 1.0),
-                    prompt=plan.workload.prompt_tokens if decode else chunk)
+                    prompt=plan.workload.prompt_tokens if decode else chunk, prompt_in_steps=False)
     if stream_prefill != AS_PLANNED:
         space = replace(space, stream_prefill=stream_prefill)
     cost = evaluate_at(plan.partition.split_k, plan.ir.units, plan.ir.shared_weights, plan.machine, space,

@@ -45,6 +45,9 @@ class SearchSpace:
     # ring, pages parked) that serves such a request soonest; None: the first that fits (an
     # existing plan's)
     new_tokens: int | None = None
+    # the prefill figures for a request's whole prompt, in the executor's steps (a plan's TTFT);
+    # False: for one step of `prompt` tokens (predict.predict_step's)
+    prompt_in_steps: bool = False
 
 
 def evaluate_at(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight, ...], machine: MachineProfile,
@@ -58,7 +61,8 @@ def evaluate_at(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight, .
                           gpu_budget_bytes=space.gpu_budget_bytes, host_budget_bytes=space.host_budget_bytes,
                           calibration=calibration, prefix=prefix, dtype=space.dtype, logits=logits,
                           stream_prefill=space.stream_prefill, stream_step_tokens=space.stream_step_tokens,
-                          priced_rows=space.priced_step_tokens, riders=riders, new_tokens=space.new_tokens)
+                          priced_rows=space.priced_step_tokens, riders=riders, new_tokens=space.new_tokens,
+                          prompt_in_steps=space.prompt_in_steps)
 
 
 def evaluate_all(units: tuple[UnitIR, ...], shared: tuple[SharedWeight, ...], machine: MachineProfile,

@@ -13,9 +13,9 @@ from planner.config import config_digest
 from planner.cost import stream_ring_bytes
 from planner.errors import PlanError
 from planner.machine import load_machine
-from planner.plan import Plan, header_lines, load_plan, plan_digest, plan_from_dict, save_plan, seal
+from planner.plan import Plan, header_lines, load_plan, plan_digest, plan_from_dict, save_plan, seal, Workload
 from planner.planning import SEARCH_OBJECTIVE, make_plan, plan_for_split, workload_for
-from planner.predict import predict
+from planner.predict import predict, predict_step
 from planner.units import GIB
 from planner.working_set import gpu_working_bytes
 from tests.planner.conftest import REPO, config_path, rel_source
@@ -294,9 +294,37 @@ def test_ttft_is_priced_chunk_by_chunk_like_the_executor():
         return predict(p, start + n, 1, prefix_tokens=start, logits=logits).ttft_ms
 
     expected = chunk(512, 0, False) + chunk(512, 512, False) + chunk(276, 1024, True)
-    assert predict_ttft_ms(plan, 1300) == pytest.approx(expected)
+    assert predict_ttft_ms(plan, 1300) == pytest.approx(expected, rel=1e-5)  # each rounded to 6 digits
     # the head (Qwen3-0.6B's tied 311 MB output projection) is read once, not per chunk
     assert chunk(512, 0, True) - chunk(512, 0, False) > 1.0
+
+
+@pytest.mark.parametrize("machine,model", [("laptop-rtx4060-i7-13700h", "qwen3-8b"),   # streamed steps of 2048
+                                           ("helm-dev-2core", "qwen3-0.6b")])            # all on the CPU, chunks
+def test_the_plans_ttft_is_what_the_executors_steps_take(machine, model):
+    """A workload's prompt longer than a step: the TTFT the search ranks each split by, and the
+    plan states, is its prompt in the executor's steps (predict_ttft_ms, what the daemon's reports
+    compare a measured TTFT with), not one step of the whole prompt. Where the prompt streams,
+    those differ by more than 1% (each step copies the cached K/V in, the GPU stage's sub-steps
+    pay δ); on the CPU alone by less (its chunks cost about what the prompt would at once)."""
+    from dataclasses import replace
+
+    from planner.predict import predict_ttft_ms
+
+    plan = make_plan(config_path(model), load_machine(REPO / "plans" / "machines" / f"{machine}.yaml"),
+                     workload=Workload(prompt_tokens=5000, max_new_tokens=64, context_tokens=8192))
+    chosen = plan.search.candidates[plan.partition.split_k]
+    assert plan.prediction.ttft_ms == pytest.approx(predict_ttft_ms(plan, 5000), rel=1e-5)
+    assert chosen.ttft_ms == pytest.approx(plan.prediction.ttft_ms, rel=1e-5)
+    one_step = predict_step(plan, "prefill", 5000, 1, 5000)  # the whole prompt as one step
+    gap = abs(sum(ms for ms, _ in one_step.stages) + one_step.link_ms - plan.prediction.ttft_ms)
+    if plan.partition.stream_prefill_min_rows:
+        assert plan.partition.streamed_step_tokens == 2048  # 3 steps, each crossing the weights
+        assert gap > 0.01 * plan.prediction.ttft_ms
+    else:
+        assert gap < 0.01 * plan.prediction.ttft_ms
+    shorter = replace(plan, workload=replace(plan.workload, prompt_tokens=512))
+    assert predict_ttft_ms(plan, 512) == pytest.approx(predict(shorter, 512, 1).ttft_ms, rel=1e-5)
 
 
 def test_a_forced_split_that_cannot_be_priced_is_refused_even_when_infeasible_is_allowed():
@@ -367,10 +395,10 @@ def test_a_streaming_plans_ttft_is_priced_in_its_streamed_steps_and_an_older_pla
 
     # 2100 tokens: 1024, 1024, then 52 (over the threshold of 32: streamed too)
     assert predict_ttft_ms(plan, 2100) == pytest.approx(step(plan, 1024, 0, False) + step(plan, 1024, 1024, False)
-                                                        + step(plan, 52, 2048, True))
+                                                        + step(plan, 52, 2048, True), rel=1e-5)
     older = replace(plan, partition=replace(part, stream_prefill_step_tokens=None))
     assert older.partition.streamed_step_tokens == PREFILL_CHUNK_TOKENS
     assert predict_ttft_ms(older, 2100) == pytest.approx(sum(step(older, min(512, 2100 - s), s, s + 512 >= 2100)
-                                                             for s in range(0, 2100, 512)))
+                                                             for s in range(0, 2100, 512)), rel=1e-5)
     assert predict_ttft_ms(plan, 2100) < 0.7 * predict_ttft_ms(older, 2100)  # 3 crossings of the weights, not 5
     assert replace(part, stream_prefill_min_rows=None).streamed_step_tokens is None
