@@ -374,3 +374,23 @@ def test_a_short_prompt_behind_a_long_one_starts_beside_it(checkpoint, monkeypat
     while engine.has_work():
         engine.step()
     assert first.output_ids == hf_greedy(path, long, 3) and second.output_ids == hf_greedy(path, short, 3)
+
+
+def test_query_blocks_after_cached_keys_at_any_offset_give_transformers_tokens(checkpoint, monkeypatch):
+    """Streamed steps of 19 tokens over pages of 8, their fp32 values made 5 rows at a time: every
+    step after a prompt's first starts mid-page, and its 4 blocks of queries attend over the one
+    copy of the cached keys (the last cached page partly filled) and their own; the other
+    prompt's decodes ride along in later steps. Tokens as transformers' for each prompt alone."""
+    path = checkpoint("qwen3", "fp32")
+    prompts = [prompt_ids(50, 256, seed=41), prompt_ids(23, 256, seed=42)]
+    engine, streamed = streamed_engine(path, split=3, min_rows=4, prefill_chunk=8, stream_chunk=19)
+    streamed.row_block = 5
+    starts, run = [], StreamedPrefill.__call__
+    monkeypatch.setattr(StreamedPrefill, "__call__", lambda self, x, b: (
+        starts.append(sorted((s.start, s.count) for s in b.slices)), run(self, x, b))[1])
+    got = [s.output_ids for s in engine.generate(prompts, SamplingParams(),
+                                                 StopCriteria(max_new_tokens=6, ignore_eos=True))]
+    assert got == [hf_greedy(path, p, 6) for p in prompts]
+    chunks = [(start, n) for step in starts for start, n in step if n > 1]
+    assert any(start % 8 and n > 10 for start, n in chunks), starts  # mid-page, several query blocks
+    assert any(len(step) > 1 and any(n == 1 for _, n in step) for step in starts), starts  # a decode along

@@ -264,4 +264,4 @@ def test_a_streamed_step_reads_each_cached_page_once_per_layer(monkeypatch):
     step._layers(torch.empty(2048, cfg.hidden_size, device=META), StepBatch.build([("s", 4096, 2048)]))
     cached = pages.pages[:8]
     assert [p.data.reads for p in cached] == [[1, 1]] * 8
-    assert pages.pages[8].data.reads == [0, 0]  # the step's own page: written (write), never copied in
+    assert pages.pages[8].data.reads == [0, 0]  # the first of the step's own: no cached keys to copy in
