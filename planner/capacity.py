@@ -60,7 +60,8 @@ def _longest(k, units, shared, machine, space, calibration, model_max, bound_ms)
     limit = model_max or UNKNOWN_MODEL_LIMIT
 
     def check(pages: int) -> tuple[bool, str, float | None]:
-        cost = evaluate_at(k, units, shared, machine, replace(space, context=min(pages * page, limit)), calibration)
+        at = replace(space, context=min(pages * page, limit), latency_bound_ms=bound_ms)
+        cost = evaluate_at(k, units, shared, machine, at, calibration)
         if not cost.feasible:
             return False, cost.reason, None
         if bound_ms is not None and cost.ms > bound_ms:

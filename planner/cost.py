@@ -428,7 +428,7 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
                    prefix: int = 0, dtype: str | None = None, logits: bool = True,
                    stream_prefill: bool | int = True, stream_step_tokens: int | None = None,
                    priced_rows: int | None = None, riders: float = 0, new_tokens: int | None = None,
-                   prompt_in_steps: bool = False) -> SplitCost:
+                   prompt_in_steps: bool = False, bound_ms: float | None = None) -> SplitCost:
     """Cost and feasibility of putting units [0, k) on the CPU and [k, N) on the GPU. The prefill
     figures are for `prompt` tokens after `prefix` cached ones (0: the whole prompt at once),
     the output projection included only with `logits` (a prompt's last chunk); `dtype`: the
@@ -441,8 +441,9 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
     step_shape.step_tokens at this batch and context); riders: decodes in the prompt step (they
     take rows of those sub-steps; the rest of their cost is predict.predict_step's). new_tokens:
     the workload's (the search's), by which a split with KV offload takes the layout that serves
-    its request soonest; None: the first layout that fits (an existing plan's, whose streaming
-    policy says which it took). prompt_in_steps: the prefill figures are for a request's whole
+    its request soonest, among those whose decode step is within `bound_ms` where any is (the
+    search's --latency-bound); None: the first layout that fits (an existing plan's, whose
+    streaming policy says which it took). prompt_in_steps: the prefill figures are for a request's whole
     prompt of `prompt` tokens taken as the executor takes it, in steps (step_shape.prompt_steps),
     each after the ones before it, logits in the last; else for one step."""
     n = len(units)
@@ -590,8 +591,12 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
                          stream_prefill_min_rows=stream_from, stream_prefill_step_tokens=streamed_rows)
 
     # The first layout that fits; with offload, where its new-token count is known (the search's),
-    # the one that fits and serves the workload's request soonest (ties: the first): a ring that
-    # only fits with pages parked can save more on the prompt than the parked pages cost decode.
+    # the one that fits and serves the workload's request soonest (ties: the first), within the
+    # latency bound where one is: a ring that only fits with pages parked can save more on the
+    # prompt than the parked pages cost decode, and it is a layout, not the split, that misses a bound.
+    def rank(cost: SplitCost) -> tuple[bool, float]:
+        return bound_ms is not None and cost.ms > bound_ms, cost.request_ms(new_tokens)
+
     best = tried = None
     for ring, streamed_rows, park in variants():
         fitted = fit(ring, streamed_rows, park)
@@ -601,6 +606,6 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
         cost = priced(*tried)
         if not offload or new_tokens is None:
             return cost
-        if best is None or cost.request_ms(new_tokens) < best.request_ms(new_tokens):
+        if best is None or rank(cost) < rank(best):
             best = cost
     return best if best is not None else priced(*tried)  # nothing fits: the last tried says why

@@ -271,7 +271,7 @@ def _assemble(identity: ModelIdentity, ir: IRSummary, machine: MachineProfile, w
     `model_max`: the model's position limit for the longest context (None: not stated); `bound_ms`:
     the best among splits whose decode step is within it (--max-context's --latency-bound)."""
     units, shared, n = ir.units, ir.shared_weights, len(ir.units)
-    space = _space(identity.dtype, workload, limits, kv_settings)
+    space = replace(_space(identity.dtype, workload, limits, kv_settings), latency_bound_ms=bound_ms)
     costs = evaluate_all(units, shared, machine, space, calibration)
     best = best_split(costs, workload.max_new_tokens, bound_ms)
     model_name = f"{identity.architecture} ({identity.source})"

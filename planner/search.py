@@ -48,6 +48,8 @@ class SearchSpace:
     # the prefill figures for a request's whole prompt, in the executor's steps (a plan's TTFT);
     # False: for one step of `prompt` tokens (predict.predict_step's)
     prompt_in_steps: bool = False
+    # --latency-bound (ms per decode step): with offload, a split's layouts within it rank first
+    latency_bound_ms: float | None = None
 
 
 def evaluate_at(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight, ...], machine: MachineProfile,
@@ -62,7 +64,7 @@ def evaluate_at(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight, .
                           calibration=calibration, prefix=prefix, dtype=space.dtype, logits=logits,
                           stream_prefill=space.stream_prefill, stream_step_tokens=space.stream_step_tokens,
                           priced_rows=space.priced_step_tokens, riders=riders, new_tokens=space.new_tokens,
-                          prompt_in_steps=space.prompt_in_steps)
+                          prompt_in_steps=space.prompt_in_steps, bound_ms=space.latency_bound_ms)
 
 
 def evaluate_all(units: tuple[UnitIR, ...], shared: tuple[SharedWeight, ...], machine: MachineProfile,

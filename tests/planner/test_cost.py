@@ -191,6 +191,13 @@ def test_with_offload_a_split_takes_the_layout_that_serves_the_workloads_request
     long = split(6, units, shared, m, new_tokens=512, **args)
     assert long.request_ms(512) < short.request_ms(512)
     assert (long.kv, long.ms, long.ttft_ms) == (resident.kv, resident.ms, resident.ttft_ms)
+    # under a latency bound (--max-context --latency-bound) that only the resident layout's decode
+    # step meets, the short answer takes that one: the split serves within the bound
+    bound = (resident.ms + short.ms) / 2
+    bounded = split(6, units, shared, m, new_tokens=8, bound_ms=bound, **args)
+    assert (bounded.kv, bounded.ms) == (resident.kv, resident.ms) and bounded.ms <= bound
+    # and where no layout meets it, the request decides as without one
+    assert split(6, units, shared, m, new_tokens=8, bound_ms=resident.ms / 2, **args).kv == short.kv
 
 
 def test_tied_weights_are_held_once_per_device():

@@ -327,6 +327,19 @@ def test_the_plans_ttft_is_what_the_executors_steps_take(machine, model):
     assert predict_ttft_ms(plan, 512) == pytest.approx(predict(shorter, 512, 1).ttft_ms, rel=1e-5)
 
 
+def test_the_longest_context_within_a_latency_bound_counts_every_layout_that_meets_it():
+    """--max-context --kv-offload --latency-bound: at 16384 tokens the laptop's Qwen3-8B k=24 serves
+    the default request soonest with the ring and pages parked (272 ms/token), but every page in
+    VRAM without the ring decodes in 264: within a 268 ms bound, so 16384 tokens are within it."""
+    m = load_machine(REPO / "plans" / "machines" / "laptop-rtx4060-i7-13700h.yaml")
+    unbounded = make_plan(config_path("qwen3-8b"), m, workload=workload_for(context_tokens=16384), kv_offload=True)
+    assert unbounded.partition.split_k == 24 and unbounded.kv.host_pages > 0
+    assert unbounded.prediction.ms_per_token > 268
+    plan = make_plan(config_path("qwen3-8b"), m, kv_offload=True, max_context=True, latency_bound_ms=268)
+    assert plan.workload.context_tokens >= 16384
+    assert plan.prediction.ms_per_token <= 268
+
+
 def test_a_forced_split_that_cannot_be_priced_is_refused_even_when_infeasible_is_allowed():
     """A GPU stage on a profile without a GPU has no rates: the plan would have said 0 ms/token,
     and the executor's report would have predicted infinity for it."""
