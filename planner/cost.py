@@ -421,6 +421,26 @@ def _alike(units) -> list[tuple[UnitIR, int]]:
     return [(u, n) for u, n in groups.values()]
 
 
+def _request_steps(batch: float, prompt: float, prefix: float, logits: bool, context: float,
+                   stream_from: int | None, streamed_rows: int | None,
+                   priced_rows: int | None) -> list[tuple[int, int, float, bool]]:
+    """The steps the executor takes `batch` requests' prompts of `prompt` tokens in, arriving
+    together after `prefix` cached ones: (sequences, tokens of each, cached before them, whether
+    logits are made). The engine gives each sequence a chunk a step, in arrival order, as many as
+    a step holds (its streamed step where the prompts stream, else the step it is priced for): so
+    groups of sequences, one after another, each in step_shape.prompt_steps' steps."""
+    seqs = max(1, math.ceil(batch))
+    chunk = min(PREFILL_CHUNK_TOKENS, max(1, math.ceil(context)))
+    most = streamed_rows if stream_from else (priced_rows or step_tokens(seqs, math.ceil(context)))
+    group = min(seqs, max(1, most // chunk))
+    steps = []
+    for g in [group] * (seqs // group) + ([seqs % group] if seqs % group else []):
+        stream_chunk = max(1, streamed_rows // g) if stream_from else PREFILL_CHUNK_TOKENS
+        steps += [(g, n, prefix + s, logits and s + n >= prompt) for s, n in prompt_steps(
+            math.ceil(prompt), -(-stream_from // g) if stream_from else None, PREFILL_CHUNK_TOKENS, stream_chunk)]
+    return steps
+
+
 def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight, ...],
                    machine: MachineProfile, *, batch: int, context: int, prompt: int,
                    page_size_tokens: int, watermark: float, offload: bool,
@@ -517,16 +537,10 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
 
         link = machine.link
         streamed = host_pages / needed if needed else 0.0
-        # the prompt's steps: (tokens per sequence, cached before them, whether logits are made);
-        # with prompt_in_steps as the executor takes a request's prompt (step_shape.prompt_steps,
-        # every sequence of the batch in step), else one step of `prompt` after `prefix`
-        if prompt_in_steps:
-            per_seq = max(1, math.ceil(batch))
-            steps = [(m, prefix + s, logits and s + m >= prompt) for s, m in prompt_steps(
-                math.ceil(prompt), -(-stream_from // per_seq) if stream_from else None, PREFILL_CHUNK_TOKENS,
-                max(1, (streamed_rows or PREFILL_CHUNK_TOKENS) // per_seq))]
-        else:
-            steps = [(prompt, prefix, logits)]
+        # the prompt's steps: (sequences, tokens of each, cached before them, whether logits are
+        # made); else one step of `prompt` tokens for each of `batch` after `prefix`
+        steps = _request_steps(batch, prompt, prefix, logits, context, stream_from, streamed_rows, priced_rows) \
+            if prompt_in_steps else [(batch, prompt, prefix, logits)]
         stages = []
         for device, start, end in (("cpu", 0, k), ("cuda", k, n)):
             if start == end:
@@ -548,24 +562,24 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
             blocks = sum(n for u, n in groups if u.kind == "block")
             overhead = blocks * rates.calibration.delta_ms_per_block
             prefill = overheads = 0.0
-            for rows, cached, last in steps:
-                # the step's prompt tokens (batch·rows: a mean over steps may make them fractional)
+            for seqs, rows, cached, last in steps:
+                # the step's prompt tokens (seqs·rows: a mean over steps may make them fractional)
                 # reach the policy's threshold: the executor streams it (streamed_prefill.py accepts)
-                streams_step = streams(batch * rows, stream_from)
+                streams_step = streams(seqs * rows, stream_from)
                 for u, alike in groups:
                     if device == "cpu" and u.kind == "block" and streams_step:
                         # a step larger than a streamed step (one priced whole) takes several: each a crossing
-                        crossings = math.ceil(round(batch * rows, 6) / streamed_rows)
+                        crossings = math.ceil(round(seqs * rows, 6) / streamed_rows)
                         gpu_rates = device_rates(machine, "cuda", calibration, dtype)
-                        prefill += alike * streamed_block_prefill_ms(u, gpu_rates, link, batch, rows, cached,
+                        prefill += alike * streamed_block_prefill_ms(u, gpu_rates, link, seqs, rows, cached,
                                                                      crossings=crossings)
                     elif last or u.kind != "head":
-                        prefill += alike * unit_prefill_ms(u, rates, batch, rows, cached)
+                        prefill += alike * unit_prefill_ms(u, rates, seqs, rows, cached)
                 if device == "cpu" and streams_step:
-                    prefill += streamed_handoff_ms(units, link, batch * rows)
+                    prefill += streamed_handoff_ms(units, link, seqs * rows)
                 # the GPU stage takes a streamed step in the sub-steps of the step it is priced for
                 # (executor/engine.py _forward), each paying its per-block overhead
-                sub = sub_steps(batch, rows, priced_rows or step_tokens(math.ceil(batch), math.ceil(context)),
+                sub = sub_steps(seqs, rows, priced_rows or step_tokens(math.ceil(batch), math.ceil(context)),
                                 riders=riders) if device == "cuda" and streams_step else 1
                 prefill += sub * overhead
                 overheads += sub * blocks
@@ -579,8 +593,8 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
         if 0 < k < n and link is not None:
             act = units[k - 1].act_bytes_per_token
             comm = link.h2d_latency_us / 1e3 + 1e3 * batch * act / (link.h2d_gibps * GIB)
-            comm_prefill = sum(link.h2d_latency_us / 1e3 + 1e3 * batch * rows * act / (link.h2d_gibps * GIB)
-                               for rows, _, _ in steps)
+            comm_prefill = sum(link.h2d_latency_us / 1e3 + 1e3 * seqs * rows * act / (link.h2d_gibps * GIB)
+                               for seqs, rows, _, _ in steps)
         kv = KVLayout(pages_per_sequence=pages, device_page_bytes=dev_page, cpu_page_bytes=cpu_page,
                       device_pages=device_pages if k < n else 0, host_pages=host_pages if k < n else 0,
                       cpu_pages=cpu_pages)

@@ -16,8 +16,8 @@ from planner.search import evaluate_at
 def predict(plan: Plan, context_tokens: int, batch_size: int | None = None, prefix_tokens: int = 0,
             logits: bool = True) -> Prediction:
     """The plan's cost model evaluated for one decode step at another context length / batch;
-    its prefill figures are for the workload's prompt_tokens after `prefix_tokens` cached ones (a
-    chunk of a longer prompt)."""
+    its prefill figures are for the workload's prompt_tokens after `prefix_tokens` cached ones,
+    taken in the executor's steps (one step where they fit in one: a chunk of a longer prompt)."""
     batch = batch_size or plan.workload.batch_size
     space = replace(plan_space(plan), batch=batch, context=context_tokens)
     cost = evaluate_at(plan.partition.split_k, plan.ir.units, plan.ir.shared_weights, plan.machine, space,

@@ -327,6 +327,26 @@ def test_the_plans_ttft_is_what_the_executors_steps_take(machine, model):
     assert predict_ttft_ms(plan, 512) == pytest.approx(predict(shorter, 512, 1).ttft_ms, rel=1e-5)
 
 
+def test_a_batchs_prompts_are_priced_in_the_groups_the_engine_steps_them_in():
+    """Batch 4 of 2048-token prompts on the CPU: a step holds a 512-token chunk of each (2048
+    tokens, the step the plan is priced for), 4 steps each after the ones before it; batch 8:
+    two groups of 4 one after the other (the engine gives each sequence a chunk a step, in
+    arrival order, as many as a step holds), not 8 sequences of 256 tokens a step."""
+    from dataclasses import replace
+
+    from tests.planner.conftest import DEV
+
+    def plan_for(batch):
+        return make_plan(config_path("qwen3-0.6b"), load_machine(DEV),
+                         workload=workload_for(2048, 64, batch_size=batch, context_tokens=4096))
+
+    four, eight = plan_for(4), plan_for(8)
+    chunk = replace(four, workload=replace(four.workload, prompt_tokens=512))
+    steps = sum(predict(chunk, s + 512, 4, prefix_tokens=s, logits=s == 1536).ttft_ms for s in range(0, 2048, 512))
+    assert four.prediction.ttft_ms == pytest.approx(steps, rel=1e-5)
+    assert eight.prediction.ttft_ms == pytest.approx(2 * four.prediction.ttft_ms, rel=1e-5)
+
+
 def test_the_longest_context_within_a_latency_bound_counts_every_layout_that_meets_it():
     """--max-context --kv-offload --latency-bound: at 16384 tokens the laptop's Qwen3-8B k=24 serves
     the default request soonest with the ring and pages parked (272 ms/token), but every page in
