@@ -7,7 +7,7 @@ from planner.cost import (device_rates, evaluate_split, kv_read_gibps, stage_wei
                           unit_decode_ms)
 from planner.units import GIB, MIB
 from planner.working_set import gpu_working_bytes
-from tests.planner.helpers import machine, model_units, unit
+from tests.planner.helpers import machine, model_units, unit, with_vram
 
 
 def split(k, units, shared, m, **kw):
@@ -169,6 +169,28 @@ def test_kv_offload_parks_pages_only_where_no_layout_holds_them_all():
     # the ring's layout, which parks pages, is what a budget too small for every page gets
     tight = split(6, units, shared, m, offload=True, **{**args, "gpu_budget_bytes": budget - 64 * MIB})
     assert tight.feasible and tight.kv.host_pages > 0
+
+
+def test_a_prompt_whose_cached_keys_park_copies_them_in_at_every_step():
+    """The split above at k = 1 with offload, at a budget that holds 10 of its 32 pages: a 16384-token
+    prompt (32 steps of 512 on the GPU stage, which takes every block here) fills the device
+    pages, then each step's own K/V take device pages and the oldest cached ones park; its
+    attention copies the parked ones in over the link. The TTFT counts those copies: the steps'
+    parked tokens times the GPU stage's K/V bytes per token at the link's rate, beside the same
+    layout with every page in VRAM (a budget that holds them)."""
+    units, shared = model_units(8, block_bytes=256 * MIB, emb_bytes=64 * MIB, head_bytes=64 * MIB, kv=16384)
+    m = machine(l3_bytes=8 * MIB)
+    args = dict(context=16384, prompt=16384, host_budget_bytes=64 * GIB, dtype="bfloat16", offload=True,
+                prompt_in_steps=True)
+    budget = 3 * GIB
+    parked = split(1, units, shared, with_vram(m, budget), gpu_budget_bytes=budget, **args)
+    roomy = split(1, units, shared, m, gpu_budget_bytes=8 * GIB, **args)
+    assert parked.feasible and (parked.kv.device_pages, parked.kv.host_pages, roomy.kv.host_pages) == (10, 22, 0)
+    resident = parked.kv.device_pages * 512  # tokens the device pages hold
+    copied = sum(min(s, max(0, s + 512 - resident)) for s in range(0, 16384, 512))
+    kv_token = sum(u.kv_bytes_per_token for u in units[1:])
+    assert copied > 0
+    assert parked.ttft_ms - roomy.ttft_ms == pytest.approx(1e3 * copied * kv_token / (m.link.h2d_gibps * GIB))
 
 
 def test_with_offload_a_split_takes_the_layout_that_serves_the_workloads_request_soonest():
