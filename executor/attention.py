@@ -190,10 +190,11 @@ def lower_right_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 class TorchAttention:
     """A stage's self-attention in plain PyTorch (the reference path, and the one CUDA stages use):
     q/k RMSNorm, rotary embedding, K/V appended to the paged cache, streaming attention per
-    sequence. fused_prompt: a prompt chunk (more than one query) of a sequence whose pages are all
-    on the device gathers them and takes PyTorch's fused attention (`fused_prompt_attention`)
-    instead of streaming: the GPU stage's prompt path (its decode steps take
-    executor/device_step.py where they can); on CUDA only where flash attention runs it."""
+    sequence. fused_prompt: a prompt chunk (more than one query) of a sequence the device pool
+    could hold whole (KVCache.gathers) gathers its pages and takes PyTorch's fused attention
+    (`fused_prompt_attention`) instead of streaming: the GPU stage's prompt path (its decode
+    steps take executor/device_step.py where they can); on CUDA only where flash attention runs
+    it."""
 
     def __init__(self, config: "ModelConfig", kv: "KVCache", ops, fused_prompt: bool = False):
         self.config, self.kv, self.ops = config, kv, ops
@@ -253,9 +254,10 @@ class TorchAttention:
             rows = slice(s.offset, s.offset + s.count)
             self.kv.write(layer, s.seq_id, s.start, k[rows], v[rows])
             end = s.start + s.count
-            if self.fused_prompt and s.count > 1 and self.kv.resident(s.seq_id):
-                # Gathered only while every page is on the device: pages on the host stream below,
-                # a page at a time, instead of all coming back at once.
+            if self.fused_prompt and s.count > 1 and self.kv.gathers(s.seq_id, end):
+                # Gathered where the plan priced it: every page on the device, or no longer than
+                # the device pool (pages parked meanwhile come back into the gather); a longer
+                # sequence with pages on the host streams them below, a page at a time.
                 # Not bound to names: the next sequence's gather must not find this one still alive.
                 out[rows] = fused_prompt_attention(q[rows].reshape(s.count, cfg.q_dim),
                                                    *self.kv.gathered(layer, s.seq_id, end), s.start,

@@ -483,11 +483,31 @@ class KVCache:
         """Whether every page of the sequence is on the compute device."""
         return all(p.on_device for p in self._seqs[seq_id].pages)
 
+    def gathers(self, seq_id, length: int) -> bool:
+        """Whether a prompt chunk's fused attention may gather the sequence's positions < length:
+        every page of it on the device, or no more tokens than the device pool holds (the plan
+        prices a gather of that many, planner/working_set.py: a sequence whose pages the pool
+        parked on the host while others held it brings them back into the one gather)."""
+        capacity = self.device_pool.capacity_pages
+        return self.resident(seq_id) or capacity is None or length <= capacity * self.page_size
+
     def gathered(self, layer: int, seq_id, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of positions < length as one [H_kv, length, D] tensor each, on the compute
-        device (a prompt chunk's fused attention reads them so); a view when one page holds them."""
-        ks, vs = zip(*((k, v) for k, v, _ in self.chunks(layer, seq_id, length)))
-        return (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks, 1), torch.cat(vs, 1))
+        device (a prompt chunk's fused attention reads them so); a view when one page holds them.
+        Filled a page at a time (a parked page's copy let go once it is in), so it takes the
+        gather's memory and a page's, never all the copies beside it."""
+        chunks = self.chunks(layer, seq_id, length)
+        k0, v0, _ = next(chunks)
+        if k0.shape[1] >= length:
+            return k0, v0
+        k = torch.empty(k0.shape[0], length, k0.shape[2], dtype=k0.dtype, device=k0.device)
+        v = torch.empty_like(k)
+        k[:, :k0.shape[1]], v[:, :v0.shape[1]] = k0, v0
+        del k0, v0
+        for kc, vc, start in chunks:
+            k[:, start:start + kc.shape[1]], v[:, start:start + vc.shape[1]] = kc, vc
+            del kc, vc
+        return k, v
 
     def chunks(self, layer: int, seq_id, length: int) -> Iterator[KVChunk]:
         """K/V of positions < length, page by page, oldest first, on the compute device.

@@ -111,15 +111,18 @@ def gpu_working_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: in
     total = max(step_tokens(batch, context), st.sequences) * per_token + st.sequences * _logits_bytes(st.head, st.b)
     if st.blocks:
         # the executor fuses where flash attention runs (half precision, a head it has kernels for)
-        # and every page of the sequence is on the device, else it streams: priced by what the
-        # profile says of flash attention, both where it does not know
+        # and the sequence is no longer than the device pool holds (executor/kv_cache.py gathers),
+        # else it streams: priced by what the profile says of flash attention, both where it does
+        # not know
         flash = None if flash_attention is None else (flash_attention and st.b < FP32_BYTES
                                                       and 0 < st.head_dim <= FLASH_MAX_HEAD_DIM)
-        resident = min(context, device_pages * page_size_tokens)  # a gather needs every page on the device
+        resident = min(context, device_pages * page_size_tokens)  # the longest gather
         fuses = flash is not False and resident > 0
-        streams = flash is not True or device_pages < budget_pages
-        total += max(fused_prompt_attention_bytes(resident, st.chunk, st.kv_token, st.heads) if fuses else 0,
-                     st.streamed(page_size_tokens) if streams else 0)
+        streams = flash is not True or resident < context
+        # a gather takes parked pages back a page at a time (one copied in, the next on its way)
+        parked_in = 2 * page_size_tokens * st.kv_token if device_pages < budget_pages else 0
+        fused = fused_prompt_attention_bytes(resident, st.chunk, st.kv_token, st.heads) + parked_in
+        total += max(fused if fuses else 0, st.streamed(page_size_tokens) if streams else 0)
     total = max(total, streamed_step)  # the step's own, or a streamed one's before it
     if st.blocks and device_pages:
         gathered = bucket(device_pages) * page_size_tokens         # keys one decode graph reads

@@ -223,6 +223,32 @@ def test_prompt_chunks_of_a_sequence_with_host_pages_stream(checkpoint, static_s
     assert gathered == [16] * model.config.num_layers
 
 
+def test_a_prompt_chunk_whose_pages_were_parked_by_another_sequence_still_gathers(checkpoint, static_steps,
+                                                                                    monkeypatch):
+    """Two prompts share a device pool of 4 pages of 8 tokens: the second's chunks take pages the
+    first's held, parking them. A chunk of a sequence no longer than the pool gathers its pages
+    for the fused attention all the same (the parked ones come back into the gather: the memory
+    the plan prices), rather than streaming them; tokens as transformers' for each prompt."""
+    from executor.kv_cache import KVCache
+
+    path = checkpoint("llama", "fp32")
+    prompts = [prompt_ids(30, 256, seed=33), prompt_ids(20, 256, seed=34)]
+    want = [hf_greedy(path, p, 4) for p in prompts]
+    parked_gathers, gathered = [], KVCache.gathered
+
+    def spy(self, layer, seq_id, length):
+        if not self.resident(seq_id):
+            parked_gathers.append(length)
+        return gathered(self, layer, seq_id, length)
+
+    monkeypatch.setattr(KVCache, "gathered", spy)
+    got, model = helm_generate(path, prompts, split=1, max_new_tokens=4, page_size=8, device_kv_pages=4,
+                               backend="torch", kv_slab=True, prefill_chunk=8)
+    assert got == want
+    assert model.stages[1].kv.stats().evictions > 0
+    assert parked_gathers and max(parked_gathers) <= 4 * 8  # gathers of sequences with a parked page
+
+
 def test_graphs_are_captured_at_load_for_every_bucket_a_step_takes(checkpoint, static_steps, monkeypatch):
     """Capture happens at load (a failed capture cannot be recovered from mid-serving), so the
     buckets captured must cover every static step the plan's budget allows: here, run eagerly on
