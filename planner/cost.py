@@ -579,7 +579,8 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
                     prefill += streamed_handoff_ms(units, link, seqs * rows)
                 if device == "cuda" and host_pages and link is not None:
                     # the step's own K/V take device pages, the oldest cached ones park: its attention
-                    # copies those in, for every block (executor/attention.py streams them)
+                    # copies those in, for every block (executor/attention.py: gathered, or streamed
+                    # where the sequence outgrows the device pages)
                     parked = min(seqs * cached, max(0.0, seqs * (cached + rows) - device_pages * page_size_tokens))
                     prefill += 1e3 * parked * gpu_kv_tok / (link.h2d_gibps * GIB)
                 # the GPU stage takes a streamed step in the sub-steps of the step it is priced for

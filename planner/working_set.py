@@ -12,11 +12,12 @@ usable VRAM a profile measures is what is free after the CUDA context and cuBLAS
   output and keeps it whole while silu(gate)·up is made, where the graph frees each sooner;
 - one sequence's prompt chunk at a time through attention, per layer (beside the activations,
   though their peak is the MLP's: a bound, not an estimate). Fused, where the profile says flash
-  attention runs (GpuProfile.flash_attention) for half-precision weights, while the sequence's
-  pages are all in VRAM, so over at most the device pages' tokens: its K/V gathered and the
+  attention runs (GpuProfile.flash_attention) for half-precision weights, for a sequence no
+  longer than the device pages hold (pages another sequence's parked come back into the gather,
+  two at a time in transit), so over at most the device pages' tokens: its K/V gathered and the
   kernel's log-sum-exp per query head; flash attention needs no mask (executor/attention.py).
-  Streamed, where pages may sit on the host (offload), and always where flash attention does
-  not run (fp32 weights, a GPU or head size without its kernels): a page of fp32 scores per
+  Streamed, where a sequence can outgrow the device pages (offload), and always where flash
+  attention does not run (fp32 weights, a GPU or head size without its kernels): a page of fp32 scores per
   query head and the masks that hide its future keys, its K or V in fp32, three pages' device
   copies (the last, this and the prefetched one), and the grouped queries, running output and a
   page's share of it in fp32. The larger of the two where both may run, or where the profile

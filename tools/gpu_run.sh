@@ -78,7 +78,7 @@ if [ "$what" = sanitize ]; then
     python -c "import pytest_timeout" 2>/dev/null && args+=(--timeout=420)
     HELM_CUDA_GRAPHS=0 TORCH_CUDA_SANITIZER=1 python -m pytest -q -s -p no:cacheprovider "${args[@]}" \
         tests/executor/test_cuda.py tests/executor/test_streamed_prefill.py \
-        -k "eviction or prefetch or 3000_token or host_page or page_locked or staging or streamed or prefix_reuse" \
+        -k "eviction or prefetch or 3000_token or host_page or page_locked or staging or streamed or prefix_reuse or gather" \
         "$@" 2>&1 | tee "$OUT/sanitized_tests.txt" | tail -25
 fi
 if [ "$what" = kernels ]; then

@@ -184,6 +184,30 @@ def test_prefetch_reads_what_the_compute_stream_wrote_in_a_loop(checkpoint):
         assert got == want, f"iteration {i}"
 
 
+def test_a_gather_brings_pages_another_sequence_parked_back_exactly_in_a_loop():
+    """KVCache.gathered on CUDA for a sequence whose pages another sequence parked (a pool of 3
+    pages of 4 tokens, 10 + 9 tokens written): what the GPU stage's prompt chunks hand flash
+    attention (bf16). The parked pages come back through the copy stream's prefetch into the one
+    buffer, bit for bit what was written, in every round."""
+    from executor.kv_cache import KVCache
+
+    device = torch.device("cuda")
+    for i in range(20):
+        kv = KVCache(2, 2, 8, torch.bfloat16, device, page_size=4, device_pages=3, host_pages=8, slab=True)
+        written, g = {}, torch.Generator().manual_seed(i)
+        for seq, n in (("a", 10), ("b", 9)):
+            kv.reserve(seq, n)
+            for layer in range(2):
+                k, v = (torch.randn(n, 2, 8, generator=g).to(torch.bfloat16) for _ in range(2))
+                kv.write(layer, seq, 0, k.to(device), v.to(device))
+                written[seq, layer] = k, v
+        assert not kv.resident("a") and kv.gathers("a", 10) and kv.stats().evictions > 0
+        for layer in range(2):
+            k, v = kv.gathered(layer, "a", 10)
+            want_k, want_v = written["a", layer]
+            assert torch.equal(k.cpu(), want_k.transpose(0, 1)) and torch.equal(v.cpu(), want_v.transpose(0, 1)), i
+
+
 def test_a_3000_token_prompt_offloaded_from_a_2_page_pool_is_exact(checkpoint):
     path = checkpoint("qwen3", "fp32", max_position_embeddings=4096)
     prompt = prompt_ids(3000, 1024, seed=9)

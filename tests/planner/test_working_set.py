@@ -93,6 +93,20 @@ def test_what_it_grows_with():
     assert work(units, device_pages=0) - work(group1, device_pages=0) == 3 * 512 * 512 + 3 * 4 * 512 * 3072
 
 
+def test_pages_parked_by_other_sequences_come_back_into_the_gather():
+    """Offload with the device pages holding one whole sequence (2 pages of 512 at context 1024)
+    of a budget of 4: no sequence outgrows them, so every prompt chunk gathers (flash) and none
+    streams; a gather brings pages another sequence parked back, two pages' layer slices in
+    transit (executor/kv_cache.py gathered). With fewer device pages than a sequence, chunks
+    stream too, and the larger of the two is priced."""
+    units = gpu_stage()
+    in_transit = 2 * 512 * 4096
+    assert work(units, budget_pages=4) - work(units) == in_transit + 2 * 300 * (4 + 2)  # and two more sequences' logits
+    assert work(units, budget_pages=4) < work(units, budget_pages=4, device_pages=1) - 512 * 4098  # this one streams
+    assert work(units, budget_pages=4, device_pages=1) - work(units, budget_pages=2, device_pages=1) == \
+        2 * 300 * (4 + 2)  # the streamed price, which a gather of one page (+ the two in transit) is below
+
+
 def test_edges():
     assert work(()) == 0                                               # no GPU stage
     head_only = gpu_stage()[-1:]
