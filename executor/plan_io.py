@@ -86,6 +86,13 @@ def placement_for(plan, config: ModelConfig, page_size_tokens: int | None = None
         # placement's pages (a --page-size override or a page cut to the context), the rest on the host.
         planned_tokens = kv.device_pages * kv.page_size_tokens
         placement = replace(placement, device_kv_pages=max(1, planned_tokens // placement.page_size_tokens))
+        held = placement.device_kv_pages * placement.page_size_tokens
+        if held != planned_tokens:
+            # fewer: a prompt chunk of a sequence longer than the pool streams its pages where the plan
+            # priced a gather (executor/kv_cache.py gathers); more (a page of one): that page's VRAM
+            log.warning("KV pages of %d tokens: the GPU stage's device pool holds %d tokens where the plan "
+                        "priced %d (%d pages of %d)", placement.page_size_tokens, held, planned_tokens,
+                        kv.device_pages, kv.page_size_tokens)
     return placement.with_threads(cpu_threads or plan.machine.cpu.cores)
 
 

@@ -24,7 +24,7 @@ def offload_plan(checkpoint):
     return replace(plan, kv=kv), ModelConfig.from_dir(path)
 
 
-def test_a_page_size_override_keeps_the_planned_tokens_on_the_device(offload_plan):
+def test_a_page_size_override_keeps_the_planned_tokens_on_the_device(offload_plan, caplog):
     plan, config = offload_plan
     assert plan.kv.page_size_tokens == 16 and plan.workload.context_tokens == 256
     for page, device_pages in ((16, 4), (64, 1), (4, 16)):
@@ -33,6 +33,10 @@ def test_a_page_size_override_keeps_the_planned_tokens_on_the_device(offload_pla
         assert placement.kv_budget_pages == 256 // page               # one sequence of 256 tokens
         assert kv_pools(placement, "cuda") == (device_pages, 256 // page - device_pages)
         assert kv_pools(placement, "cpu") == (256 // page, 0)
+    assert "device pool holds" not in caplog.text
+    # a page that does not divide the planned tokens: the pool holds fewer, and the log says so
+    assert placement_for(plan, config, page_size_tokens=48).device_kv_pages == 1
+    assert "device pool holds 48 tokens where the plan priced 64 (4 pages of 16)" in caplog.text
 
 
 def test_the_host_check_counts_the_pages_offload_parks_there(offload_plan, monkeypatch):
