@@ -29,6 +29,7 @@ from typing import Iterator
 import torch
 
 from executor.host_memory import page_aligned
+from planner.step_shape import longest_gather
 
 log = logging.getLogger(__name__)
 
@@ -489,7 +490,7 @@ class KVCache:
         prices a gather of that many, planner/working_set.py: a sequence whose pages the pool
         parked on the host while others held it brings them back into the one gather)."""
         capacity = self.device_pool.capacity_pages
-        return self.resident(seq_id) or capacity is None or length <= capacity * self.page_size
+        return self.resident(seq_id) or capacity is None or length <= longest_gather(capacity, self.page_size)
 
     def gathered(self, layer: int, seq_id, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of positions < length as one [H_kv, length, D] tensor each, on the compute

@@ -37,7 +37,8 @@ from typing import Callable
 from planner.machine import DeviceCalibration, GpuProfile, MachineProfile
 from planner.ir import SharedWeight, UnitIR
 from planner.step_shape import (MAX_STEP_TOKENS, PREFILL_CHUNK_TOKENS, STREAM_PIECE_BYTES, STREAM_SLOTS,
-                                STREAMED_STEP_TOKENS, prompt_steps, step_tokens, streams, sub_steps)
+                                STREAMED_STEP_TOKENS, longest_gather, pieces, prompt_steps, step_tokens, streams,
+                                sub_steps)
 from planner.units import GIB, fmt_bytes
 from planner.working_set import STREAM_ROWS_GRAIN, cpu_working_bytes, gpu_working_bytes, streamed_step_bytes
 
@@ -578,10 +579,13 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
                 if device == "cpu" and streams_step:
                     prefill += streamed_handoff_ms(units, link, seqs * rows)
                 if device == "cuda" and host_pages and link is not None:
-                    # the step's own K/V take device pages, the oldest cached ones park: its attention
-                    # copies those in, for every block (executor/attention.py: gathered, or streamed
-                    # where the sequence outgrows the device pages)
-                    parked = min(seqs * cached, max(0.0, seqs * (cached + rows) - device_pages * page_size_tokens))
+                    # the step's own K/V take device pages, the oldest cached ones park: the attention
+                    # of each piece the stage takes the step in (a streamed step's sub-steps) copies
+                    # those in, for every block (executor/attention.py: gathered, or streamed where
+                    # the sequence outgrows the device pages)
+                    held = longest_gather(device_pages, page_size_tokens)
+                    parts = pieces(round(rows)) if streams_step else [(0, rows)]
+                    parked = sum(min(seqs * (cached + a), max(0.0, seqs * (cached + a + m) - held)) for a, m in parts)
                     prefill += 1e3 * parked * gpu_kv_tok / (link.h2d_gibps * GIB)
                 # the GPU stage takes a streamed step in the sub-steps of the step it is priced for
                 # (executor/engine.py _forward), each paying its per-block overhead

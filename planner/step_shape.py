@@ -53,6 +53,20 @@ def prompt_steps(prompt_tokens: int, stream_min_rows: int | None, chunk: int = P
     return steps
 
 
+def pieces(tokens: int, max_slice: int = PREFILL_CHUNK_TOKENS) -> list[tuple[int, int]]:
+    """(offset, tokens) of the pieces a sequence's chunk of `tokens` is cut into for a stage that
+    takes a larger step in sub-steps (sub_steps; executor.batch.StepBatch.split): at most
+    `max_slice` each, in order."""
+    return [(a, min(max_slice, tokens - a)) for a in range(0, tokens, max_slice)]
+
+
+def longest_gather(device_pages: int, page_size_tokens: int) -> int:
+    """The most tokens of a sequence a GPU stage's prompt chunk gathers its K/V over for fused
+    attention (executor/kv_cache.py KVCache.gathers; planner/working_set.py prices that gather):
+    what the stage's device pages hold. A longer sequence's chunks stream its pages."""
+    return device_pages * page_size_tokens
+
+
 def sub_steps(batch: float, prompt: float, max_rows: int, max_slice: int = PREFILL_CHUNK_TOKENS,
               riders: float = 0) -> int:
     """The consecutive sub-steps a stage priced for steps of `max_rows` tokens takes a step of
@@ -64,12 +78,10 @@ def sub_steps(batch: float, prompt: float, max_rows: int, max_slice: int = PREFI
     last = None  # the sequence of the current sub-step's last piece
     decodes = max(0, round(riders))
     for seq in range(decodes + max(1, round(batch))):
-        left = 1 if seq < decodes else max(1, round(prompt))
-        while left:
-            n = min(max_slice, left)
+        for _, n in pieces(1 if seq < decodes else max(1, round(prompt)), max_slice):
             if not count or rows + n > max_rows or last == seq:
                 count, rows = count + 1, 0
-            rows, last, left = rows + n, seq, left - n
+            rows, last = rows + n, seq
     return count
 
 

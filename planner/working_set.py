@@ -39,8 +39,8 @@ import math
 from dataclasses import dataclass, replace
 
 from planner.ir import UnitIR
-from planner.step_shape import (MAX_STEP_TOKENS, PREFILL_CHUNK_TOKENS, STREAM_PIECE_BYTES, bucket, running_sequences,
-                                step_tokens)
+from planner.step_shape import (MAX_STEP_TOKENS, PREFILL_CHUNK_TOKENS, STREAM_PIECE_BYTES, bucket, longest_gather,
+                                running_sequences, step_tokens)
 
 # The executor's activation values per token over the model graph's at its peak (see the module
 # docstring): a gated MLP's 4·I + H values against 3·I + H, at most 4/3.
@@ -117,7 +117,7 @@ def gpu_working_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: in
         # not know
         flash = None if flash_attention is None else (flash_attention and st.b < FP32_BYTES
                                                       and 0 < st.head_dim <= FLASH_MAX_HEAD_DIM)
-        resident = min(context, device_pages * page_size_tokens)  # the longest gather
+        resident = min(context, longest_gather(device_pages, page_size_tokens))
         fuses = flash is not False and resident > 0
         streams = flash is not True or resident < context
         # a gather takes parked pages back a page at a time (one copied in, the next on its way)

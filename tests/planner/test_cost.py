@@ -193,6 +193,31 @@ def test_a_prompt_whose_cached_keys_park_copies_them_in_at_every_step():
     assert parked.ttft_ms - roomy.ttft_ms == pytest.approx(1e3 * copied * kv_token / (m.link.h2d_gibps * GIB))
 
 
+def test_a_streamed_steps_sub_steps_each_copy_the_parked_keys_in():
+    """The streamed split below (k = 6, the ring with 16 of its 32 pages parked), a 16384-token
+    prompt in streamed steps of 2048: the GPU stage takes each step in sub-steps of a 512-token
+    piece, and each piece's attention copies the sequence's parked keys in. The TTFT counts them
+    piece by piece, beside the same policy with every page in VRAM."""
+    from planner.step_shape import pieces, prompt_steps
+
+    units, shared = model_units(8, block_bytes=256 * MIB, emb_bytes=64 * MIB, head_bytes=64 * MIB, kv=16384)
+    budget = 2053531238
+    m = machine(flash_attention=True, l3_bytes=8 * MIB, vram_usable=budget)
+    args = dict(context=16384, prompt=16384, host_budget_bytes=64 * GIB, dtype="bfloat16", offload=True,
+                prompt_in_steps=True, stream_prefill=10, stream_step_tokens=2048)
+    parked = split(6, units, shared, m, gpu_budget_bytes=budget, **args)
+    roomy = split(6, units, shared, with_vram(m, 8 * GIB), gpu_budget_bytes=8 * GIB, **args)
+    assert (parked.kv.device_pages, parked.kv.host_pages, roomy.kv.host_pages) == (16, 16, 0)
+    assert parked.stream_prefill_step_tokens == roomy.stream_prefill_step_tokens == 2048
+    held = 16 * 512
+    copied = sum(min(start + a, max(0, start + a + n - held))
+                 for start, rows in prompt_steps(16384, 10, 512, 2048) for a, n in pieces(rows))
+    once_a_step = sum(min(start, max(0, start + rows - held)) for start, rows in prompt_steps(16384, 10, 512, 2048))
+    assert copied > once_a_step > 0
+    kv_token = sum(u.kv_bytes_per_token for u in units[6:])
+    assert parked.ttft_ms - roomy.ttft_ms == pytest.approx(1e3 * copied * kv_token / (m.link.h2d_gibps * GIB))
+
+
 def test_with_offload_a_split_takes_the_layout_that_serves_the_workloads_request_soonest():
     """The split above, at the budget where the ring fits only with pages parked: the search's
     evaluation, which knows how many tokens a request of the workload generates, weighs the two

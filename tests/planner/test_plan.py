@@ -278,16 +278,13 @@ def test_config_digest_fingerprints_architecture_only(tmp_path):
 
 def test_ttft_is_priced_chunk_by_chunk_like_the_executor():
     """predict_ttft_ms: a prompt of 1300 tokens is three prefill steps (512, 512, 276), each after
-    the ones before it, the output projection in the last one only; one chunk is the plan's own
-    one-shot prefill."""
+    the ones before it, the output projection in the last one only."""
     from dataclasses import replace
 
     from planner.predict import predict_ttft_ms
     from tests.planner.conftest import DEV
 
     plan = make_plan(config_path("qwen3-0.6b"), load_machine(DEV), workload=workload_for(512, 16))
-    one = predict(plan, 512, 1)
-    assert predict_ttft_ms(plan, 512) == pytest.approx(one.ttft_ms)
 
     def chunk(n, start, logits):
         p = replace(plan, workload=replace(plan.workload, prompt_tokens=n))
@@ -303,19 +300,27 @@ def test_ttft_is_priced_chunk_by_chunk_like_the_executor():
                                            ("helm-dev-2core", "qwen3-0.6b")])            # all on the CPU, chunks
 def test_the_plans_ttft_is_what_the_executors_steps_take(machine, model):
     """A workload's prompt longer than a step: the TTFT the search ranks each split by, and the
-    plan states, is its prompt in the executor's steps (predict_ttft_ms, what the daemon's reports
-    compare a measured TTFT with), not one step of the whole prompt. Where the prompt streams,
-    those differ by more than 1% (each step copies the cached K/V in, the GPU stage's sub-steps
-    pay δ); on the CPU alone by less (its chunks cost about what the prompt would at once)."""
+    plan states, is its prompt in the executor's steps, each priced on its own after the ones
+    before it (predict_ttft_ms, which tools/bench_prediction.py and bench_gpu.py compare measured
+    TTFTs with), not one step of the whole prompt. Where the prompt streams, those differ by
+    more than 1% (each step copies the cached K/V in, the GPU stage's sub-steps pay δ); on the
+    CPU alone by less (its chunks cost about what the prompt would at once)."""
     from dataclasses import replace
 
     from planner.predict import predict_ttft_ms
+    from planner.step_shape import prompt_steps
 
     plan = make_plan(config_path(model), load_machine(REPO / "plans" / "machines" / f"{machine}.yaml"),
                      workload=Workload(prompt_tokens=5000, max_new_tokens=64, context_tokens=8192))
-    chosen = plan.search.candidates[plan.partition.split_k]
-    assert plan.prediction.ttft_ms == pytest.approx(predict_ttft_ms(plan, 5000), rel=1e-5)
-    assert chosen.ttft_ms == pytest.approx(plan.prediction.ttft_ms, rel=1e-5)
+    part = plan.partition
+    steps = prompt_steps(5000, part.stream_prefill_min_rows, 512, part.streamed_step_tokens or 512)
+
+    def step(n, start):
+        p = replace(plan, workload=replace(plan.workload, prompt_tokens=n))
+        return predict(p, start + n, 1, prefix_tokens=start, logits=start + n == 5000).ttft_ms
+
+    assert plan.prediction.ttft_ms == pytest.approx(sum(step(n, start) for start, n in steps), rel=1e-5)
+    assert predict_ttft_ms(plan, 5000) == pytest.approx(plan.prediction.ttft_ms, rel=1e-5)  # the plan re-read
     one_step = predict_step(plan, "prefill", 5000, 1, 5000)  # the whole prompt as one step
     gap = abs(sum(ms for ms, _ in one_step.stages) + one_step.link_ms - plan.prediction.ttft_ms)
     if plan.partition.stream_prefill_min_rows:
@@ -323,8 +328,6 @@ def test_the_plans_ttft_is_what_the_executors_steps_take(machine, model):
         assert gap > 0.01 * plan.prediction.ttft_ms
     else:
         assert gap < 0.01 * plan.prediction.ttft_ms
-    shorter = replace(plan, workload=replace(plan.workload, prompt_tokens=512))
-    assert predict_ttft_ms(plan, 512) == pytest.approx(predict(shorter, 512, 1).ttft_ms, rel=1e-5)
 
 
 def test_a_batchs_prompts_are_priced_in_the_groups_the_engine_steps_them_in():

@@ -65,7 +65,7 @@ def test_chosen_split_is_feasible_and_fastest(problem, new_tokens):
     """Fastest for the workload's request: its prompt, then a decode step per further token (which
     also picks each split's layout where KV offload gives it a choice)."""
     units, shared, m, space = problem
-    cands = evaluate_all(units, shared, m, replace(space, new_tokens=new_tokens))
+    cands = evaluate_all(units, shared, m, replace(space, new_tokens=new_tokens, prompt_in_steps=True))
     assert [c.split_k for c in cands] == list(range(len(units) + 1))
     best = best_split(cands, new_tokens)
     feasible = [c for c in cands if c.feasible]
@@ -85,10 +85,11 @@ def test_tighter_vram_never_moves_units_to_the_gpu(problem, shrink, new_tokens):
     Not where prompt steps stream (streaming_problems): the ring competes for the VRAM there, and
     the choice may move either way (planner/search.py)."""
     units, shared, m, space = problem
+    space = replace(space, new_tokens=new_tokens, prompt_in_steps=True)  # as the planner's search sets it
     tight_budget = int(space.gpu_budget_bytes * shrink)
     loose = best_split(evaluate_all(units, shared, m, space), new_tokens)
     tight = best_split(evaluate_all(units, shared, with_vram(m, tight_budget),
-                                    SearchSpace(**{**space.__dict__, "gpu_budget_bytes": tight_budget})), new_tokens)
+                                    replace(space, gpu_budget_bytes=tight_budget)), new_tokens)
     if tight is not None:
         assert loose is not None, "a looser budget lost a feasible split"
         assert tight.split_k >= loose.split_k
@@ -103,6 +104,7 @@ def test_offload_never_slows_a_split_that_fits_without_it(problem, new_tokens):
     that serves the request sooner. An existing plan's evaluation (no new-token count) keeps
     the layout it has without offload."""
     units, shared, m, space = problem
+    space = replace(space, prompt_in_steps=True)
     without = evaluate_all(units, shared, m, space)
     allowed = evaluate_all(units, shared, m, replace(space, offload=True))
     ranked = evaluate_all(units, shared, m, replace(space, offload=True, new_tokens=new_tokens))
