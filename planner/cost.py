@@ -542,6 +542,7 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
         # made); else one step of `prompt` tokens for each of `batch` after `prefix`
         steps = _request_steps(batch, prompt, prefix, logits, context, stream_from, streamed_rows, priced_rows) \
             if prompt_in_steps else [(batch, prompt, prefix, logits)]
+        gpu_rates = device_rates(machine, "cuda", calibration, dtype) if stream_from else None  # streamed steps'
         stages = []
         for device, start, end in (("cpu", 0, k), ("cuda", k, n)):
             if start == end:
@@ -571,7 +572,6 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
                     if device == "cpu" and u.kind == "block" and streams_step:
                         # a step larger than a streamed step (one priced whole) takes several: each a crossing
                         crossings = math.ceil(round(seqs * rows, 6) / streamed_rows)
-                        gpu_rates = device_rates(machine, "cuda", calibration, dtype)
                         prefill += alike * streamed_block_prefill_ms(u, gpu_rates, link, seqs, rows, cached,
                                                                      crossings=crossings)
                     elif last or u.kind != "head":
