@@ -220,15 +220,18 @@ def _timed(fn, sync, reps: int) -> float:
     return (time.perf_counter() - start) / reps
 
 
-def _copy_gibps(device, nbytes: int, sync, runs: int, progress: Progress) -> list[float]:
-    """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
+def _copy_gibps(device, nbytes: int, timer: Callable[[Callable[[], object], int], float], runs: int,
+                progress: Progress) -> list[float]:
+    """Device-to-device copy bandwidth, counting bytes read plus bytes written, each run timed by
+    `timer` over 10 copies (on CUDA its events: the HBM roofline of bench_gpu.py is this figure,
+    and the host's clock would add a launch and a synchronisation to every run)."""
     import torch
     a = torch.ones(nbytes, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     b.copy_(a)
     out = []
     for r in range(runs):
-        out.append(round_sig(2 * nbytes / _timed(lambda: b.copy_(a), sync, 5) / GIB, 4))
+        out.append(round_sig(2 * nbytes / timer(lambda: b.copy_(a), 10) / GIB, 4))
         progress(f"HBM device copy {fmt_bytes(nbytes)} run {r + 1}/{runs}: {out[-1]:.1f} GiB/s")
     return out
 
@@ -302,8 +305,10 @@ def measure_gpu(device, *, name: str, mem_get_info: Callable[[], tuple[int, int]
     matmul_dtype = matmul_dtype or torch.bfloat16
     free, total = mem_get_info()
     progress(f"GPU {name}: {fmt_bytes(total)} total, {fmt_bytes(free)} free with the context")
-    copy_bytes = copy_bytes or min((256 * MIB) if quick else GIB, max(free // 8, MIB))
-    hbm = _copy_gibps(device, copy_bytes, sync, 3 if quick else 7, progress)
+    # 1 GiB where an eighth of the free VRAM holds it, quick or not: far beyond any L2, and
+    # milliseconds of copying per run at HBM rates
+    copy_bytes = copy_bytes or min(GIB, max(free // 8, MIB))
+    hbm = _copy_gibps(device, copy_bytes, timer, 3 if quick else 7, progress)
     flops = _matmul_gflops(device, hidden, matmul_dtype, timer, 10 if quick else 50)
     shape = f"({PREFILL_CHUNK_TOKENS},{hidden})x({hidden},{hidden}) {str(matmul_dtype).removeprefix('torch.')}"
     progress(f"prefill matmul {shape}: {flops:.0f} GFLOP/s")

@@ -79,11 +79,13 @@ def test_gpu_measurements_on_a_mocked_device():
     assert (gpu.name, gpu.vram_total_bytes, gpu.vram_usable_bytes, gpu.cuda_context_reserve_bytes) == \
         ("Mock GPU", 8 * GIB, 6 * GIB - 64 * MIB, 2 * GIB + 64 * MIB)
     assert gpu.stream_workspace_bytes == 32 * MIB and gpu.flash_attention is True
-    assert gpu.hbm_gibps > 0 and len(gpu.hbm_gibps_runs) == 3
-    # the prefill rate: the executor's prompt-chunk shape, timed by the device timer (1 ms a call)
-    assert timed[:3] == [10, 10, 10] and gpu.prefill_gflops == pytest.approx(2 * 512 * 128 * 128 / 1e-3 / 1e9, rel=1e-3)
+    # HBM: the device copy (read + written) timed by the device timer too (1 ms a call), 3 runs
+    assert timed[:3] == [10, 10, 10] and len(gpu.hbm_gibps_runs) == 3
+    assert gpu.hbm_gibps == pytest.approx(2 * 8 * MIB / 1e-3 / GIB, rel=1e-3)
+    # the prefill rate: the executor's prompt-chunk shape, timed by the device timer
+    assert timed[3:6] == [10, 10, 10] and gpu.prefill_gflops == pytest.approx(2 * 512 * 128 * 128 / 1e-3 / 1e9, rel=1e-3)
     # the decode projection as the GPU stage runs it: a (3·H, H) bf16 weight read per 1 ms call
-    assert timed[3:] == [10, 10, 10] and gpu.gemv_gibps == pytest.approx(3 * 128 * 128 * 2 / 1e-3 / GIB, rel=1e-3)
+    assert timed[6:] == [10, 10, 10] and gpu.gemv_gibps == pytest.approx(3 * 128 * 128 * 2 / 1e-3 / GIB, rel=1e-3)
     assert gpu.prefill_matmul == "(512,128)x(128,128) bfloat16"
     assert link.h2d_gibps > 0 and link.d2h_gibps > 0 and link.h2d_latency_us > 0 and not link.pinned
     assert len(syncs) > 100                     # every timed region is synchronised
