@@ -513,8 +513,9 @@ class KVCache:
     def chunks(self, layer: int, seq_id, length: int) -> Iterator[KVChunk]:
         """K/V of positions < length, page by page, oldest first, on the compute device.
 
-        Evicted pages are brought back one layer-slice at a time; on CUDA the next slice is
-        copied on a side stream while attention runs over the current one.
+        Evicted pages are brought back one layer-slice at a time; on CUDA the next evicted slice
+        is copied on a side stream while attention runs over the pages before it (resident ones
+        too: a sequence's newest page may be on the host behind resident ones).
         """
         seq = self._seqs[seq_id]
         count = -(-length // self.page_size)
@@ -535,14 +536,18 @@ class KVCache:
                     kv.record_stream(compute)
                 else:
                     kv = page.data[layer].to(self.device, non_blocking=True)
+            if on_cuda and (prefetched is None or prefetched[0] <= i):
                 prefetched = self._prefetch(seq, i + 1, count, layer)
             yield kv[0, :, :n], kv[1, :, :n], i * self.page_size
 
     def _prefetch(self, seq: SequencePages, i: int, count: int, layer: int):
-        """Start copying page i's layer slice to the device on the copy stream, after the compute
-        stream's work so far: a host page may just have been written by it (a page that started on
-        the host, filled by a prompt chunk), and the copy must read what was written."""
-        if i >= count or seq.pages[i].on_device:
+        """Start copying the layer slice of the first page from i on that is on the host to the
+        device on the copy stream, after the compute stream's work so far: a host page may just
+        have been written by it (a page that started on the host, filled by a prompt chunk), and
+        the copy must read what was written. None where no page from i on is on the host."""
+        while i < count and seq.pages[i].on_device:
+            i += 1
+        if i >= count:
             return None
         self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._copy_stream):

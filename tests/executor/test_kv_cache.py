@@ -275,3 +275,69 @@ def test_locked_pages_are_reused_after_a_refused_lock(monkeypatch):
         pool.release(p)
     again = {pool.allocate().data_ptr() for _ in range(4)}
     assert again == {t.data_ptr() for t in locked}
+
+
+class _LoggedStream:
+    """A stand-in for a CUDA stream on the CPU: logs what the cache orders on it."""
+
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append(("wait_stream", self.name, other.name))
+
+    def wait_event(self, event):
+        self.log.append(("wait_event", self.name, event.name))
+
+
+@pytest.mark.parametrize("layout", ["DHH", "DDH", "HDH", "DHD"])
+def test_every_evicted_page_but_the_first_visited_is_prefetched_on_the_copy_stream(monkeypatch, layout):
+    """chunks() on CUDA: each page on the host is copied on the copy stream while attention runs
+    over the pages before it, after the compute stream's work so far (a page it just wrote), and
+    the compute stream waits for that copy before reading it; also a host page behind resident
+    ones (a newest page that started on the host, pages a promotion left behind), which was
+    copied inline on the compute stream. The CUDA branch on the CPU, streams and events logged."""
+    import contextlib
+
+    log, current = [], []
+    compute, copy = _LoggedStream("compute", log), _LoggedStream("copy", log)
+    current.append(compute)
+    events = []
+
+    class Event:
+        def __init__(self, *args, **kwargs):
+            self.name = f"event{len(events)}"
+            events.append(self)
+
+        def record(self, stream=None):
+            log.append(("record", self.name, stream.name))
+
+    @contextlib.contextmanager
+    def on(stream):
+        current.append(stream)
+        try:
+            yield
+        finally:
+            current.pop()
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: log.append(("record_stream", s.name)))
+    kv = KVCache(1, 1, 2, torch.float32, torch.device("cpu"), page_size=2, device_pages=3, host_pages=3)
+    kv.reserve("s", 6)
+    for page, where in zip(kv.pages_of("s"), layout):  # the layout by hand: the pools are both the CPU's
+        page.on_device = where == "D"
+    written = torch.arange(12, dtype=torch.float32).view(6, 1, 2)
+    kv.write(0, "s", 0, written, -written)
+    kv._copy_stream = copy
+    got = [(k.clone(), v.clone(), start) for k, v, start in kv.chunks(0, "s", 6)]
+    assert torch.equal(torch.cat([k for k, _, _ in got], 1).transpose(0, 1), written)
+    assert torch.equal(torch.cat([v for _, v, _ in got], 1).transpose(0, 1), -written)
+    host = [i for i, where in enumerate(layout) if where == "H"]
+    # one copy-stream copy a host page but the first (copied inline: nothing runs before it), each
+    # after the compute stream's work, its event waited for by the compute stream
+    assert len(events) == len(host) - (host[0] == 0)
+    for e in events:
+        recorded = log.index(("record", e.name, "copy"))
+        assert log[recorded - 1] == ("wait_stream", "copy", "compute") and ("wait_event", "compute", e.name) in log
