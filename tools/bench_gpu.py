@@ -98,6 +98,7 @@ def _gpu_memory(plan, model, after_load: int) -> dict:
                                              if c.split_k == plan.partition.split_k)),
             "after_load": fmt_bytes(after_load), "peak_allocated": fmt_bytes(peak),
             "peak_reserved": fmt_bytes(torch.cuda.max_memory_reserved()),
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
             "plan_working_set": fmt_bytes(priced), "working_set": fmt_bytes(measured),
             "working_set_over_plan": round(measured / priced, 3) if priced else None}
 
@@ -169,6 +170,14 @@ def streamed_prefill_ttft(engine: Engine, plan, prompts: list[list[int]], rounds
     finally:
         stage.streamed, engine.stream_chunk = streamed, step_tokens
     return out
+
+
+def _failed(e: BaseException) -> dict:
+    """A run that raised, as its result: the error and where it came from (the runs after it go on)."""
+    import traceback
+
+    return {"error": f"{type(e).__name__}: {e}"[:2000],
+            "traceback": traceback.format_exception(e)[-6:]}
 
 
 @contextlib.contextmanager
@@ -277,11 +286,17 @@ def targets(results: dict) -> dict:
             out[name] = {"value": value, "bound": bound, "verdict": "met" if met(value) else "missed"}
 
     capped = results.get("capped", {})
+    reserved = capped.get("helm", {}).get("gpu_memory", {}).get("peak_reserved_bytes")
+    cap = results.get("gpu_memory_cap_bytes")
+    if reserved is not None and cap:
+        # the plan for the cap, served: CUDA's allocator never held more than the cap
+        check("capped_peak_reserved_within_cap", round(reserved / cap, 3), "<= 1.0", lambda v: v <= 1.0)
     check("decode_vs_accelerate_at_cap", capped.get("decode_speedup"), f">= {TARGET_SPEEDUP}x",
           lambda v: v >= TARGET_SPEEDUP)
     for run in ("all_gpu", "all_gpu_compiled", "all_gpu_paged_decode"):
-        check(f"{run}_over_roofline", results.get(run, {}).get("over_roofline"), f"<= {TARGET_OVER_ROOFLINE}x",
-              lambda v: v <= TARGET_OVER_ROOFLINE)
+        if "invalid" not in results.get(run, {}):
+            check(f"{run}_over_roofline", results.get(run, {}).get("over_roofline"), f"<= {TARGET_OVER_ROOFLINE}x",
+                  lambda v: v <= TARGET_OVER_ROOFLINE)
 
     def gpu_decode_error(rows):
         errors = [r["error_pct"] for r in rows if r["device"] == "cuda" and r["phase"] == "decode"]
@@ -355,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny model, placeholder profile, no Accelerate")
     p.add_argument("--skip-accelerate", action="store_true")
     p.add_argument("--skip-capped", action="store_true", help="leave run 1 (the capped GPU) out")
+    p.add_argument("--skip-all-gpu", action="store_true",
+                   help="leave runs 2-4 (all on the GPU) out: run 1 alone, e.g. at a long prompt")
     p.add_argument("--compiled", action="store_true", help="run 3: run 2 with torch.compile (HELM_COMPILE=1)")
     p.add_argument("--paged-decode", action="store_true",
                    help="run 4: run 2 with the paged decode kernels (HELM_PAGED_DECODE=1) instead of SDPA")
@@ -386,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
 
     results: dict = {"model": size, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-                     "gpu_memory_cap": fmt_bytes(cap), "prompt_tokens": args.prompt_tokens,
+                     "gpu_memory_cap": fmt_bytes(cap), "gpu_memory_cap_bytes": cap, "prompt_tokens": args.prompt_tokens,
                      "new_tokens": args.new_tokens, "smoke": smoke}
     if machine.gpu is not None and machine.gpu.decode_block_ms is not None:
         # the profile's decode-block probe: the GPU's δ in the plans below (recalibration refits it)
@@ -397,45 +414,62 @@ def main(argv: list[str] | None = None) -> int:
 
     # 1. capped: HELM's plan against Accelerate
     if not args.skip_capped:
-        capped = make_plan(model_dir, machine, workload=workload, split_k=args.split,
-                           gpu_memory_bytes=min(cap, machine.gpu.vram_total_bytes))
-        with _env(COMPILE_ENV, "0"):
-            results["capped"] = {"helm": run_helm(model_dir, capped, config, ids, args.new_tokens, refit=True,
-                                                  smoke=smoke, ttft_prompts=[ids, prompt(args.long_prompt_tokens,
-                                                                                         config.vocab_size, seed=2)])}
+        try:
+            capped = make_plan(model_dir, machine, workload=workload, split_k=args.split,
+                               gpu_memory_bytes=min(cap, machine.gpu.vram_total_bytes))
+            with _env(COMPILE_ENV, "0"):
+                helm = run_helm(model_dir, capped, config, ids, args.new_tokens, refit=True, smoke=smoke,
+                                ttft_prompts=[ids, prompt(args.long_prompt_tokens, config.vocab_size, seed=2)])
+        except Exception as e:  # noqa: BLE001 - recorded; the runs after it go on
+            helm = _failed(e)
+        results["capped"] = {"helm": helm}
         save()
         if not smoke and not args.skip_accelerate:
-            results["capped"]["accelerate"] = run_accelerate(model_dir, ids, args.new_tokens, cap)
-            acc, helm = results["capped"]["accelerate"], results["capped"]["helm"]
-            results["capped"]["decode_speedup"] = round(helm["decode_tok_s"] / acc["decode_tok_s"], 2)
-            results["capped"]["ttft_speedup"] = round(acc["ttft_ms"] / helm["ttft_ms"], 2)
+            try:
+                acc = run_accelerate(model_dir, ids, args.new_tokens, cap)
+            except Exception as e:  # noqa: BLE001
+                acc = _failed(e)
+            results["capped"]["accelerate"] = acc
+            if "error" not in acc and "error" not in helm:
+                results["capped"]["decode_speedup"] = round(helm["decode_tok_s"] / acc["decode_tok_s"], 2)
+                results["capped"]["ttft_speedup"] = round(acc["ttft_ms"] / helm["ttft_ms"], 2)
+            save()
 
     # 2. all on the GPU, at the context (3. again, compiled)
     long_ids = prompt(max(1, args.context - args.new_tokens), config.vocab_size, seed=1)
-    all_gpu = make_plan(model_dir, machine, workload=workload_for(len(long_ids), args.new_tokens), split_k=0,
+    all_gpu = None if args.skip_all_gpu else make_plan(model_dir, machine, workload=workload_for(len(long_ids), args.new_tokens), split_k=0,
                         allow_infeasible=True)
-    roofline = hbm_roofline_ms(all_gpu, args.context) if all_gpu.machine.gpu else float("nan")
-    gemv = all_gpu.machine.gpu.gemv_gibps if all_gpu.machine.gpu else None
-    runs = [("all_gpu", False, False)] + ([("all_gpu_compiled", True, False)] if args.compiled else []) \
+    roofline = hbm_roofline_ms(all_gpu, args.context) if all_gpu and all_gpu.machine.gpu else float("nan")
+    gemv = all_gpu.machine.gpu.gemv_gibps if all_gpu and all_gpu.machine.gpu else None
+    runs = [] if args.skip_all_gpu else [("all_gpu", False, False)] \
+        + ([("all_gpu_compiled", True, False)] if args.compiled else []) \
         + ([("all_gpu_paged_decode", False, True)] if args.paged_decode else [])
     for name, compiled, paged in runs:
-        with _env(COMPILE_ENV, "1" if compiled else "0"), _env(PAGED_DECODE_ENV, "1" if paged else "0"):
-            run = run_helm(model_dir, all_gpu, config, long_ids, args.new_tokens, eager_too=name == "all_gpu",
-                           profile=True, smoke=smoke)
+        try:
+            with _env(COMPILE_ENV, "1" if compiled else "0"), _env(PAGED_DECODE_ENV, "1" if paged else "0"):
+                run = run_helm(model_dir, all_gpu, config, long_ids, args.new_tokens, eager_too=name == "all_gpu",
+                               profile=True, smoke=smoke)
+        except Exception as e:  # noqa: BLE001 - recorded; the runs after it go on
+            results[name] = _failed(e)
+            save()
+            continue
         run["hbm_roofline_ms"] = round(roofline, 3)
         run["over_roofline"] = round(run["decode_ms_per_token"] / roofline, 2) if roofline == roofline else None
         if gemv:  # the weights at the rate the profile's one-token matmul streamed them, KV at HBM's
             run["projection_rate_ms"] = round(hbm_roofline_ms(all_gpu, args.context, gemv), 3)
+        # a run that fell back from what it was to measure (the step logs why) says so, and scores nothing
+        if compiled and not run.get("compiled"):
+            run["invalid"] = "torch.compile did not take the decode step (see the log)"
+        if paged and not run.get("paged_decode"):
+            run["invalid"] = "the paged decode kernels did not take the decode step (see the log)"
         results[name] = run
         save()
-    if args.compiled:
-        # compiled over not (both as CUDA graphs where there is CUDA)
-        results["all_gpu_compiled"]["vs_uncompiled"] = round(
-            results["all_gpu_compiled"]["decode_ms_per_token"] / results["all_gpu"]["decode_ms_per_token"], 3)
-    if args.paged_decode:
-        # the paged kernels over SDPA on gathered pages (both as CUDA graphs where there is CUDA)
-        results["all_gpu_paged_decode"]["vs_sdpa"] = round(
-            results["all_gpu_paged_decode"]["decode_ms_per_token"] / results["all_gpu"]["decode_ms_per_token"], 3)
+    base = results.get("all_gpu", {})
+    for name, key in (("all_gpu_compiled", "vs_uncompiled"), ("all_gpu_paged_decode", "vs_sdpa")):
+        # compiled over not; the paged kernels over SDPA on gathered pages (all as CUDA graphs)
+        run = results.get(name, {})
+        if "decode_ms_per_token" in run and "decode_ms_per_token" in base and "invalid" not in run:
+            run[key] = round(run["decode_ms_per_token"] / base["decode_ms_per_token"], 3)
 
     results["targets"] = targets(results)
     save()
@@ -447,11 +481,16 @@ def main(argv: list[str] | None = None) -> int:
                      f"δ {b['delta_ms_per_block']} ms per block ({b['block']})")
     if "capped" in results:
         c = results["capped"]
-        lines.append(f"capped at {fmt_bytes(cap)}: HELM k={c['helm']['split_k']} {c['helm']['decode_tok_s']} tok/s "
-                     f"(predicted {c['helm']['predicted_ms_per_token']} ms/token, measured "
-                     f"{c['helm']['decode_ms_per_token']})" + (f"; Accelerate {c['accelerate']['decode_tok_s']} tok/s: "
-                                                               f"{c['decode_speedup']}x" if "accelerate" in c else ""))
-        if "accelerate" in c:
+        for who in ("helm", "accelerate"):
+            if "error" in c.get(who, {}):
+                lines.append(f"capped at {fmt_bytes(cap)}: {who} failed: {c[who]['error'][:300]}")
+        if "error" not in c["helm"]:
+            lines.append(f"capped at {fmt_bytes(cap)}: HELM k={c['helm']['split_k']} {c['helm']['decode_tok_s']} tok/s "
+                         f"(predicted {c['helm']['predicted_ms_per_token']} ms/token, measured "
+                         f"{c['helm']['decode_ms_per_token']})" + (
+                             f"; Accelerate {c['accelerate']['decode_tok_s']} tok/s: {c['decode_speedup']}x"
+                             if "decode_speedup" in c else ""))
+        if "ttft_speedup" in c:
             lines.append(f"TTFT at {args.prompt_tokens} tokens: HELM {c['helm']['ttft_ms']} ms, Accelerate "
                          f"{c['accelerate']['ttft_ms']} ms: {c['ttft_speedup']}x")
         for key, t in c["helm"].get("streamed_prefill", {}).items():
@@ -461,6 +500,9 @@ def main(argv: list[str] | None = None) -> int:
                              f"{t['cpu_ms']} ms: {t['speedup']}x")
     for name, _, _ in runs:
         run = results[name]
+        if "error" in run:
+            lines.append(f"{name} failed: {run['error'][:300]}")
+            continue
         profile = run.get("decode_profile", {})
         launches = (f", {profile['kernels_per_step']} kernels a step" if "kernels_per_step" in profile
                     else f", {profile['ops_per_step']} ops a step" if "ops_per_step" in profile else "")
@@ -469,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"{label} at context {args.context}: "
                      f"{run['decode_ms_per_token']} ms/token (predicted {run['predicted_ms_per_token']}), "
                      f"HBM roofline {run['hbm_roofline_ms']} ms "
-                     f"({run['over_roofline']}x){launches}")
+                     f"({run['over_roofline']}x){launches}" + (f" INVALID: {run['invalid']}" if "invalid" in run else ""))
     print("\n" + "\n".join(lines), file=sys.stderr)
     return 0
 

@@ -92,3 +92,60 @@ def test_the_targets_verdicts_follow_their_bounds():
     assert t["gpu_stage_predicted_first_plan"] == {"value": -12.5, "bound": "|error| <= 10.0%", "verdict": "missed"}
     assert t["gpu_stage_predicted_after_fit"]["verdict"] == "met"
     assert "all_gpu_stage_predicted_first_plan" not in t and "all_gpu_compiled_over_roofline" not in t
+
+
+def test_a_run_that_raises_is_recorded_and_the_runs_after_it_go_on(tmp_path, capsys, monkeypatch):
+    """On a lent GPU a run that fails (a torch.compile or a capture never tried on that torch)
+    must not take the runs after it down: its error is recorded, the next run measures. A run
+    whose decode step fell back from what it was to measure (the paged kernels) is marked
+    invalid and scores no target."""
+    import os
+
+    from executor import paged_decode
+
+    run_helm = bench_gpu.run_helm
+
+    def compiled_fails(*args, **kwargs):
+        if os.environ.get(bench_gpu.COMPILE_ENV) == "1":
+            raise RuntimeError("compile failed for the test")
+        return run_helm(*args, **kwargs)
+
+    monkeypatch.setattr(bench_gpu, "run_helm", compiled_fails)
+    # the paged run's step falls back to SDPA, as where Triton cannot be imported
+    monkeypatch.setattr(paged_decode, "triton", None)
+    monkeypatch.setattr(paged_decode, "_NO_TRITON", "no Triton, for the test", raising=False)
+    out = tmp_path / "bench.json"
+    assert bench_gpu.main(["--smoke", "--work", str(tmp_path / "work"), "--new-tokens", "6", "--prompt-tokens", "8",
+                           "--context", "32", "--skip-capped", "--compiled", "--paged-decode", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert "compile failed for the test" in results["all_gpu_compiled"]["error"]
+    assert results["all_gpu_compiled"]["traceback"]
+    paged = results["all_gpu_paged_decode"]
+    assert paged["decode_ms_per_token"] > 0 and not paged["paged_decode"] and "paged decode" in paged["invalid"]
+    assert "vs_sdpa" not in paged and "all_gpu_paged_decode_over_roofline" not in results["targets"]
+    assert "all_gpu_over_roofline" in results["targets"]
+    err = capsys.readouterr().err
+    assert "all_gpu_compiled failed: RuntimeError: compile failed for the test" in err and "INVALID" in err
+
+
+def test_skip_all_gpu_runs_the_capped_run_alone(tmp_path):
+    out = tmp_path / "bench.json"
+    assert bench_gpu.main(["--smoke", "--work", str(tmp_path / "work"), "--new-tokens", "6", "--prompt-tokens", "8",
+                           "--long-prompt-tokens", "16", "--skip-all-gpu", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results["capped"]["helm"]["decode_tok_s"] > 0
+    assert not any(k.startswith("all_gpu") for k in results)
+
+
+def test_the_cap_target_is_what_the_allocator_held_over_the_cap():
+    """capped_peak_reserved_within_cap: CUDA's peak reserved bytes while HELM served the plan
+    made for the cap, over the cap."""
+    gib = 1 << 30
+    held = {"capped": {"helm": {"stages": [], "gpu_memory": {"peak_reserved_bytes": 7 * gib}}},
+            "gpu_memory_cap_bytes": 8 * gib}
+    assert bench_gpu.targets(held)["capped_peak_reserved_within_cap"] == {
+        "value": 0.875, "bound": "<= 1.0", "verdict": "met"}
+    held["capped"]["helm"]["gpu_memory"]["peak_reserved_bytes"] = 9 * gib
+    assert bench_gpu.targets(held)["capped_peak_reserved_within_cap"]["verdict"] == "missed"
+    invalid = {"all_gpu_paged_decode": {"over_roofline": 1.1, "invalid": "fell back"}}
+    assert "all_gpu_paged_decode_over_roofline" not in bench_gpu.targets(invalid)
