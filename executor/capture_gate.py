@@ -6,7 +6,8 @@ the loading thread while the old engine steps on its own. CUDA forbids synchroni
 `torch.cuda.synchronize` (freeing a finished sequence's pinned pages, the lost-device check)
 would fail its step and invalidate the capture, and a failed capture fails the load. So each
 capture waits for the steps under way to end and holds new ones back until it is done
-(milliseconds a bucket: the warm-up and any compile run before, outside the gate).
+(milliseconds a bucket: a warm-up step on the capture stream and the capture; the warm-up that
+compiles runs before, outside the gate).
 """
 from __future__ import annotations
 

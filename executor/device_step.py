@@ -275,14 +275,13 @@ class ResidentDecode:
         index = torch.full((rows, 3 + pages), self.pool.scratch_slot, dtype=torch.int64, device=self.device)
         index[:, _POSITION] = 0
         index[:, _WRITE_ROW] = 0
-        # Warm up on the stream the capture uses (one for every bucket: cuBLAS keeps a workspace
-        # per stream): cuBLAS handles and workspaces, SDPA's kernel choice.
+        # Warm up on this thread's stream, outside the gate: compiles (torch.compile's, Triton's),
+        # SDPA's kernel choice, cuBLAS's handle. Not on the capture stream: it is one of PyTorch's
+        # pooled streams, which graphs of another model may have been captured on with this
+        # thread's cuBLAS handle, and a graph replays with the workspace cuBLAS kept for that
+        # (handle, stream): GEMMs there while those graphs replay would share their scratch memory.
         current = torch.cuda.current_stream(self.device)
-        self._side.wait_stream(current)
-        with torch.cuda.stream(self._side):
-            for _ in range(2):
-                self.step(x.clone(), index)
-        current.wait_stream(self._side)
+        self.step(x.clone(), index)
         graph = torch.cuda.CUDAGraph()
         # the warm-up compiled what the capture runs: a compile inside it (Triton's autotuning
         # synchronises) would break the capture, so one fails at once, saying so. The stance is the
@@ -290,6 +289,13 @@ class ResidentDecode:
         # (whose compiled steps may still need to recompile).
         with contextlib.ExitStack() as held:
             held.enter_context(GATE.capture())
+            # Once no other engine's step is under way or running on the device: a step on the
+            # capture stream, so its cuBLAS workspace exists before the capture records it
+            torch.cuda.synchronize(self.device)
+            self._side.wait_stream(current)
+            with torch.cuda.stream(self._side):
+                self.step(x.clone(), index)
+            current.wait_stream(self._side)
             if self.compiled:
                 held.enter_context(torch.compiler.set_stance("fail_on_recompile"))
             held.enter_context(torch.cuda.graph(graph, pool=self._mempool, stream=self._side,

@@ -372,3 +372,63 @@ def test_a_half_precision_qkv_gives_the_logits_of_its_widening(checkpoint, arch,
             logits.append(helm_teacher_forced_logits(path, ids, prefill=20, split=1, backend="torch",
                                                      device_kv_pages=pages, kv_slab=True))
         assert torch.equal(logits[0], logits[1]), pages
+
+
+def test_no_gemm_runs_on_the_capture_stream_beside_other_engines_steps(checkpoint, monkeypatch):
+    """The capture stream is one of PyTorch's pooled streams: another model's graphs may have
+    been captured on it with this thread's cuBLAS handle, and replay with the workspace cuBLAS
+    keeps for that (handle, stream). So the warm-up that compiles runs on this thread's stream,
+    and the step on the capture stream (its workspace made before the capture) only while the
+    gate holds every other engine's step back, the device synchronised. The capture on the CPU:
+    streams, the graph and its context logged."""
+    import contextlib
+
+    from executor.capture_gate import GATE
+
+    path = checkpoint("qwen3", "fp32")
+    cfg = ModelConfig.from_dir(path)
+    placement = Placement.from_split(cfg.num_units, 1, page_size_tokens=4, device_kv_pages=12)
+    model = load_model(path, placement, cfg, backend="torch", kv_slab=True)
+    step = model.stages[1].fused
+    log, current = [], ["this thread's"]
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(("wait", self.name, other.name))
+
+    @contextlib.contextmanager
+    def on(stream):
+        current.append(stream.name)
+        try:
+            yield
+        finally:
+            current.pop()
+
+    @contextlib.contextmanager
+    def graph(g, pool=None, stream=None, capture_error_mode=None):
+        current.append(stream.name)
+        log.append(("capture", stream.name, GATE._captures))
+        try:
+            yield
+        finally:
+            current.pop()
+
+    run = ResidentDecode.step
+    monkeypatch.setattr(ResidentDecode, "step", lambda self, x, index: (
+        log.append(("step", current[-1], GATE._captures)), run(self, x, index))[1])
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(current[-1]))
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append(("synchronize", GATE._captures)))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(step, "_side", Stream("capture"))
+    step._capture(2, 2)
+    steps = [e for e in log if e[0] == "step"]
+    assert steps[0] == ("step", "this thread's", 0)          # the warm-up: outside the gate
+    assert all(held for _, where, held in steps if where == "capture")   # the capture stream: inside it
+    on_capture_stream = log.index(("step", "capture", 1))
+    assert ("synchronize", 1) in log[:on_capture_stream] and log[-2:] == [("capture", "capture", 1),
+                                                                          ("step", "capture", 1)]
