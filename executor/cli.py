@@ -52,6 +52,16 @@ def _seconds(text: str, zero_ok: bool = False) -> float:
     return value
 
 
+def _size(text: str) -> int:
+    from planner.errors import PlanError
+    from planner.units import parse_bytes
+
+    try:
+        return parse_bytes(text, "--gpu-memory")   # positive, or PlanError
+    except PlanError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _client(args):
     from executor.server.auth import ClientAuth
     from executor.server.client import ExecutorClient
@@ -119,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
                                              "aborted (default 30; 0 aborts them at once)")
     srv.add_argument("--stall-timeout", type=_seconds, default=30.0, metavar="SECONDS",
                      help="cut off a Generate stream whose client has not read for this long (default 30)")
+    srv.add_argument("--gpu-memory", type=_size, metavar="SIZE",
+                     help="hold the daemon's GPU allocations to SIZE, e.g. 8GiB (what PyTorch's allocator may "
+                          "reserve; the CUDA context comes on top): a plan priced above it is refused at load, an "
+                          "allocation beyond it fails its request, not the daemon (default: no cap)")
     srv.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                      help="compute every prompt in full (default: a prompt that starts as an earlier request of the "
                           "same caller did reuses its K/V, kept in the plan's KV budget while room allows)")

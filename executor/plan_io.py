@@ -19,6 +19,7 @@ from planner.errors import PlanError
 from planner.plan import Plan, load_plan, parse_plan
 from planner.profile import meminfo
 from planner.step_shape import running_sequences
+from planner.units import fmt_bytes
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,23 @@ def fit_page_size(placement: Placement, config: ModelConfig) -> Placement:
 def host_memory_available() -> int | None:
     """MemAvailable in bytes; None where it cannot be read."""
     return meminfo()[1] or None
+
+
+def plan_gpu_bytes(plan: Plan) -> int:
+    """What the plan priced for the GPU at its split (weights, device KV pages, working set)."""
+    return next((c.gpu_bytes for c in plan.search.candidates if c.split_k == plan.partition.split_k), 0)
+
+
+def check_gpu_memory_fits(plan: Plan, cap_bytes: int | None) -> None:
+    """A plan whose GPU stage is priced at more than `cap_bytes` (the daemon's --gpu-memory) is
+    refused before anything loads: under the cap its allocations would fail mid-load or mid-request."""
+    if cap_bytes is None:
+        return
+    need = plan_gpu_bytes(plan)
+    if need > cap_bytes:
+        raise PlacementError(f"the plan's GPU stage needs {fmt_bytes(need)} of GPU memory (weights, KV pages, working "
+                             f"set), over this daemon's --gpu-memory of {fmt_bytes(cap_bytes)}: plan again with "
+                             f"`helm-plan plan --gpu-memory {fmt_bytes(cap_bytes).replace(' ', '')}`")
 
 
 def check_host_kv_fits(placement: Placement, config: ModelConfig, sequences: int,

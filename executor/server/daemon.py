@@ -30,7 +30,8 @@ from executor.errors import (DeviceLostError, HelmError, LoadInProgressError, No
                              PlanLoadError, PlanNotFoundError, RequestError, RequestFailedError, ShuttingDownError)
 from executor.loader import load_model
 from executor.model_config import ModelConfig
-from executor.plan_io import check_host_kv_fits, check_plan_fits, load_checked_plan, placement_for
+from executor.plan_io import (check_gpu_memory_fits, check_host_kv_fits, check_plan_fits, load_checked_plan,
+                              placement_for)
 from executor.report import Recorder, kernel_isa
 from executor.request_params import SamplingParams, StopCriteria
 from executor.server.messages import (MAX_PROMPT_BYTES_PER_TOKEN, GenerateSpec, GenerationResult, LoadResult,
@@ -64,10 +65,26 @@ class _Serving:
     max_running: int  # the most sequences its engine runs at once (--max-batch, within what the plan priced)
 
 
+def cap_gpu_memory(cap_bytes: int) -> None:
+    """Hold what PyTorch's CUDA allocator may reserve in this process to cap_bytes (the CUDA
+    context and libraries' handles come on top): an allocation beyond it raises OutOfMemoryError,
+    which fails that request or that plan's load, and the daemon goes on serving; so the daemon
+    shares a GPU (a desktop, another process) within a known bound. Without CUDA there is nothing to
+    hold (plans are still checked against the cap at load)."""
+    if cap_bytes < 1:
+        raise ValueError(f"--gpu-memory must be positive, got {cap_bytes}")
+    if not torch.cuda.is_available():
+        log.warning("--gpu-memory: no CUDA device here; plans are checked against it, nothing is capped")
+        return
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), 0)
+    log.info("GPU memory capped", extra={"fields": {"cap_bytes": cap_bytes, "device_bytes": total}})
+
+
 class Daemon:
     def __init__(self, model_dir: str | Path, max_batch: int = MAX_RUNNING_SEQUENCES, max_queue: int = 64,
                  backend: str = "auto", threads: int | None = None, plan_dir: str | Path | None = None,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, gpu_memory_bytes: int | None = None):
 
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")
@@ -80,6 +97,9 @@ class Daemon:
         self.plan_dir = Path(plan_dir) if plan_dir is not None else None  # LoadPlan paths; None: inline only
         if self.plan_dir is not None and not self.plan_dir.is_dir():
             raise ValueError(f"--plan-dir {plan_dir}: not a directory")
+        self.gpu_memory_bytes = gpu_memory_bytes  # --gpu-memory: what every plan's GPU stage may hold
+        if gpu_memory_bytes is not None:
+            cap_gpu_memory(gpu_memory_bytes)
         self.state = "loading"  # loading | serving | draining
         self.on_state_change = lambda state: None  # health checking hooks in here
         self.on_step = lambda phase, devices, stage_ms: None  # metrics hook in here (engine threads)
@@ -116,6 +136,7 @@ class Daemon:
         t0 = time.perf_counter()
         plan = check_plan_fits(source.plan, self.model_dir, self.config) if source.plan is not None else \
             load_checked_plan("plan", self.model_dir, self.config, text=self._plan_text(source))
+        check_gpu_memory_fits(plan, self.gpu_memory_bytes)
         placement = placement_for(plan, self.config, cpu_threads=self.threads)
         check_host_kv_fits(placement, self.config, self.max_batch)
         failure = None

@@ -182,7 +182,8 @@ def serve(args) -> int:
         startup_plan, plan_model_dir = read_startup_plan(args.plan) if args.plan else (None, None)
         model_dir = args.model or plan_model_dir
         daemon = Daemon(model_dir, max_batch=args.max_batch, max_queue=args.max_queue, backend=args.kernels,
-                        threads=args.threads, plan_dir=args.plan_dir, prefix_cache=args.prefix_cache)
+                        threads=args.threads, plan_dir=args.plan_dir, prefix_cache=args.prefix_cache,
+                        gpu_memory_bytes=args.gpu_memory)
         if args.metrics_port is not None:
             from executor.server.metrics import DaemonMetrics
 

@@ -73,13 +73,16 @@ def hf_greedy(path, prompt, max_new_tokens):
 
 
 def helm_teacher_forced_logits(path, ids, prefill: int, split=None, backend="auto", device_kv_pages=None,
-                               kv_slab=None) -> torch.Tensor:
+                               kv_slab=None, loaded=None) -> torch.Tensor:
     """Logits at every position of ids: one prefill step over ids[:prefill], then one decode step
-    per remaining token (the KV cache path), as [len(ids), V] fp32."""
+    per remaining token (the KV cache path), as [len(ids), V] fp32. loaded: called with the
+    model once it is loaded (to look at which paths it took)."""
     cfg = ModelConfig.from_dir(path)
     placement = Placement.from_split(cfg.num_units, cfg.num_units if split is None else split, page_size_tokens=16,
                                      device_kv_pages=device_kv_pages)
     model = load_model(path, placement, cfg, backend=backend, kv_slab=kv_slab)
+    if loaded is not None:
+        loaded(model)
     rows = []
 
     def run(start, count, all_rows):

@@ -249,6 +249,8 @@ def test_cpu_threads_come_from_the_plan_unless_overridden(checkpoint, capsys, tm
     (["serve", "--model", "m", "--metrics-port", "65536"], "a port is 0..65535"),
     (["serve", "--model", "m", "--drain-timeout", "nan"], "seconds >= 0"),
     (["serve", "--model", "m", "--stall-timeout", "-1"], "seconds > 0"),
+    (["serve", "--model", "m", "--gpu-memory", "8gb"], "is in bits"),
+    (["serve", "--model", "m", "--gpu-memory", "0"], "must be a positive size"),
     (["generate", "--addr", "127.0.0.1:1", "--prompt-ids", "1", "--timeout", "inf"], "seconds > 0"),
     (["info", "--addr", "127.0.0.1:1", "--wait", "nan"], "seconds >= 0"),
     (["generate", "--model", "m", "--prompt-ids", "1", "--stop-ids", "a"], "--stop-ids: expected comma-separated"),

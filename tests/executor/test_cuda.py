@@ -47,27 +47,41 @@ def test_bf16_logits_on_cuda_no_further_from_fp32_than_transformers_bf16(checkpo
                                                                          monkeypatch):
     """The CUDA stage multiplies in bf16 with fp32 accumulation, like transformers' bf16 model on
     CUDA: its logits are no further from transformers' fp32 run than that model's, and its
-    argmax agrees wherever the reference's top-2 margin is wider than that error. Both decode
-    paths: streaming (unbounded pool) and the static step over the slab (graphs), its blocks
-    compiled by torch.compile where HELM_COMPILE=1 (the bf16 branches production compiles), its
-    attention by the paged Triton kernels where HELM_PAGED_DECODE=1."""
+    argmax agrees wherever the reference's top-2 margin is wider than that error; at k = 0 (all
+    on the GPU), mid and L+1 (the head alone on the GPU). Both decode paths: streaming (unbounded
+    pool) and the static step over the slab (graphs), its blocks compiled by torch.compile where
+    HELM_COMPILE=1 (the bf16 branches production compiles), its attention by the paged Triton
+    kernels where HELM_PAGED_DECODE=1 (which must take the step: a fallback to SDPA fails)."""
+    from executor.device_step import ResidentDecode
+    from executor.model_config import ModelConfig
+
     monkeypatch.setenv("HELM_COMPILE", compiled)
     monkeypatch.setenv("HELM_PAGED_DECODE", paged)
     path = checkpoint(arch, "bf16")
+    units = ModelConfig.from_dir(path).num_units
     ids = prompt_ids(52, 256, seed=5)
     with torch.no_grad():
         want = hf_model(path, torch.float32)(torch.tensor([ids])).logits[0].float()
         half = hf_model(path, torch.bfloat16).cuda()
         own_err = (half(torch.tensor([ids]).cuda()).logits[0].float().cpu() - want).abs().max().item()
     top2 = want.topk(2, dim=-1).values
-    for pages in (None, 8):
-        got = helm_teacher_forced_logits(path, ids, prefill=20, split=1, device_kv_pages=pages).cpu()
-        err = (got - want).abs().max().item()
-        print(f"{arch} bf16 on CUDA, device pages {pages}: max |logit diff| {err:.3f}, transformers bf16 {own_err:.3f}")
-        assert err <= own_err
-        # With every logit within err, the top two can swap only where their margin is under 2·err.
-        decided = (top2[:, 0] - top2[:, 1]) > 2 * err
-        assert torch.equal(got.argmax(-1)[decided], want.argmax(-1)[decided])
+
+    def took_the_step(model):
+        step = model.stages[-1].fused
+        if model.stages[-1].unit_start < units - 1:  # a stage with blocks: its static decode step
+            assert isinstance(step, ResidentDecode) and step.paged == (paged == "1") \
+                and step.compiled == (compiled == "1"), (step.paged, step.compiled)
+    for split in (0, units // 2, units - 1):
+        for pages in (None, 8):
+            got = helm_teacher_forced_logits(path, ids, prefill=20, split=split, device_kv_pages=pages,
+                                             loaded=took_the_step if pages else None).cpu()
+            err = (got - want).abs().max().item()
+            print(f"{arch} bf16 on CUDA, split {split}, device pages {pages}: max |logit diff| {err:.3f}, "
+                  f"transformers bf16 {own_err:.3f}")
+            assert err <= own_err, split
+            # With every logit within err, the top two can swap only where their margin is under 2·err.
+            decided = (top2[:, 0] - top2[:, 1]) > 2 * err
+            assert torch.equal(got.argmax(-1)[decided], want.argmax(-1)[decided]), split
 
 
 def test_cuda_stage_is_timed_with_events(checkpoint):
@@ -171,16 +185,30 @@ def test_paged_decode_kernels_in_cuda_graphs_match_transformers(checkpoint, arch
     assert got == [hf_greedy(path, long[0], 14)]
 
 
-def test_prefetch_reads_what_the_compute_stream_wrote_in_a_loop(checkpoint):
+@pytest.mark.parametrize("slow_writes", [False, True])
+def test_prefetch_reads_what_the_compute_stream_wrote_in_a_loop(checkpoint, slow_writes, monkeypatch):
     """Issue 11 item 1: a page that starts on the host (the device pool is full of partial pages)
     is filled by a prompt chunk on the compute stream and prefetched on the copy stream in the
-    same layer; without the copy stream waiting, attention reads stale pinned memory."""
+    same layer; without the copy stream waiting, attention reads stale pinned memory. slow_writes:
+    every write into a host page starts after a spin on the compute stream, so a prefetch that
+    does not wait for it reads the page before the write lands every time, not by chance."""
+    from executor.kv_cache import KVCache
+
+    written, write = [], KVCache._write_host_page
+
+    def counted(dst, slot, k, v):
+        written.append(k.shape[0])
+        if slow_writes:
+            torch.cuda._sleep(500_000)  # cycles: longer than a page's copy
+        return write(dst, slot, k, v)
+    monkeypatch.setattr(KVCache, "_write_host_page", staticmethod(counted))
     path = checkpoint("qwen3", "fp32")
     prompts = [prompt_ids(n, 256, seed=n) for n in (40, 11, 27)]
     want, _ = helm_generate(path, prompts, max_new_tokens=12)
-    for i in range(20):
+    for i in range(5 if slow_writes else 20):
+        written.clear()
         got, model = helm_generate(path, prompts, split=1, max_new_tokens=12, page_size=8, device_kv_pages=2)
-        assert model.stages[1].kv.stats().evictions > 0
+        assert model.stages[1].kv.stats().evictions > 0 and written  # host pages were written
         assert got == want, f"iteration {i}"
 
 
@@ -293,6 +321,64 @@ def test_a_vram_cap_holds_under_16_concurrent_requests_at_the_plans_context(chec
         assert most == 4 and len(replays) > 100
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def test_the_daemon_under_its_gpu_memory_cap_serves_16_concurrent_streams_at_the_plans_context(
+        checkpoint, tmp_path):
+    """Issue 11 item 7, through the daemon: `serve --gpu-memory` at the plan's GPU bytes and a
+    margin (cuBLAS's workspaces, the allocator's rounding) caps PyTorch's allocator in the daemon's
+    process; 16 concurrent Generate streams, each at the plan's context (prompt + new tokens), all
+    finish or are refused before their first token (the queue), none fails mid-stream (an OOM
+    would), the daemon logs no OutOfMemoryError; a request beyond the context is refused up front."""
+    import threading
+
+    import grpc
+
+    from executor.pb import executor_pb2 as pb
+    from executor.plan_io import plan_gpu_bytes
+    from executor.server.client import ExecutorClient
+    from planner.plan import load_plan, save_plan
+    from planner.planning import plan_for_split, workload_for
+    from tests.executor.daemon.helpers import collect, serving_daemon
+
+    path = checkpoint("qwen3", "bf16", max_position_embeddings=4096)
+    plan_file = tmp_path / "plan.yaml"
+    save_plan(plan_for_split(path, 1, page_size_tokens=64,
+                             workload=workload_for(300, 212, batch_size=4, context_tokens=512)), plan_file)
+    cap = plan_gpu_bytes(load_plan(plan_file)) + (128 << 20)
+    args = ["--plan", str(plan_file), "--gpu-memory", str(cap), "--max-batch", "4", "--max-queue", "16"]
+    with serving_daemon(args, tmp_path / "daemon.log") as daemon, ExecutorClient(daemon.addr) as client:
+        def request(i, prompt_tokens=300, new_tokens=212):
+            return pb.GenerateRequest(request_id=f"r{i}", token_ids=pb.TokenIds(ids=prompt_ids(prompt_tokens, 1024, seed=i)),
+                                      stopping=pb.StoppingCriteria(max_new_tokens=new_tokens, ignore_eos=True))
+        results, refused, failed = {}, [], []
+
+        def run(i):
+            tokens = 0
+            try:
+                for msg in client.stub.Generate(request(i), timeout=300):
+                    if msg.HasField("token"):
+                        tokens += 1
+                    else:
+                        results[i] = (tokens, msg.result.finish_reason)
+            except grpc.RpcError as e:
+                (refused if tokens == 0 and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else failed).append(
+                    (i, tokens, e.code(), e.details()))
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(330)
+        assert not failed, failed
+        assert len(results) + len(refused) == 16 and len(results) >= 4
+        assert all(r == (212, pb.FINISH_REASON_LENGTH) for r in results.values()), results
+        with pytest.raises(grpc.RpcError) as err:
+            collect(client.stub.Generate(request(99, prompt_tokens=400, new_tokens=200), timeout=60))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "context" in err.value.details()
+        print(f"\n16 streams under a {cap / 2**20:.0f} MiB cap: {len(results)} finished, {len(refused)} refused "
+              "up front (queue full)")
+    log = (tmp_path / "daemon.log").read_text()
+    assert "OutOfMemoryError" not in log and "GPU memory capped" in log
 
 
 def test_the_plans_gpu_bytes_bound_what_the_gpu_stage_allocates(checkpoint):

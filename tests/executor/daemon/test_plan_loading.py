@@ -224,3 +224,26 @@ def test_steps_served_while_another_plan_loads_are_not_measured(model, plan_dir,
         assert daemon.report(first).steps == measured
     finally:
         daemon.close()
+
+
+def test_a_plan_priced_above_the_daemons_gpu_memory_is_refused_and_the_old_plan_serves(model, plan_dir):
+    """--gpu-memory: a plan whose GPU stage is priced above it is refused before anything loads,
+    naming both sizes and how to plan for the cap; one within it loads. (On CUDA the cap also
+    holds PyTorch's allocator: tests/executor/test_cuda.py.)"""
+    from executor.plan_io import plan_gpu_bytes
+
+    need = plan_gpu_bytes(load_plan(plan_dir / "good.yaml"))
+    assert need > 0   # split 2: the rest of the tiny model on the GPU stage
+    daemon = Daemon(model, plan_dir=plan_dir, gpu_memory_bytes=need)
+    try:
+        daemon.load_plan(PlanSource(path="good.yaml"))
+        assert_serves_split_2(daemon, model)
+        daemon.gpu_memory_bytes = need - 1
+        with pytest.raises(PlacementError, match=r"over this daemon's --gpu-memory of .*helm-plan plan --gpu-memory"):
+            daemon.load_plan(PlanSource(path="good.yaml"))
+        assert daemon.state == "serving"
+        assert_serves_split_2(daemon, model)
+    finally:
+        daemon.close()
+    with pytest.raises(ValueError, match="must be positive"):
+        Daemon(model, gpu_memory_bytes=0)
