@@ -298,7 +298,14 @@ class ResidentDecode:
             current.wait_stream(self._side)
             if self.compiled:
                 held.enter_context(torch.compiler.set_stance("fail_on_recompile"))
-            held.enter_context(torch.cuda.graph(graph, pool=self._mempool, stream=self._side,
-                                                capture_error_mode="thread_local"))
-            out = self.step(x, index)
+            try:
+                with torch.cuda.graph(graph, pool=self._mempool, stream=self._side,
+                                      capture_error_mode="thread_local"):
+                    out = self.step(x, index)
+            except BaseException:
+                # torch.cuda.graph's exit leaves the capture stream current on this thread where
+                # ending the capture raises: a later load on this thread (a gRPC worker's) would
+                # queue its work there
+                torch.cuda.set_stream(current)
+                raise
         return _Graph(graph, x, index, out)

@@ -432,3 +432,17 @@ def test_no_gemm_runs_on_the_capture_stream_beside_other_engines_steps(checkpoin
     on_capture_stream = log.index(("step", "capture", 1))
     assert ("synchronize", 1) in log[:on_capture_stream] and log[-2:] == [("capture", "capture", 1),
                                                                           ("step", "capture", 1)]
+
+    # a capture whose end raises (as torch.cuda.graph's exit does, leaving its stream current):
+    # the thread's own stream is current again, and the gate is let go
+    @contextlib.contextmanager
+    def failing(g, pool=None, stream=None, capture_error_mode=None):
+        current.append(stream.name)
+        yield
+        raise RuntimeError("capture invalidated")
+
+    monkeypatch.setattr(torch.cuda, "graph", failing)
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: current.append(stream.name))
+    with pytest.raises(RuntimeError, match="capture invalidated"):
+        step._capture(2, 2)
+    assert current[-1] == "this thread's" and GATE._captures == 0
