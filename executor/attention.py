@@ -9,6 +9,7 @@ float rounding), and only one page at a time needs to be on the device.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import TYPE_CHECKING, Iterable, Iterator
 
@@ -172,6 +173,93 @@ def fused_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st
     return o.transpose(0, 1).reshape(n, num_heads * head_dim)
 
 
+def flash_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [H, n, D] over k, v [H, L, D] (as many heads: GQA is the caller's), all keys visible or,
+    causal, a square block's (L = n) → (output [H, n, D] in q's dtype, log-sum-exp [H, n] fp32 of
+    the scaled scores): PyTorch's flash attention, which returns the log-sum-exp beside its output
+    (on CUDA in half precision; on the CPU its blocked-GEMM kernel, which the tests run)."""
+    if q.device.type == "cuda":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            q[None], k[None], v[None], 0.0, causal, False, scale=scale)[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q[None], k[None], v[None], 0.0, causal, scale=scale)
+    return out[0], lse[0]
+
+
+def _merged(acc: tuple[torch.Tensor, torch.Tensor] | None, out: torch.Tensor,
+            lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention over two disjoint sets of keys from each set's (output, log-sum-exp):
+    each output weighted by its share of the exponentials, in fp32."""
+    if acc is None:
+        return out.float(), lse
+    o, m = acc
+    both = torch.logaddexp(m, lse)
+    return o.mul_(torch.exp(m - both)[..., None]).add_(out.float().mul_(torch.exp(lse - both)[..., None])), both
+
+
+def segmented_prompt_attention(q: torch.Tensor, cached: Iterable[KVChunk], own_k: torch.Tensor,
+                               own_v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """Causal attention of a prompt chunk's queries q [n, H_q, D] at positions start.. over the
+    sequence's cached keys (`cached`: its pages' K/V [H_kv, m, D] and first positions, covering
+    positions < start, oldest first) and its own, own_k / own_v [n, H_kv, D]: flash attention a
+    page at a time, no page's keys masked (all precede the chunk: a KV head's query heads go in
+    as rows of one head, so GQA needs no copies), then the chunk's own keys as one square causal
+    block, the outputs merged by their log-sum-exps. For a sequence longer than the device pool
+    holds (its parked pages come in one at a time, as `cached` brings them): the K/V of one page
+    at a time on the device, as streaming attention holds, at flash attention's speed rather than
+    fp32 operations' (planner/working_set.py prices it). → [n, H_q·D] in the prompt attention
+    dtype of the cache's."""
+    n, h_q, d = q.shape
+    h_kv = own_k.shape[1]
+    group = h_q // h_kv
+    dtype = prompt_attention_dtype(own_k.dtype, own_k.device)
+    rows = q.to(dtype).permute(1, 0, 2)                                  # [H_q, n, D]
+    grouped = rows.reshape(h_kv, group * n, d)                           # row g·n + t: query t of head kv·group + g
+    acc = None
+    for k, v, first in cached:
+        m = min(k.shape[1], start - first)
+        if m > 0:
+            acc = _merged(acc, *flash_segment(grouped, k[:, :m].to(dtype), v[:, :m].to(dtype), scale, False))
+        del k, v
+    if acc is not None:  # [H_kv, group·n, ...] → [H_q, n, ...]
+        acc = acc[0].reshape(h_q, n, d), acc[1].reshape(h_q, n)
+    own = own_k.to(dtype).transpose(0, 1), own_v.to(dtype).transpose(0, 1)   # [H_kv, n, D]
+    if group > 1:
+        own = tuple(t.repeat_interleave(group, 0) for t in own)               # n keys: a chunk's, copied
+    o, _ = _merged(acc, *flash_segment(rows, *own, scale, True))
+    return o.transpose(0, 1).reshape(n, h_q * d).to(dtype)
+
+
+@functools.cache
+def segmented_attention_error(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                              head_dim: int) -> str | None:
+    """Why segmented_prompt_attention cannot serve this stage (None: it can): run once on random
+    K/V of two pages and a chunk, against fp32 attention with the mask made. Its flash kernel is
+    one of PyTorch's own operators (the one its scaled_dot_product_attention dispatches to), not
+    its public API: a build whose operator differs says so here, at load, and the stage streams."""
+    g = torch.Generator(device=device).manual_seed(0)
+    start, n, page = 96, 40, 64
+    try:
+        k, v = (torch.randn(num_kv_heads, start + n, head_dim, generator=g, device=device).to(dtype) for _ in range(2))
+        q = torch.randn(n, num_heads, head_dim, generator=g, device=device)
+        pages = [(k[:, a:a + page], v[:, a:a + page], a) for a in range(0, start, page)]
+        got = segmented_prompt_attention(q, pages, k[:, start:].transpose(0, 1), v[:, start:].transpose(0, 1),
+                                         start, head_dim ** -0.5).float()
+        group = num_heads // num_kv_heads
+        visible = torch.arange(start + n, device=device)[None, :] <= torch.arange(start, start + n, device=device)[:, None]
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.float().repeat_interleave(group, 0)[None],
+            v.float().repeat_interleave(group, 0)[None], attn_mask=visible, scale=head_dim ** -0.5)[0]
+        err = (got - want.transpose(0, 1).reshape(n, -1)).abs().max().item()
+    except Exception as e:  # noqa: BLE001 — any failure means: not here
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        return f"{type(e).__name__}: {lines[-1] if lines else ''}"
+    bound = 1e-4 if dtype == torch.float32 else 5e-2  # random unit-scale values: a half's rounding, not a fault
+    return None if err <= bound else f"its output is {err:.3g} from fp32 attention's (more than {bound:g})"
+
+
 def lower_right_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [H_q, n, D] attending causally over k, v [H_kv, L, D] whose last n keys are the queries'
     own (query t sees keys <= L - n + t), query head h reading KV head h // (H_q / H_kv) → [H_q, n, D].
@@ -212,6 +300,16 @@ class TorchAttention:
                         "for them)", str(kv.dtype).removeprefix("torch."), torch.cuda.get_device_name(kv.device))
             fused_prompt = False
         self.fused_prompt = fused_prompt
+        # a sequence longer than the device pool (fused_prompt, not gathered): flash attention a
+        # page at a time, where its operator gives attention's values here (else it streams)
+        self.segmented = fused_prompt and kv is not None
+        if self.segmented and kv.device.type == "cuda":
+            why = segmented_attention_error(kv.device, kv.dtype, config.num_heads, config.num_kv_heads,
+                                            config.head_dim)
+            if why is not None:
+                log.warning("flash attention a page at a time cannot run here (%s): prompt chunks of sequences "
+                            "longer than the device pool stream over their pages", why)
+                self.segmented = False
 
     @staticmethod
     def tables(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,11 +355,19 @@ class TorchAttention:
             if self.fused_prompt and s.count > 1 and self.kv.gathers(s.seq_id, end):
                 # Gathered where the plan priced it: every page on the device, or no longer than
                 # the device pool (pages parked meanwhile come back into the gather); a longer
-                # sequence with pages on the host streams them below, a page at a time.
+                # sequence with pages on the host takes flash attention a page at a time below.
                 # Not bound to names: the next sequence's gather must not find this one still alive.
                 out[rows] = fused_prompt_attention(q[rows].reshape(s.count, cfg.q_dim),
                                                    *self.kv.gathered(layer, s.seq_id, end), s.start,
                                                    cfg.num_heads, self.scale).view(s.count, cfg.num_heads, -1)
+                continue
+            if self.segmented and s.count > 1:
+                # its cached pages (parked ones copied in a page at a time), then its own keys in
+                # the cache's dtype, as its pages hold them for the chunks and decodes after it
+                cached = self.kv.chunks(layer, s.seq_id, s.start) if s.start else ()
+                out[rows] = segmented_prompt_attention(
+                    q[rows], cached, k[rows].to(self.kv.dtype), v[rows].to(self.kv.dtype), s.start,
+                    self.scale).view(s.count, cfg.num_heads, -1)
                 continue
             # Decode (one query at the newest position) needs no mask: every cached key is visible.
             q_pos = positions[rows] if s.count > 1 else None

@@ -32,6 +32,7 @@ import contextlib
 import logging
 import math
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +58,23 @@ PAGED_DECODE_ENV = "HELM_PAGED_DECODE"
 log = logging.getLogger(__name__)
 
 _POSITION, _WRITE_SLOT, _WRITE_ROW, _TABLE = 0, 1, 2, 3  # columns of the index tensor
+
+# The capture stream of each live step, by the CUDA stream it is: weakly, so a model let go frees its.
+_CAPTURE_STREAMS: "weakref.WeakValueDictionary[int, ResidentDecode]" = weakref.WeakValueDictionary()
+
+
+def _capture_stream(owner: "ResidentDecode", device: torch.device) -> "torch.cuda.Stream":
+    """A stream no other live step captures on. torch.cuda.Stream() hands out PyTorch's pooled
+    streams in turn, and a graph replays with the cuBLAS workspace of the (handle, stream) it was
+    captured on: two models' graphs captured on one stream would share scratch memory. Drawn
+    until a free one comes (the pool holds 32 a device); past that many live models, the last
+    drawn."""
+    for _ in range(64):
+        stream = torch.cuda.Stream(device)
+        if stream.cuda_stream not in _CAPTURE_STREAMS:
+            break
+    _CAPTURE_STREAMS[stream.cuda_stream] = owner
+    return stream
 
 
 def ready_profiler_for_graphs() -> None:
@@ -116,7 +134,7 @@ class ResidentDecode:
         self._rest = torch.compile(block_output, fullgraph=True) if compiled else block_output
         self._captured: dict[tuple[int, int], _Graph] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.graphs else None
-        self._side = torch.cuda.Stream(self.device) if self.graphs else None  # warm-up and capture
+        self._side = _capture_stream(self, self.device) if self.graphs else None  # warm-up and capture
         # the index tensor's copies to the device (asynchronous); on the CPU it is used as it is
         self._staging = PinnedStaging(self.device) if self.device.type == "cuda" else None
         self._slots = None  # (batch, page slots per sequence) of the step `accepts` took

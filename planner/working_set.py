@@ -117,13 +117,18 @@ def gpu_working_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: in
         # not know
         flash = None if flash_attention is None else (flash_attention and st.b < FP32_BYTES
                                                       and 0 < st.head_dim <= FLASH_MAX_HEAD_DIM)
+        # a longer sequence's chunks take flash attention a page at a time (segmented), streaming
+        # attention where flash attention does not run
         resident = min(context, longest_gather(device_pages, page_size_tokens))
         fuses = flash is not False and resident > 0
-        streams = flash is not True or resident < context
+        segments = flash is not False and resident < context
+        streams = flash is not True
         # a gather takes parked pages back a page at a time (one copied in, the next on its way)
         parked_in = 2 * page_size_tokens * st.kv_token if device_pages < budget_pages else 0
         fused = fused_prompt_attention_bytes(resident, st.chunk, st.kv_token, st.heads) + parked_in
-        total += max(fused if fuses else 0, st.streamed(page_size_tokens) if streams else 0)
+        segmented = segmented_prompt_attention_bytes(st.chunk, page_size_tokens, st.kv_token, st.heads, st.attn, st.b)
+        total += max(fused if fuses else 0, segmented if segments else 0,
+                     st.streamed(page_size_tokens) if streams else 0)
     total = max(total, streamed_step)  # the step's own, or a streamed one's before it
     if st.blocks and device_pages:
         gathered = bucket(device_pages) * page_size_tokens         # keys one decode graph reads
@@ -197,6 +202,23 @@ def fused_prompt_attention_bytes(context: int, chunk: int, kv_token: int, heads:
     blocks cannot fill the GPU (a few MiB, growing with the number of SMs;
     tests/executor/test_cuda.py measures them)."""
     return context * kv_token + FP32_BYTES * heads * chunk
+
+
+def segmented_prompt_attention_bytes(chunk: int, page: int, kv_token: int, heads: int, attn_flops: int,
+                                     dtype_bytes: int) -> int:
+    """One layer of a prompt chunk of a sequence longer than the device pool holds, where flash
+    attention runs (executor/attention.py, segmented_prompt_attention), at the larger of its two
+    phases, per query value (H_q·D of them a query; bytes measured on the meta device:
+    tests/executor/test_working_set.py): over the cached pages, two pages of K/V on the device
+    (one read, the next on its way), the queries regrouped, a page's output and the running one
+    in fp32 (4 bytes and two of the dtype's; in half precision also the queries cast and a page's
+    output widened); over the chunk's own keys, those copied per query head and the merged
+    output's copies (16 and one of the dtype's); and five fp32 log-sum-exps per query head and
+    query."""
+    values = chunk * (attn_flops // 4)
+    widened = dtype_bytes + FP32_BYTES if dtype_bytes < FP32_BYTES else 0
+    pages = values * (FP32_BYTES + 2 * dtype_bytes + widened) + 2 * page * kv_token
+    return max(pages, values * (16 + dtype_bytes)) + 5 * FP32_BYTES * heads * chunk
 
 
 def streamed_prompt_attention_bytes(chunk: int, page: int, kv_token: int, heads: int, group: int,

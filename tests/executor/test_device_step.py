@@ -200,28 +200,50 @@ def test_a_failed_requests_non_finite_kv_never_reaches_the_next_sequence_on_its_
     assert not kv.device_pool.slab.isnan().any()  # every page released zeroed
 
 
-def test_prompt_chunks_of_a_sequence_with_host_pages_stream(checkpoint, static_steps, monkeypatch):
+@pytest.mark.parametrize("flash", [True, False])
+def test_prompt_chunks_of_a_sequence_longer_than_the_pool_take_flash_attention_a_page_at_a_time(
+        checkpoint, static_steps, monkeypatch, flash):
     """The GPU stage gathers a prompt's pages for the fused attention only while the sequence is
-    no longer than the device pool (3 pages of 8 tokens); a longer one's chunks stream the pages
-    back one at a time."""
+    no longer than the device pool (3 pages of 8 tokens); a longer one's chunks take flash
+    attention a page at a time, the pages back one at a time (segmented_prompt_attention), each
+    after its cached keys; where flash attention does not run, they stream (streaming_attention).
+    Tokens as transformers' either way."""
     path = checkpoint("llama", "fp32")
     prompt = prompt_ids(45, 256, seed=31)
     want = hf_greedy(path, prompt, 6)
-    gathered = []
-    fused = attention.fused_prompt_attention
+    gathered, segmented, streamed = [], [], []
+    fused, by_pages, streaming = (attention.fused_prompt_attention, attention.segmented_prompt_attention,
+                                  attention.streaming_attention)
 
     def spy(*args, **kw):
         gathered.append(args[1].shape[1])  # the keys gathered
         return fused(*args, **kw)
 
+    def pages_spy(q, cached, own_k, own_v, start, scale):
+        cached = list(cached)
+        segmented.append((start, sum(k.shape[1] for k, _, _ in cached), q.shape[0]))
+        return by_pages(q, cached, own_k, own_v, start, scale)
+
     monkeypatch.setattr(attention, "fused_prompt_attention", spy)
+    monkeypatch.setattr(attention, "segmented_prompt_attention", pages_spy)
+    monkeypatch.setattr(attention, "streaming_attention",
+                        lambda q, *a, **kw: (streamed.append(q.shape[0]), streaming(q, *a, **kw))[1])
+    if not flash:  # as where the profile says flash attention does not run: the plan's flash_attention False
+        monkeypatch.setattr(attention.TorchAttention, "__init__", lambda self, *a, _init=attention.TorchAttention.__init__,
+                            **kw: _init(self, *a, **{**kw, "fused_prompt": False}))
     got, model = helm_generate(path, [prompt], split=1, max_new_tokens=6, page_size=8, device_kv_pages=3,
                                backend="torch", kv_slab=True, prefill_chunk=16)
+    layers = model.config.num_layers
     assert model.stages[1].kv.stats().evictions > 0
     assert got[0] == want and not static_steps  # every decode step has host pages: streamed
-    # Only the first chunk (2 pages, both in the slab) was gathered, once per layer; the later
-    # chunks have a page on the host and streamed.
-    assert gathered == [16] * model.config.num_layers
+    if flash:
+        # Only the first chunk (2 pages, both in the slab) was gathered, once per layer; the later
+        # chunks (16 and 13 queries) each read every cached key before them a page at a time
+        assert gathered == [16] * layers
+        assert segmented == [(16, 16, 16)] * layers + [(32, 32, 13)] * layers
+        assert set(streamed) == {1}  # decodes only
+    else:
+        assert not gathered and not segmented and streamed.count(16) == 2 * layers
 
 
 def test_a_prompt_chunk_whose_pages_were_parked_by_another_sequence_still_gathers(checkpoint, static_steps,
@@ -229,7 +251,7 @@ def test_a_prompt_chunk_whose_pages_were_parked_by_another_sequence_still_gather
     """Two prompts share a device pool of 4 pages of 8 tokens: the second's chunks take pages the
     first's held, parking them. A chunk of a sequence no longer than the pool gathers its pages
     for the fused attention all the same (the parked ones come back into the gather: the memory
-    the plan prices), rather than streaming them; tokens as transformers' for each prompt."""
+    the plan prices), rather than taking them a page at a time; tokens as transformers' for each prompt."""
     from executor.kv_cache import KVCache
 
     path = checkpoint("llama", "fp32")
@@ -248,7 +270,7 @@ def test_a_prompt_chunk_whose_pages_were_parked_by_another_sequence_still_gather
     assert got == want
     assert model.stages[1].kv.stats().evictions > 0
     assert parked_gathers  # gathers of sequences with a parked page
-    assert max(parked_gathers) <= 4 * 8  # the first prompt's chunks past the pool's 32 tokens streamed
+    assert max(parked_gathers) <= 4 * 8  # the first prompt's chunks past the pool's 32 tokens: a page at a time
 
 
 def test_graphs_are_captured_at_load_for_every_bucket_a_step_takes(checkpoint, static_steps, monkeypatch):
@@ -446,3 +468,35 @@ def test_no_gemm_runs_on_the_capture_stream_beside_other_engines_steps(checkpoin
     with pytest.raises(RuntimeError, match="capture invalidated"):
         step._capture(2, 2)
     assert current[-1] == "this thread's" and GATE._captures == 0
+
+
+def test_live_steps_never_share_a_capture_stream(monkeypatch):
+    """PyTorch's pool hands its streams out in turn: a step's capture stream is drawn until one no
+    live step captures on comes (graphs replay with the cuBLAS workspace of their capture
+    stream), and a step let go gives its stream back."""
+    import gc
+
+    from executor import device_step
+
+    class Stream:
+        drawn = 0
+
+        def __init__(self, device=None):
+            self.cuda_stream = Stream.drawn % 4   # a pool of 4 streams, handed out in turn
+            Stream.drawn += 1
+
+    class Owner:
+        pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(device_step, "_CAPTURE_STREAMS", type(device_step._CAPTURE_STREAMS)())
+    owners = [Owner() for _ in range(3)]
+    streams = [device_step._capture_stream(o, torch.device("cpu")) for o in owners]
+    assert [s.cuda_stream for s in streams] == [0, 1, 2]
+    Stream.drawn = 0                       # the pool comes round to the live ones' streams again
+    assert device_step._capture_stream(Owner(), torch.device("cpu")).cuda_stream == 3
+    del owners[1], streams[1]
+    gc.collect()
+    Stream.drawn = 0
+    late = Owner()
+    assert device_step._capture_stream(late, torch.device("cpu")).cuda_stream == 1  # let go: free again

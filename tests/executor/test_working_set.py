@@ -11,14 +11,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from executor.attention import TorchAttention, streaming_attention
+from executor.attention import TorchAttention, segmented_prompt_attention, streaming_attention
 from executor.backends import TorchBackend
 from executor.model_config import ModelConfig
 from executor.stage import BlockWeights
 from executor.torch_ops import decoder_block
 from planner.step_shape import PREFILL_CHUNK_TOKENS
 from planner.trace import trace_model
-from planner.working_set import activation_bytes_per_token, streamed_prompt_attention_bytes
+from planner.working_set import (activation_bytes_per_token, segmented_prompt_attention_bytes,
+                                 streamed_prompt_attention_bytes)
 
 CONFIGS = Path(__file__).resolve().parents[2] / "tools" / "model_configs"
 META = torch.device("meta")
@@ -133,6 +134,47 @@ def _streamed_peak(cfg: ModelConfig, tokens: int, page: int, pages: int) -> int:
         out = streaming_attention(q, device_pages(), D ** -0.5, positions, first_query=first)
         del out, positions
     return live.peak
+
+
+def _segmented_peak(cfg: ModelConfig, tokens: int, page: int, pages: int) -> int:
+    """Peak bytes of a prompt chunk of `tokens` queries after `pages` cached pages through
+    segmented_prompt_attention, the pages coming to the device one at a time, the next already
+    on its way (KVCache.chunks prefetches); its own K/V in the cache's dtype (an activation's
+    cast: priced apart)."""
+    H_kv, D = cfg.num_kv_heads, cfg.head_dim
+
+    def device_pages():
+        nxt = None
+        for i in range(pages + 1):
+            cur, nxt = nxt, (torch.empty(H_kv, page, D, dtype=cfg.dtype, device=META),
+                             torch.empty(H_kv, page, D, dtype=cfg.dtype, device=META), i * page)
+            if cur is not None and i <= pages:
+                yield cur
+
+    q = torch.empty(tokens, cfg.num_heads, D, device=META)
+    own_k, own_v = (torch.empty(tokens, H_kv, D, dtype=cfg.dtype, device=META) for _ in range(2))
+    with LiveBytes() as live:
+        out = segmented_prompt_attention(q, device_pages(), own_k, own_v, pages * page, D ** -0.5)
+        del out
+    return live.peak
+
+
+@pytest.mark.parametrize("model,dtype", [("qwen3-8b", None), ("llama-3.1-8b", None), ("qwen2.5-7b", None),
+                                         ("qwen3-0.6b", None), ("qwen3-0.6b", "float32")])
+def test_segmented_prompt_attention_price_covers_the_executors_closely(model, dtype):
+    raw = json.loads((CONFIGS / f"{model}.json").read_text())
+    if dtype:
+        raw = {**{k: v for k, v in raw.items() if k != "dtype"}, "torch_dtype": dtype}
+    cfg = ModelConfig.from_dict(raw)
+    block = trace_model(raw).units[1]
+    b = torch.empty((), dtype=cfg.dtype).element_size()
+    for tokens, page, pages in ((PREFILL_CHUNK_TOKENS, 512, 4), (PREFILL_CHUNK_TOKENS, 64, 12), (300, 512, 1)):
+        priced = segmented_prompt_attention_bytes(tokens, page, block.kv_bytes_per_token, block.attn_heads,
+                                                  block.attn_flops_per_context_token, b)
+        measured = _segmented_peak(cfg, tokens, page, pages)
+        # one cached page makes no merge over pages (nor its widened output): a bound there
+        tight = 1.15 if pages > 1 else 1.25
+        assert measured <= priced <= tight * measured, (model, tokens, page, pages, measured, priced)
 
 
 @pytest.mark.parametrize("model", ["qwen3-8b", "llama-3.1-8b", "qwen2.5-7b", "qwen3-0.6b"])

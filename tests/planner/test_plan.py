@@ -210,7 +210,8 @@ def test_kv_offload_parks_pages_on_the_host_when_vram_runs_out(laptop):
     def work(pages):
         return ring + gpu_working_bytes(off.ir.units[22:], dtype="bfloat16", batch=1, context=12288,
                                         page_size_tokens=512, budget_pages=24, device_pages=pages,
-                                        device_page_bytes=kv.device_page_bytes)
+                                        device_page_bytes=kv.device_page_bytes,
+                                        flash_attention=laptop.gpu.flash_attention)
 
     def fits(pages):
         return (pages <= 0.8 * (budget - gpu.weight_bytes - work(0)) // kv.device_page_bytes

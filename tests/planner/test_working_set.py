@@ -33,6 +33,11 @@ def work(units, **kw):
 # 4), its K or V in fp32, 3 pages' device copies, the grouped queries, running output and a page's
 # share (H_q·D = 4096) in fp32. tests/executor/test_working_set.py measures the executor against it.
 STREAMED = 4 * 32 * 512 * 512 + 5 * 512 * 512 + 512 * 4096 * 4 // 4 + 3 * 512 * 4096 + 3 * 4 * 512 * 4096
+# a prompt chunk of a sequence longer than the device pages, flash attention a page at a time: the
+# larger of the pages' phase (two pages of K/V, 14 bytes per query value: queries cast and
+# regrouped, a page's output and its widening, the running output) and the chunk's own keys'
+# (18 bytes), beside five fp32 log-sum-exps per query head and query
+SEGMENTED = max(14 * 512 * 4096 + 2 * 512 * 4096, 18 * 512 * 4096) + 5 * 4 * 32 * 512
 
 
 def test_each_term_by_hand():
@@ -53,10 +58,13 @@ def test_each_term_by_hand():
     wide = tuple(replace(u, attn_flops_per_context_token=4 * 32 * 512) if u.kind == "block" else u
                  for u in gpu_stage())
     assert work(wide) == work(wide, flash_attention=False) > 0
-    # pages on the host (no device pages here): prompt chunks stream; no graphs, no scratch page
-    assert work(gpu_stage(), device_pages=0) == activations + logits + STREAMED
-    # one page on the device: the larger of a chunk fused over the page's tokens and one streamed, the graphs
-    assert work(gpu_stage(), device_pages=1) == activations + logits + STREAMED + 512 * 4098 + per_token + scratch
+    # pages on the host (no device pages here): prompt chunks take flash attention a page at a
+    # time, or stream where it does not run; no graphs, no scratch page
+    assert work(gpu_stage(), device_pages=0) == activations + logits + SEGMENTED
+    assert work(gpu_stage(), device_pages=0, flash_attention=False) == activations + logits + STREAMED
+    # one page on the device: the larger of a chunk fused over the page's tokens and one a page at
+    # a time, the graphs
+    assert work(gpu_stage(), device_pages=1) == activations + logits + SEGMENTED + 512 * 4098 + per_token + scratch
     # the graphs' capture stream keeps its own cuBLAS workspace, where the profile measured it
     assert work(gpu_stage(), stream_workspace_bytes=32 * MIB) - work(gpu_stage()) == 32 * MIB
     assert work(gpu_stage(), device_pages=0, stream_workspace_bytes=32 * MIB) == work(gpu_stage(), device_pages=0)
@@ -68,7 +76,7 @@ def test_what_it_grows_with():
     # a longer context: the gather of a prompt chunk grows with it, and nothing else (no mask)
     assert work(units, context=2048, budget_pages=4, device_pages=4) - work(units, budget_pages=4, device_pages=4) \
         == 1024 * 4096
-    # ... up to the device pages' tokens: a sequence with pages on the host streams its chunks
+    # ... up to the device pages' tokens: a longer sequence takes its chunks a page at a time
     assert work(units, context=8192, budget_pages=16, device_pages=4) == \
         work(units, context=4096, budget_pages=16, device_pages=4) > work(units, context=4096, budget_pages=4,
                                                                           device_pages=4)
@@ -90,7 +98,8 @@ def test_what_it_grows_with():
     # one KV head per query head: streamed masks are not tiled; the fused price does not change
     group1 = tuple(replace(u, attn_flops_per_context_token=4096) if u.kind == "block" else u for u in units)
     assert work(group1) == base
-    assert work(units, device_pages=0) - work(group1, device_pages=0) == 3 * 512 * 512 + 3 * 4 * 512 * 3072
+    assert work(units, device_pages=0, flash_attention=False) - work(group1, device_pages=0, flash_attention=False) \
+        == 3 * 512 * 512 + 3 * 4 * 512 * 3072
 
 
 def test_pages_parked_by_other_sequences_come_back_into_the_gather():
