@@ -20,6 +20,7 @@ class CaptureGate:
         self._cond = threading.Condition()
         self._steps = 0  # engine steps under way
         self._captures = 0  # captures under way or waiting (a waiting one holds new steps back)
+        self._capturing = False  # one under way: another waits for it (the one under way synchronises)
 
     @contextlib.contextmanager
     def step(self):
@@ -37,15 +38,19 @@ class CaptureGate:
 
     @contextlib.contextmanager
     def capture(self):
-        """Around one CUDA graph capture (never inside a step: it would wait for itself)."""
+        """Around one CUDA graph capture (never inside a step: it would wait for itself), and one
+        at a time: a capture synchronises the device before it records, which would break
+        another's under way."""
         with self._cond:
             self._captures += 1
-            while self._steps:
+            while self._steps or self._capturing:
                 self._cond.wait()
+            self._capturing = True
         try:
             yield
         finally:
             with self._cond:
+                self._capturing = False
                 self._captures -= 1
                 self._cond.notify_all()
 

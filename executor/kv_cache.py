@@ -524,6 +524,7 @@ class KVCache:
             compute = torch.cuda.current_stream(self.device)
             compute.wait_stream(self._copy_stream)  # pending evictions land before we read them
         prefetched = None  # (page index, device buffer, ready event)
+        ahead = on_cuda  # a host page may lie ahead: False once a look found none
         for i in range(count):
             page = seq.pages[i]
             n = min(self.page_size, length - i * self.page_size)
@@ -536,8 +537,9 @@ class KVCache:
                     kv.record_stream(compute)
                 else:
                     kv = page.data[layer].to(self.device, non_blocking=True)
-            if on_cuda and (prefetched is None or prefetched[0] <= i):
+            if ahead and (prefetched is None or prefetched[0] <= i):
                 prefetched = self._prefetch(seq, i + 1, count, layer)
+                ahead = prefetched is not None
             yield kv[0, :, :n], kv[1, :, :n], i * self.page_size
 
     def _prefetch(self, seq: SequencePages, i: int, count: int, layer: int):

@@ -48,7 +48,7 @@ from executor.device_step import COMPILE_ENV, PAGED_DECODE_ENV, ResidentDecode, 
 from executor.engine import Engine  # noqa: E402
 from executor.loader import load_model  # noqa: E402
 from executor.model_config import ModelConfig  # noqa: E402
-from executor.plan_io import placement_for  # noqa: E402
+from executor.plan_io import placement_for, plan_gpu_bytes  # noqa: E402
 from executor.report import Recorder, kernel_isa  # noqa: E402
 from executor.request_params import SamplingParams, StopCriteria  # noqa: E402
 from planner.calibrate import recalibrate  # noqa: E402
@@ -94,8 +94,7 @@ def _gpu_memory(plan, model, after_load: int) -> dict:
     peak = torch.cuda.max_memory_allocated()
     measured = peak - stage.weight_bytes - pages
     priced = stage.working_bytes or 0
-    return {"plan_gpu_bytes": fmt_bytes(next(c.gpu_bytes for c in plan.search.candidates
-                                             if c.split_k == plan.partition.split_k)),
+    return {"plan_gpu_bytes": fmt_bytes(plan_gpu_bytes(plan)),
             "after_load": fmt_bytes(after_load), "peak_allocated": fmt_bytes(peak),
             "peak_reserved": fmt_bytes(torch.cuda.max_memory_reserved()),
             "peak_reserved_bytes": torch.cuda.max_memory_reserved(),

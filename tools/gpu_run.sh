@@ -68,15 +68,15 @@ echo "setup: $((SECONDS - start)) s" | tee -a "$OUT/gpu.txt"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$OUT/gpu.txt"
 python -c "import torch, executor.kernels as k; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'kernels', k.KERNEL_ISA, 'of', k.available_isas())" | tee -a "$OUT/gpu.txt"
 { grep -m1 "model name" /proc/cpuinfo; grep -o -w 'avx512[a-z_0-9]*\|amx[a-z_0-9]*' /proc/cpuinfo | sort -u | tr '\n' ' '; echo; } | tee -a "$OUT/gpu.txt"
-# pytest bounded: SIGINT at the budget (seconds from now, or what the call has left before 570 s),
+# pytest bounded: SIGINT at the budget (seconds from now, or what the call has left before 550 s),
 # after which pytest reports what failed; -rfE prints each failure's reason in the summary
 bounded_pytest() {
     local budget=$1; shift
-    local left=$((570 - (SECONDS - start)))
+    local left=$((550 - (SECONDS - start)))
     [ "$budget" -gt "$left" ] && budget=$left
     [ "$budget" -lt 30 ] && { echo "no time left for: pytest $*"; return 0; }
     local per_test=()
-    python -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout="${TEST_TIMEOUT_S:-240}")
+    python -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout="${TEST_TIMEOUT_S:-300}")
     timeout -s INT -k 20 "$budget" "$PY" -m pytest -q -s -rfE -p no:cacheprovider "${per_test[@]}" "$@"
 }
 if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = first ]; then
@@ -88,9 +88,9 @@ if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = first ]; then
         | tee "$OUT/paged_decode_tests.txt" | tail -15
     # test_streamed_prefill.py runs its streamed steps on CUDA where there is CUDA; the daemon's
     # end-to-end tests serve a plan whose second stage is CUDA's (16 concurrent streams among them)
-    bounded_pytest "${TESTS_BUDGET_S:-330}" "${args[@]}" tests/executor/test_cuda.py \
+    bounded_pytest "${TESTS_BUDGET_S:-300}" "${args[@]}" tests/executor/test_cuda.py \
         tests/executor/test_streamed_prefill.py 2>&1 | tee "$OUT/cuda_tests.txt" | tail -45
-    bounded_pytest 90 "${args[@]}" tests/executor/daemon/test_e2e.py 2>&1 \
+    bounded_pytest 60 "${args[@]}" tests/executor/daemon/test_e2e.py 2>&1 \
         | tee "$OUT/daemon_tests.txt" | tail -15
     echo "tests: done at $((SECONDS - start)) s"
 fi
@@ -123,7 +123,12 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
         && echo "bench: the carried profile (gpu_carry/bench_machine.yaml)"
     bargs=()
     [ "$what" = bench ] && bargs+=("$@")
-    timeout -s INT -k 20 $((580 - (SECONDS - start))) "$PY" tools/bench_gpu.py --work "$work" \
-        --out "$OUT/bench_gpu.json" "${bargs[@]}" 2>&1 | tee "$OUT/bench_gpu.txt" | tail -40
+    left=$((560 - (SECONDS - start)))
+    if [ "$left" -lt 60 ]; then
+        echo "bench: no time left in this call ($left s): run it in a call of its own"
+    else
+        timeout -s INT -k 15 "$left" "$PY" tools/bench_gpu.py --work "$work" \
+            --out "$OUT/bench_gpu.json" "${bargs[@]}" 2>&1 | tee "$OUT/bench_gpu.txt" | tail -40
+    fi
     cp "$work/machine.yaml" "$OUT/bench_machine.yaml" 2>/dev/null
 fi

@@ -76,8 +76,9 @@ def cap_gpu_memory(cap_bytes: int) -> None:
     if not torch.cuda.is_available():
         log.warning("--gpu-memory: no CUDA device here; plans are checked against it, nothing is capped")
         return
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), 0)
+    device = torch.cuda.current_device()  # the GPU stages' ("cuda")
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), device)
     log.info("GPU memory capped", extra={"fields": {"cap_bytes": cap_bytes, "device_bytes": total}})
 
 
@@ -136,7 +137,9 @@ class Daemon:
         t0 = time.perf_counter()
         plan = check_plan_fits(source.plan, self.model_dir, self.config) if source.plan is not None else \
             load_checked_plan("plan", self.model_dir, self.config, text=self._plan_text(source))
-        check_gpu_memory_fits(plan, self.gpu_memory_bytes)
+        with self._lock:
+            serving = self._serving.plan if self._serving is not None else None
+        check_gpu_memory_fits(plan, self.gpu_memory_bytes, serving)
         placement = placement_for(plan, self.config, cpu_threads=self.threads)
         check_host_kv_fits(placement, self.config, self.max_batch)
         failure = None

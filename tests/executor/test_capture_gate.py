@@ -45,3 +45,33 @@ def test_a_capture_waits_for_the_step_under_way_and_holds_new_steps_back():
     for t in (capturing, second):
         t.join(10)
     assert log == ["step 1 starts", "step 1 ends", "capture starts", "capture ends", "step 2 starts", "step 2 ends"]
+
+
+def test_captures_run_one_at_a_time():
+    """Two loads capturing at once (each capture synchronises the device before it records,
+    which would break the other's): the second waits for the first to end."""
+    gate, log = CaptureGate(), []
+    first_in, finish_first = threading.Event(), threading.Event()
+
+    def capture(name, inside=None, until=None):
+        with gate.capture():
+            log.append(f"{name} starts")
+            if inside:
+                inside.set()
+            if until:
+                until.wait(10)
+            log.append(f"{name} ends")
+
+    first = threading.Thread(target=capture, args=("first", first_in, finish_first))
+    first.start()
+    assert first_in.wait(10)
+    second = threading.Thread(target=capture, args=("second",))
+    second.start()
+    second.join(0.2)
+    assert log == ["first starts"]
+    finish_first.set()
+    first.join(10)
+    second.join(10)
+    assert log == ["first starts", "first ends", "second starts", "second ends"]
+    with gate.step():  # and steps go on after both
+        pass

@@ -341,3 +341,18 @@ def test_every_evicted_page_but_the_first_visited_is_prefetched_on_the_copy_stre
     for e in events:
         recorded = log.index(("record", e.name, "copy"))
         assert log[recorded - 1] == ("wait_stream", "copy", "compute") and ("wait_event", "compute", e.name) in log
+
+
+def test_chunks_look_for_the_next_evicted_page_once_per_page_at_most(monkeypatch):
+    """Resident pages behind the last evicted one (the common layout: the oldest parked, the
+    newest on the device) are not searched again for every page: a look that finds no host page
+    ahead is the last, so visiting a sequence stays linear in its pages."""
+    kv = KVCache(1, 1, 2, torch.float32, torch.device("cpu"), page_size=2, device_pages=64, host_pages=64)
+    kv.reserve("s", 2 * 64)
+    kv.pages_of("s")[0].on_device = False   # the oldest parked, every later one resident
+    looked = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _LoggedStream("compute", []))
+    monkeypatch.setattr(KVCache, "_prefetch", lambda self, seq, i, count, layer: (looked.append(i), None)[1])
+    kv._copy_stream = _LoggedStream("copy", [])
+    assert len(list(kv.chunks(0, "s", 2 * 64))) == 64
+    assert looked == [1]   # page 0 on the host, copied inline; one look ahead, which finds none

@@ -227,9 +227,10 @@ def test_steps_served_while_another_plan_loads_are_not_measured(model, plan_dir,
 
 
 def test_a_plan_priced_above_the_daemons_gpu_memory_is_refused_and_the_old_plan_serves(model, plan_dir):
-    """--gpu-memory: a plan whose GPU stage is priced above it is refused before anything loads,
-    naming both sizes and how to plan for the cap; one within it loads. (On CUDA the cap also
-    holds PyTorch's allocator: tests/executor/test_cuda.py.)"""
+    """--gpu-memory: a plan whose GPU stage is priced above it, alone or beside the plan serving
+    (a swap holds both), is refused before anything loads, naming the sizes and how to plan for
+    the cap; one within it loads. (On CUDA the cap also holds PyTorch's allocator:
+    tests/executor/test_cuda.py.)"""
     from executor.plan_io import plan_gpu_bytes
 
     need = plan_gpu_bytes(load_plan(plan_dir / "good.yaml"))
@@ -239,9 +240,16 @@ def test_a_plan_priced_above_the_daemons_gpu_memory_is_refused_and_the_old_plan_
         daemon.load_plan(PlanSource(path="good.yaml"))
         assert_serves_split_2(daemon, model)
         daemon.gpu_memory_bytes = need - 1
-        with pytest.raises(PlacementError, match=r"over this daemon's --gpu-memory of .*helm-plan plan --gpu-memory"):
+        with pytest.raises(PlacementError, match=rf"over this daemon's --gpu-memory of .*helm-plan plan --gpu-memory {need - 1}`"):
+            daemon.load_plan(PlanSource(path="good.yaml"))
+        # a swap holds the plan serving and the new one until the new one serves: both must fit
+        daemon.gpu_memory_bytes = 2 * need - 1
+        with pytest.raises(PlacementError, match="beside the .* of the plan serving"):
             daemon.load_plan(PlanSource(path="good.yaml"))
         assert daemon.state == "serving"
+        assert_serves_split_2(daemon, model)
+        daemon.gpu_memory_bytes = 2 * need
+        daemon.load_plan(PlanSource(path="good.yaml"))
         assert_serves_split_2(daemon, model)
     finally:
         daemon.close()
