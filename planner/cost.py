@@ -215,13 +215,14 @@ def stream_prefill_min_rows(units: tuple[UnitIR, ...], k: int, machine: MachineP
     return lo
 
 
-def _streamed_step_tokens(fit, ring: int, most: int, host_budget_bytes: int) -> int:
+def _streamed_step_tokens(fit, ring: int, most: int, host_budget_bytes: int, same_pages: bool = True) -> int:
     """The most tokens (up to `most`: a step holds no more than its sequences' prompts) a streamed
     prompt step may take in what the split leaves of the VRAM and host memory at its context,
     each step crossing the CPU stage's weights once: as many as fit with the same device KV pages
-    (never a page less for decode), rounded down to a multiple of STREAM_ROWS_GRAIN; a prompt
-    chunk at least, fitting or not (where it does not, the caller plans the split without
-    streaming). fit(ring, rows): see evaluate_split."""
+    (never a page less for decode; not same_pages: as many as fit at all, KV pages parked to make
+    room), rounded down to a multiple of STREAM_ROWS_GRAIN; a prompt chunk at least, fitting or
+    not (where it does not, the caller plans the split without streaming). fit(ring, rows): see
+    evaluate_split."""
     least = max(1, min(most, PREFILL_CHUNK_TOKENS))
 
     def fits(rows: int, pages: int | None = None) -> bool:
@@ -230,7 +231,7 @@ def _streamed_step_tokens(fit, ring: int, most: int, host_budget_bytes: int) -> 
 
     if not fits(least):
         return least
-    pages = fit(ring, least)[1][0]
+    pages = fit(ring, least)[1][0] if same_pages else None
     lo, hi = least, max(least, most)
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -521,6 +522,13 @@ def evaluate_split(k: int, units: tuple[UnitIR, ...], shared: tuple[SharedWeight
                 if rows >= stream_rows or stream_prefill is not True:
                     yield ring, rows, park
                 # else no step the search would allow reaches the threshold: nothing streams
+                if park and new_tokens is not None and stream_step_tokens is None and rows < most:
+                    # larger steps for device pages parked (fewer crossings of the weights for a
+                    # long prompt, more pages copied in for decode): the request decides
+                    wider = _streamed_step_tokens(lambda ring, rows: fit(ring, rows, park), ring, most,
+                                                  host_budget_bytes, same_pages=False)
+                    if wider > rows and wider >= stream_rows:
+                        yield ring, wider, park
             if not stream_rows or stream_prefill is True:
                 yield 0, None, park
 

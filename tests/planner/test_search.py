@@ -100,8 +100,8 @@ def test_tighter_vram_never_moves_units_to_the_gpu(problem, shrink, new_tokens):
 def test_offload_never_slows_a_split_that_fits_without_it(problem, new_tokens):
     """--kv-offload lets pages that do not fit park on the host; where they all fit, a split serves
     the workload's request no slower than without offload: with the layout it has without it
-    (none parked under the watermark to stream back), or with the ring beside pages parked where
-    that serves the request sooner. An existing plan's evaluation (no new-token count) keeps
+    (none parked under the watermark to stream back), or with the ring, or larger streamed steps,
+    beside pages parked where that serves the request sooner. An existing plan's evaluation (no new-token count) keeps
     the layout it has without offload."""
     units, shared, m, space = problem
     space = replace(space, prompt_in_steps=True)
@@ -115,8 +115,10 @@ def test_offload_never_slows_a_split_that_fits_without_it(problem, new_tokens):
             assert best.feasible and best.request_ms(new_tokens) <= plain.request_ms(new_tokens)
             if best.kv.host_pages == 0:
                 assert (best.ms, best.kv.device_pages) == (plain.ms, plain.kv.device_pages)
-            else:  # parked pages bought the ring: a prompt that starts sooner
-                assert best.stream_prefill_min_rows is not None and plain.stream_prefill_min_rows is None
+            else:  # parked pages bought the ring, or larger streamed steps: a prompt that starts sooner
+                assert best.stream_prefill_min_rows is not None and (
+                    plain.stream_prefill_min_rows is None
+                    or best.stream_prefill_step_tokens > plain.stream_prefill_step_tokens)
 
 
 def test_no_gpu_means_all_cpu_or_nothing():
