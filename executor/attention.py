@@ -185,7 +185,7 @@ def flash_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     else:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q[None], k[None], v[None], 0.0, causal, scale=scale)
-    return out[0], lse[0]
+    return out[0], lse[0, :, :q.shape[1]]  # (a kernel may pad the queries' log-sum-exps)
 
 
 def _merged(acc: tuple[torch.Tensor, torch.Tensor] | None, out: torch.Tensor,
