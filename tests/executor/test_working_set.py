@@ -113,48 +113,41 @@ def test_activation_price_covers_the_executors_block_closely(model, dtype):
     assert measured <= priced <= 1.25 * measured, (model, ir.dtype, measured, priced)
 
 
+def _device_pages(cfg: ModelConfig, page: int, pages: int):
+    """`pages` pages' K/V on the meta device as KVCache.chunks hands them over for a sequence
+    with pages on the host: each copied to the device as it comes, the next one already on its way."""
+    H_kv, D = cfg.num_kv_heads, cfg.head_dim
+    nxt = None
+    for i in range(pages + 1):
+        cur, nxt = nxt, (torch.empty(H_kv, page, D, dtype=cfg.dtype, device=META),
+                         torch.empty(H_kv, page, D, dtype=cfg.dtype, device=META), i * page)
+        if cur is not None:
+            yield cur
+
+
 def _streamed_peak(cfg: ModelConfig, tokens: int, page: int, pages: int) -> int:
     """Peak bytes of a prompt chunk of `tokens` queries (the last ones of `pages` pages) through
-    streaming_attention, as a stage whose sequence has pages on the host runs it: each page copied
-    to the device as it comes, the next one already on its way (KVCache.chunks prefetches)."""
-    H_kv, D = cfg.num_kv_heads, cfg.head_dim
-
-    def device_pages():
-        nxt = None
-        for i in range(pages + 1):
-            cur, nxt = nxt, (torch.empty(H_kv, page, D, dtype=cfg.dtype, device=META),
-                             torch.empty(H_kv, page, D, dtype=cfg.dtype, device=META), i * page)
-            if cur is not None:
-                yield cur
-
-    q = torch.empty(tokens, cfg.num_heads, D, device=META)  # an activation: priced apart
+    streaming_attention, as a stage whose sequence has pages on the host runs it."""
+    q = torch.empty(tokens, cfg.num_heads, cfg.head_dim, device=META)  # an activation: priced apart
     first = pages * page - tokens
     with LiveBytes() as live:
         positions = torch.arange(first, first + tokens, device=META)
-        out = streaming_attention(q, device_pages(), D ** -0.5, positions, first_query=first)
+        out = streaming_attention(q, _device_pages(cfg, page, pages), cfg.head_dim ** -0.5, positions,
+                                  first_query=first)
         del out, positions
     return live.peak
 
 
 def _segmented_peak(cfg: ModelConfig, tokens: int, page: int, pages: int) -> int:
     """Peak bytes of a prompt chunk of `tokens` queries after `pages` cached pages through
-    segmented_prompt_attention, the pages coming to the device one at a time, the next already
-    on its way (KVCache.chunks prefetches); its own K/V in the cache's dtype (an activation's
-    cast: priced apart)."""
-    H_kv, D = cfg.num_kv_heads, cfg.head_dim
-
-    def device_pages():
-        nxt = None
-        for i in range(pages + 1):
-            cur, nxt = nxt, (torch.empty(H_kv, page, D, dtype=cfg.dtype, device=META),
-                             torch.empty(H_kv, page, D, dtype=cfg.dtype, device=META), i * page)
-            if cur is not None and i <= pages:
-                yield cur
-
-    q = torch.empty(tokens, cfg.num_heads, D, device=META)
-    own_k, own_v = (torch.empty(tokens, H_kv, D, dtype=cfg.dtype, device=META) for _ in range(2))
+    segmented_prompt_attention, as a stage whose sequence has pages on the host runs it; its own
+    K/V in the cache's dtype (an activation's cast: priced apart)."""
+    q = torch.empty(tokens, cfg.num_heads, cfg.head_dim, device=META)
+    own_k, own_v = (torch.empty(tokens, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype, device=META)
+                    for _ in range(2))
     with LiveBytes() as live:
-        out = segmented_prompt_attention(q, device_pages(), own_k, own_v, pages * page, D ** -0.5)
+        out = segmented_prompt_attention(q, _device_pages(cfg, page, pages), own_k, own_v, pages * page,
+                                         cfg.head_dim ** -0.5)
         del out
     return live.peak
 
