@@ -9,7 +9,6 @@ float rounding), and only one page at a time needs to be on the device.
 """
 from __future__ import annotations
 
-import functools
 import logging
 from typing import TYPE_CHECKING, Iterable, Iterator
 
@@ -175,10 +174,11 @@ def fused_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st
 
 def flash_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [H, n, D] over k, v [H, L, D] (as many heads: GQA is the caller's), all keys visible or,
-    causal, a square block's (L = n) → (output [H, n, D] in q's dtype, log-sum-exp [H, n] fp32 of
-    the scaled scores): PyTorch's flash attention, which returns the log-sum-exp beside its output
-    (on CUDA in half precision; on the CPU its blocked-GEMM kernel, which the tests run)."""
+    """q [H_q, n, D] over k, v [H_kv, L, D] (query head h reading KV head h // (H_q / H_kv)), all
+    keys visible or, causal, a square block's (L = n) → (output [H_q, n, D] in q's dtype,
+    log-sum-exp [H_q, n] fp32 of the scaled scores): PyTorch's flash attention, which returns
+    the log-sum-exp beside its output (on CUDA in half precision; on the CPU its blocked-GEMM
+    kernel, which the tests run)."""
     if q.device.type == "cuda":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
             q[None], k[None], v[None], 0.0, causal, False, scale=scale)[:2]
@@ -225,20 +225,33 @@ def segmented_prompt_attention(q: torch.Tensor, cached: Iterable[KVChunk], own_k
         del k, v
     if acc is not None:  # [H_kv, group·n, ...] → [H_q, n, ...]
         acc = acc[0].reshape(h_q, n, d), acc[1].reshape(h_q, n)
-    own = own_k.to(dtype).transpose(0, 1), own_v.to(dtype).transpose(0, 1)   # [H_kv, n, D]
-    if group > 1:
-        own = tuple(t.repeat_interleave(group, 0) for t in own)               # n keys: a chunk's, copied
+    # [H_kv, n, D]: the flash operators read query head h's keys from KV head h // group themselves
+    own = own_k.to(dtype).transpose(0, 1), own_v.to(dtype).transpose(0, 1)
     o, _ = _merged(acc, *flash_segment(rows, *own, scale, True))
     return o.transpose(0, 1).reshape(n, h_q * d).to(dtype)
 
 
-@functools.cache
+_SEGMENTED_CHECKED: dict[tuple, str | None] = {}  # segmented_attention_error's answers, per shape
+
+
 def segmented_attention_error(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
                               head_dim: int) -> str | None:
-    """Why segmented_prompt_attention cannot serve this stage (None: it can): run once on random
-    K/V of two pages and a chunk, against fp32 attention with the mask made. Its flash kernel is
-    one of PyTorch's own operators (the one its scaled_dot_product_attention dispatches to), not
-    its public API: a build whose operator differs says so here, at load, and the stage streams."""
+    """Why segmented_prompt_attention cannot serve this stage (None: it can): run on random K/V of
+    two pages and a chunk, against fp32 attention with the mask made, once a shape (answers kept;
+    not running out of memory, which a later load may not). Its flash kernel is one of PyTorch's
+    own operators (the one its scaled_dot_product_attention dispatches to), not its public API:
+    a build whose operator differs says so here, at load, and the stage streams."""
+    key = (torch.device(device), dtype, num_heads, num_kv_heads, head_dim)
+    if key not in _SEGMENTED_CHECKED:
+        why = _segmented_check(key[0], dtype, num_heads, num_kv_heads, head_dim)
+        if why is not None and why.startswith("OutOfMemoryError"):
+            return why
+        _SEGMENTED_CHECKED[key] = why
+    return _SEGMENTED_CHECKED[key]
+
+
+def _segmented_check(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                     head_dim: int) -> str | None:
     g = torch.Generator(device=device).manual_seed(0)
     start, n, page = 96, 40, 64
     try:
@@ -308,7 +321,8 @@ class TorchAttention:
                                             config.head_dim)
             if why is not None:
                 log.warning("flash attention a page at a time cannot run here (%s): prompt chunks of sequences "
-                            "longer than the device pool stream over their pages", why)
+                            "longer than the device pool stream over their pages (a plan whose profile says "
+                            "flash attention runs priced less VRAM for them)", why)
                 self.segmented = False
 
     @staticmethod

@@ -207,18 +207,15 @@ def fused_prompt_attention_bytes(context: int, chunk: int, kv_token: int, heads:
 def segmented_prompt_attention_bytes(chunk: int, page: int, kv_token: int, heads: int, attn_flops: int,
                                      dtype_bytes: int) -> int:
     """One layer of a prompt chunk of a sequence longer than the device pool holds, where flash
-    attention runs (executor/attention.py, segmented_prompt_attention), at the larger of its two
-    phases, per query value (H_q·D of them a query; bytes measured on the meta device:
-    tests/executor/test_working_set.py): over the cached pages, two pages of K/V on the device
-    (one read, the next on its way), the queries regrouped, a page's output and the running one
-    in fp32 (4 bytes and two of the dtype's; in half precision also the queries cast and a page's
-    output widened); over the chunk's own keys, those copied per query head and the merged
-    output's copies (16 and one of the dtype's); and five fp32 log-sum-exps per query head and
-    query."""
-    values = chunk * (attn_flops // 4)
+    attention runs (executor/attention.py, segmented_prompt_attention), at its peak, over the
+    cached pages: two pages of K/V on the device (one read, the next on its way) and, per query
+    value (H_q·D of them a query), the queries regrouped, a page's output and the running one in
+    fp32 (4 bytes and two of the dtype's; in half precision also the queries cast and a page's
+    output widened); five fp32 log-sum-exps per query head and query. Over the chunk's own keys
+    it holds less (tests/executor/test_working_set.py measures both on the meta device)."""
     widened = dtype_bytes + FP32_BYTES if dtype_bytes < FP32_BYTES else 0
-    pages = values * (FP32_BYTES + 2 * dtype_bytes + widened) + 2 * page * kv_token
-    return max(pages, values * (16 + dtype_bytes)) + 5 * FP32_BYTES * heads * chunk
+    return (chunk * (attn_flops // 4) * (FP32_BYTES + 2 * dtype_bytes + widened) + 2 * page * kv_token
+            + 5 * FP32_BYTES * heads * chunk)
 
 
 def streamed_prompt_attention_bytes(chunk: int, page: int, kv_token: int, heads: int, group: int,

@@ -17,7 +17,7 @@ from planner.plan import Plan, header_lines, load_plan, plan_digest, plan_from_d
 from planner.planning import SEARCH_OBJECTIVE, make_plan, plan_for_split, workload_for
 from planner.predict import predict, predict_step
 from planner.units import GIB
-from planner.working_set import gpu_working_bytes
+from planner.working_set import gpu_working_bytes, streamed_step_bytes
 from tests.planner.conftest import REPO, config_path, rel_source
 
 # Every checked-in plan and the command that makes it (also listed in plans/README.md).
@@ -207,11 +207,15 @@ def test_kv_offload_parks_pages_on_the_host_when_vram_runs_out(laptop):
     assert off.partition.stream_prefill_min_rows is not None
     ring = stream_ring_bytes(off.ir.units, 22)
 
+    # the streamed steps the plan took (the largest beside these pages, or larger ones that
+    # parked more of them where the request is served sooner so)
+    step = streamed_step_bytes(off.ir.units[1:22], off.partition.stream_prefill_step_tokens, 512, "bfloat16", 12288)
+
     def work(pages):
         return ring + gpu_working_bytes(off.ir.units[22:], dtype="bfloat16", batch=1, context=12288,
                                         page_size_tokens=512, budget_pages=24, device_pages=pages,
                                         device_page_bytes=kv.device_page_bytes,
-                                        flash_attention=laptop.gpu.flash_attention)
+                                        flash_attention=laptop.gpu.flash_attention, streamed_step=step)
 
     def fits(pages):
         return (pages <= 0.8 * (budget - gpu.weight_bytes - work(0)) // kv.device_page_bytes
