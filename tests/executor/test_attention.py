@@ -163,3 +163,49 @@ def test_a_half_precision_qkv_projects_as_its_fp32_widening(qk_norm):
     out = torch.empty(3, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16)
     project(qkv, *norms, cos, sin, out=out)
     assert torch.equal(out, want_qk.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("heads,start,count,page", [((8, 2), 37, 11, 8), ((4, 4), 16, 5, 8), ((6, 1), 3, 9, 4),
+                                                    ((8, 2), 0, 7, 8), ((4, 2), 64, 1, 16)])
+def test_flash_attention_a_page_at_a_time_is_causal_attention(heads, start, count, page):
+    """segmented_prompt_attention (a chunk of a sequence longer than the device pool) against
+    attention in float64 with K/V repeated per query head and the causal mask made: cached pages
+    (the last one cut at the chunk's start, mid-page or not), GQA groups 1 to 6, no cache at all."""
+    h_q, h_kv = heads
+    g = torch.Generator().manual_seed(start + count)
+    k, v = (torch.randn(h_kv, start + count, 16, generator=g) for _ in range(2))
+    q = torch.randn(count, h_q, 16, generator=g)
+    cached = [(k[:, a:min(a + page, start)], v[:, a:min(a + page, start)], a) for a in range(0, start, page)]
+    got = attention.segmented_prompt_attention(q, cached, k[:, start:].transpose(0, 1), v[:, start:].transpose(0, 1),
+                                               start, 0.25)
+    group = h_q // h_kv
+    scores = torch.einsum("thd,hsd->hts", q.double(), k.double().repeat_interleave(group, 0)) * 0.25
+    hidden = torch.arange(start + count)[None, :] > torch.arange(start, start + count)[:, None]
+    want = torch.einsum("hts,hsd->thd", scores.masked_fill(hidden, float("-inf")).softmax(-1),
+                        v.double().repeat_interleave(group, 0)).reshape(count, h_q * 16)
+    assert got.dtype == torch.float32 and torch.allclose(got.double(), want, atol=2e-6)
+
+
+def test_the_load_time_check_of_flash_attention_a_page_at_a_time_passes_where_it_serves():
+    """segmented_attention_error on the CPU's flash operator: None (it serves) for the shapes the
+    models here have, in each cache dtype; its answer is kept per shape."""
+    from executor.attention import _SEGMENTED_CHECKED, segmented_attention_error
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert segmented_attention_error(torch.device("cpu"), dtype, 16, 8, 128) is None
+    assert (torch.device("cpu"), torch.bfloat16, 16, 8, 128) in _SEGMENTED_CHECKED
+
+
+def test_the_load_time_check_finds_an_operator_whose_log_sum_exp_differs(monkeypatch):
+    """Where the flash operator's log-sum-exp is not what the merge assumes (here: in log2 units),
+    the check says so, and its answer is the stage's reason to stream."""
+    flash = attention.flash_segment
+
+    def log2_units(*args):
+        out, lse = flash(*args)
+        return out, lse / math.log(2)
+
+    monkeypatch.setattr(attention, "_SEGMENTED_CHECKED", {})
+    monkeypatch.setattr(attention, "flash_segment", log2_units)
+    why = attention.segmented_attention_error(torch.device("cpu"), torch.float32, 8, 2, 64)
+    assert why is not None and why.startswith("its output is ") and "from fp32 attention's" in why
