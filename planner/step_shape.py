@@ -63,7 +63,9 @@ def pieces(tokens: int, max_slice: int = PREFILL_CHUNK_TOKENS) -> list[tuple[int
 def longest_gather(device_pages: int, page_size_tokens: int) -> int:
     """The most tokens of a sequence a GPU stage's prompt chunk gathers its K/V over for fused
     attention (executor/kv_cache.py KVCache.gathers; planner/working_set.py prices that gather):
-    what the stage's device pages hold. A longer sequence's chunks stream its pages."""
+    what the stage's device pages hold. A longer sequence's chunks take flash attention a page at
+    a time (executor/attention.py segmented_prompt_attention; streamed where flash attention does
+    not run)."""
     return device_pages * page_size_tokens
 
 

@@ -16,12 +16,14 @@ usable VRAM a profile measures is what is free after the CUDA context and cuBLAS
   longer than the device pages hold (pages another sequence's parked come back into the gather,
   two at a time in transit), so over at most the device pages' tokens: its K/V gathered and the
   kernel's log-sum-exp per query head; flash attention needs no mask (executor/attention.py).
-  Streamed, where a sequence can outgrow the device pages (offload), and always where flash
-  attention does not run (fp32 weights, a GPU or head size without its kernels): a page of fp32 scores per
-  query head and the masks that hide its future keys, its K or V in fp32, three pages' device
-  copies (the last, this and the prefetched one), and the grouped queries, running output and a
-  page's share of it in fp32. The larger of the two where both may run, or where the profile
-  does not say whether flash attention runs;
+  A page at a time through flash attention, where a sequence can outgrow the device pages
+  (offload): two pages of K/V, the regrouped queries and the running output
+  (segmented_prompt_attention_bytes). Streamed where flash attention does not run (fp32
+  weights, a GPU or head size without its kernels): a page of fp32 scores per query head and
+  the masks that hide its future keys, its K or V in fp32, three pages' device copies (the
+  last, this and the prefetched one), and the grouped queries, running output and a page's
+  share of it in fp32. The largest of those that may run, all where the profile does not say
+  whether flash attention runs;
 - the logits of every sequence in a step (the head's values per token), in fp32 beside the
   half-precision output they are cast from;
 - the decode step's CUDA graphs (executor/device_step.py): their private pool keeps the largest

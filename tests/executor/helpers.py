@@ -73,10 +73,11 @@ def hf_greedy(path, prompt, max_new_tokens):
 
 
 def helm_teacher_forced_logits(path, ids, prefill: int, split=None, backend="auto", device_kv_pages=None,
-                               kv_slab=None, loaded=None) -> torch.Tensor:
-    """Logits at every position of ids: one prefill step over ids[:prefill], then one decode step
-    per remaining token (the KV cache path), as [len(ids), V] fp32. loaded: called with the
-    model once it is loaded (to look at which paths it took)."""
+                               kv_slab=None, loaded=None, prefill_chunk: int | None = None) -> torch.Tensor:
+    """Logits at every position of ids: prefill steps over ids[:prefill] (one, or chunks of
+    prefill_chunk tokens each after the ones before), then one decode step per remaining token
+    (the KV cache path), as [len(ids), V] fp32. loaded: called with the model once it is loaded
+    (to look at which paths it took)."""
     cfg = ModelConfig.from_dir(path)
     placement = Placement.from_split(cfg.num_units, cfg.num_units if split is None else split, page_size_tokens=16,
                                      device_kv_pages=device_kv_pages)
@@ -92,7 +93,9 @@ def helm_teacher_forced_logits(path, ids, prefill: int, split=None, backend="aut
             x = stage.forward(x, batch)
         rows.append(x.float())
 
-    run(0, prefill, True)
+    step = prefill_chunk or prefill
+    for start in range(0, prefill, step):
+        run(start, min(step, prefill - start), True)
     for pos in range(prefill, len(ids)):
         run(pos, 1, False)
     return torch.cat(rows)

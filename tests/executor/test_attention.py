@@ -209,3 +209,22 @@ def test_the_load_time_check_finds_an_operator_whose_log_sum_exp_differs(monkeyp
     monkeypatch.setattr(attention, "flash_segment", log2_units)
     why = attention.segmented_attention_error(torch.device("cpu"), torch.float32, 8, 2, 64)
     assert why is not None and why.startswith("its output is ") and "from fp32 attention's" in why
+
+
+def test_the_load_time_check_keeps_no_out_of_memory_answer(monkeypatch):
+    """A check that ran out of memory (a load beside another plan) says so for that load, and the
+    next load checks again rather than streaming for the rest of the process."""
+    flash, failures = attention.flash_segment, [1]
+
+    def short_of_memory_once(*args):
+        if failures:
+            failures.pop()
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+        return flash(*args)
+
+    monkeypatch.setattr(attention, "_SEGMENTED_CHECKED", {})
+    monkeypatch.setattr(attention, "flash_segment", short_of_memory_once)
+    shape = (torch.device("cpu"), torch.float32, 8, 2, 64)
+    assert attention.segmented_attention_error(*shape).startswith("OutOfMemoryError")
+    assert attention._SEGMENTED_CHECKED == {}
+    assert attention.segmented_attention_error(*shape) is None and attention._SEGMENTED_CHECKED == {shape: None}

@@ -226,13 +226,17 @@ def test_steps_served_while_another_plan_loads_are_not_measured(model, plan_dir,
         daemon.close()
 
 
-def test_a_plan_priced_above_the_daemons_gpu_memory_is_refused_and_the_old_plan_serves(model, plan_dir):
+def test_a_plan_priced_above_the_daemons_gpu_memory_is_refused_and_the_old_plan_serves(model, plan_dir,
+                                                                                       monkeypatch):
     """--gpu-memory: a plan whose GPU stage is priced above it, alone or beside the plan serving
     (a swap holds both), is refused before anything loads, naming the sizes and how to plan for
     the cap; one within it loads. (On CUDA the cap also holds PyTorch's allocator:
     tests/executor/test_cuda.py.)"""
     from executor.plan_io import plan_gpu_bytes
+    from executor.server import daemon as daemon_module
 
+    capped = []  # on a CUDA machine the cap would hold this test process's allocator (test_cuda.py tests it)
+    monkeypatch.setattr(daemon_module, "cap_gpu_memory", capped.append)
     need = plan_gpu_bytes(load_plan(plan_dir / "good.yaml"))
     assert need > 0   # split 2: the rest of the tiny model on the GPU stage
     daemon = Daemon(model, plan_dir=plan_dir, gpu_memory_bytes=need)
@@ -253,5 +257,7 @@ def test_a_plan_priced_above_the_daemons_gpu_memory_is_refused_and_the_old_plan_
         assert_serves_split_2(daemon, model)
     finally:
         daemon.close()
+    assert capped == [need]
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="must be positive"):
         Daemon(model, gpu_memory_bytes=0)
