@@ -117,11 +117,11 @@ def plan_gpu_bytes(plan: Plan) -> int:
     return next((c.gpu_bytes for c in plan.search.candidates if c.split_k == plan.partition.split_k), 0)
 
 
-def check_gpu_memory_fits(plan: Plan, cap_bytes: int | None, serving: Plan | None = None) -> None:
+def check_gpu_memory_fits(plan: Plan, cap_bytes: int | None, loaded: tuple[Plan, ...] = ()) -> None:
     """A plan whose GPU stage is priced at more than `cap_bytes` (the daemon's --gpu-memory) is
     refused before anything loads: under the cap its allocations would fail mid-load or
-    mid-request. Beside the plan `serving` (a swap holds both until the new one serves) the two
-    together."""
+    mid-request. Beside the plans `loaded` (the one serving, and earlier ones still finishing
+    their requests: a swap holds them all until they end) all of them together."""
     if cap_bytes is None:
         return
     need = plan_gpu_bytes(plan)
@@ -129,11 +129,12 @@ def check_gpu_memory_fits(plan: Plan, cap_bytes: int | None, serving: Plan | Non
         raise PlacementError(f"the plan's GPU stage needs {fmt_bytes(need)} of GPU memory (weights, KV pages, working "
                              f"set), over this daemon's --gpu-memory of {fmt_bytes(cap_bytes)}: plan again with "
                              f"`helm-plan plan --gpu-memory {cap_bytes}`")
-    held = plan_gpu_bytes(serving) if serving is not None else 0
+    held = sum(plan_gpu_bytes(p) for p in loaded)
     if need + held > cap_bytes:
         raise PlacementError(f"the plan's GPU stage needs {fmt_bytes(need)} of GPU memory beside the {fmt_bytes(held)} "
-                             f"of the plan serving, over this daemon's --gpu-memory of {fmt_bytes(cap_bytes)} (a swap "
-                             f"holds both until the new plan serves): restart the daemon with the new plan")
+                             f"of the {len(loaded)} plan(s) loaded (the one serving, and any finishing their requests), "
+                             f"over this daemon's --gpu-memory of {fmt_bytes(cap_bytes)}: a swap holds them until they "
+                             f"end; retry once they have, or restart the daemon with the new plan")
 
 
 def check_host_kv_fits(placement: Placement, config: ModelConfig, sequences: int,

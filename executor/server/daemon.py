@@ -137,9 +137,10 @@ class Daemon:
         t0 = time.perf_counter()
         plan = check_plan_fits(source.plan, self.model_dir, self.config) if source.plan is not None else \
             load_checked_plan("plan", self.model_dir, self.config, text=self._plan_text(source))
-        with self._lock:
-            serving = self._serving.plan if self._serving is not None else None
-        check_gpu_memory_fits(plan, self.gpu_memory_bytes, serving)
+        with self._lock:  # the plans whose models are loaded: the one serving, earlier ones finishing requests
+            loaded = tuple(w.recorder.plan for w in self._retired if w.alive) + \
+                ((self._serving.plan,) if self._serving is not None else ())
+        check_gpu_memory_fits(plan, self.gpu_memory_bytes, loaded)
         placement = placement_for(plan, self.config, cpu_threads=self.threads)
         check_host_kv_fits(placement, self.config, self.max_batch)
         failure = None

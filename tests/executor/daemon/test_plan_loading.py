@@ -248,12 +248,20 @@ def test_a_plan_priced_above_the_daemons_gpu_memory_is_refused_and_the_old_plan_
             daemon.load_plan(PlanSource(path="good.yaml"))
         # a swap holds the plan serving and the new one until the new one serves: both must fit
         daemon.gpu_memory_bytes = 2 * need - 1
-        with pytest.raises(PlacementError, match="beside the .* of the plan serving"):
+        with pytest.raises(PlacementError, match=r"beside the .* of the 1 plan\(s\) loaded"):
             daemon.load_plan(PlanSource(path="good.yaml"))
         assert daemon.state == "serving"
         assert_serves_split_2(daemon, model)
         daemon.gpu_memory_bytes = 2 * need
         daemon.load_plan(PlanSource(path="good.yaml"))
+        assert_serves_split_2(daemon, model)
+        # the plan swapped out, still finishing requests (held so here), holds its memory too
+        retired = daemon._retired[-1]
+        monkeypatch.setattr(type(retired), "alive", property(lambda worker: True))
+        with pytest.raises(PlacementError, match=r"beside the .* of the 2 plan\(s\) loaded"):
+            daemon.load_plan(PlanSource(path="good.yaml"))
+        monkeypatch.setattr(type(retired), "alive", property(lambda worker: worker is not retired))
+        daemon.load_plan(PlanSource(path="good.yaml"))  # once it has ended: room again
         assert_serves_split_2(daemon, model)
     finally:
         daemon.close()
