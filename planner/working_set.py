@@ -113,14 +113,12 @@ def gpu_working_bytes(units: tuple[UnitIR, ...], *, dtype: str | None, batch: in
     per_token = activation_bytes_per_token(units)
     total = max(step_tokens(batch, context), st.sequences) * per_token + st.sequences * _logits_bytes(st.head, st.b)
     if st.blocks:
-        # the executor fuses where flash attention runs (half precision, a head it has kernels for)
-        # and the sequence is no longer than the device pool holds (executor/kv_cache.py gathers),
-        # else it streams: priced by what the profile says of flash attention, both where it does
-        # not know
+        # where flash attention runs (half precision, a head it has kernels for) the executor
+        # gathers a sequence no longer than the device pool holds (executor/kv_cache.py gathers)
+        # and takes a longer one's chunks a page at a time (segmented); elsewhere it streams:
+        # priced by what the profile says of flash attention, all of them where it does not know
         flash = None if flash_attention is None else (flash_attention and st.b < FP32_BYTES
                                                       and 0 < st.head_dim <= FLASH_MAX_HEAD_DIM)
-        # a longer sequence's chunks take flash attention a page at a time (segmented), streaming
-        # attention where flash attention does not run
         resident = min(context, longest_gather(device_pages, page_size_tokens))
         fuses = flash is not False and resident > 0
         segments = flash is not False and resident < context

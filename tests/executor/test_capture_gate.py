@@ -5,25 +5,27 @@ import threading
 from executor.capture_gate import CaptureGate
 
 
+def _holding(section, log: list, name: str, started=None, until=None) -> None:
+    """Inside `section` (a gate's step or capture): log its start, say so, wait to be let go, log its end."""
+    with section():
+        log.append(f"{name} starts")
+        if started:
+            started.set()
+        if until:
+            until.wait(10)
+        log.append(f"{name} ends")
+
+
 def test_a_capture_waits_for_the_step_under_way_and_holds_new_steps_back():
     gate, log = CaptureGate(), []
     step_running, finish_step, capture_waiting, finish_capture = (threading.Event() for _ in range(4))
 
     def old_engine_step(name, started=None, until=None):
-        with gate.step():
-            log.append(f"{name} starts")
-            if started:
-                started.set()
-            if until:
-                until.wait(10)
-            log.append(f"{name} ends")
+        _holding(gate.step, log, name, started, until)
 
     def capture():
         capture_waiting.set()
-        with gate.capture():
-            log.append("capture starts")
-            finish_capture.wait(10)
-            log.append("capture ends")
+        _holding(gate.capture, log, "capture", until=finish_capture)
 
     first = threading.Thread(target=old_engine_step, args=("step 1", step_running, finish_step))
     first.start()
@@ -54,13 +56,7 @@ def test_captures_run_one_at_a_time():
     first_in, finish_first = threading.Event(), threading.Event()
 
     def capture(name, inside=None, until=None):
-        with gate.capture():
-            log.append(f"{name} starts")
-            if inside:
-                inside.set()
-            if until:
-                until.wait(10)
-            log.append(f"{name} ends")
+        _holding(gate.capture, log, name, inside, until)
 
     first = threading.Thread(target=capture, args=("first", first_in, finish_first))
     first.start()
