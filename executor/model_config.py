@@ -17,11 +17,14 @@ from planner.config import read_config
 from planner.errors import PlanError
 
 # model_type -> family traits the executor needs beyond the common decoder layout.
+# What sets a family apart, and the values transformers' config class gives a key config.json
+# leaves out (a head_dim of None: hidden_size / num_attention_heads). Which projections carry
+# biases: Qwen2 q/k/v always; Llama and Qwen3 q/k/v and o with attention_bias; Mistral none.
 FAMILIES = {
-    "qwen3": {"qk_norm": True},
-    "llama": {"qk_norm": False},
-    "qwen2": {"qk_norm": False},
-    "mistral": {"qk_norm": False},
+    "qwen3": {"qk_norm": True, "head_dim": 128, "bias": "attention_bias"},
+    "llama": {"qk_norm": False, "head_dim": None, "bias": "attention_bias"},
+    "qwen2": {"qk_norm": False, "head_dim": None, "bias": "always"},
+    "mistral": {"qk_norm": False, "head_dim": None, "bias": None, "sliding_window": 4096},
 }
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -110,11 +113,15 @@ class ModelConfig:
             raise ConfigError(f"{source}: hidden_act={act!r} is not supported (SwiGLU with silu only)")
         if raw.get("mlp_bias"):
             raise ConfigError(f"{source}: mlp_bias=true is not supported")
+        if FAMILIES[model_type]["bias"] == "attention_bias" and raw.get("attention_bias"):
+            raise ConfigError(f"{source}: attention_bias=true is not supported for {model_type} (its o_proj "
+                              "carries a bias too; HELM's blocks add biases to q/k/v only, as Qwen2's)")
 
         hidden = need("hidden_size")
         heads = need("num_attention_heads")
         kv_heads = need("num_key_value_heads") if raw.get("num_key_value_heads") is not None else heads
-        head_dim = need("head_dim") if raw.get("head_dim") is not None else hidden // heads
+        family = FAMILIES[model_type]
+        head_dim = need("head_dim") if raw.get("head_dim") is not None else family["head_dim"] or hidden // heads
         if heads % kv_heads:
             raise ConfigError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         max_pos = need("max_position_embeddings")
@@ -141,9 +148,8 @@ class ModelConfig:
             max_position_embeddings=max_pos,
             rope=_read_rope(raw, source),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases; others may declare attention_bias.
-            attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-            qk_norm=FAMILIES[model_type]["qk_norm"],
+            attention_bias=family["bias"] == "always",  # q/k/v (refused above where o_proj has one)
+            qk_norm=family["qk_norm"],
             dtype=DTYPES[dtype_name],
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(eos_token_ids),
@@ -195,7 +201,8 @@ QWEN_SLIDING_WINDOW = 4096
 
 
 def _check_sliding_window(raw: dict, source: str, max_pos: int) -> None:
-    window = raw.get("sliding_window")
+    family = FAMILIES[raw.get("model_type")]
+    window = raw["sliding_window"] if "sliding_window" in raw else family.get("sliding_window")
     if raw.get("model_type") in ("qwen2", "qwen3"):
         # as transformers reads them: a window only with use_sliding_window (default off), on
         # the layers layer_types names or else those from max_window_layers on

@@ -135,3 +135,36 @@ def test_a_qwen_window_that_no_layer_uses_is_full_attention(tmp_path, change):
     if cfg.get("use_sliding_window") is None:
         cfg.pop("use_sliding_window")
     assert ModelConfig.from_dir(write(tmp_path, cfg)).num_layers == 28
+
+
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "llama-3.2-1b", "qwen2.5-7b", "mistral-7b-v0.3"])
+def test_keys_left_out_take_transformers_defaults(name):
+    """A config.json without head_dim or sliding_window is read as transformers' config class reads
+    it (Qwen3's head_dim defaults to 128, not hidden / heads; Mistral's window to 4096)."""
+    from transformers import AutoConfig
+
+    raw = base(name)
+    raw.pop("head_dim", None)
+    raw["hidden_size"] = raw["num_attention_heads"] * 96  # hidden / heads != 128
+    reference = AutoConfig.for_model(**raw)
+    expected = getattr(reference, "head_dim", None) or raw["hidden_size"] // raw["num_attention_heads"]
+    assert ModelConfig.from_dict(raw).head_dim == expected
+    raw.pop("sliding_window", None)
+    window = getattr(AutoConfig.for_model(**raw), "sliding_window", None)
+    if name.startswith("mistral"):  # every Mistral layer slides by its window (Qwen's need use_sliding_window)
+        assert window is not None and window < raw["max_position_embeddings"]
+        with pytest.raises(ConfigError, match=f"sliding_window={window}"):
+            ModelConfig.from_dict(raw)
+    else:
+        assert ModelConfig.from_dict(raw).num_layers == raw["num_hidden_layers"]
+
+
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "llama-3.2-1b"])
+def test_an_o_proj_bias_is_refused_by_its_config_key(name):
+    with pytest.raises(ConfigError, match="attention_bias=true is not supported"):
+        ModelConfig.from_dict(base(name, attention_bias=True))
+
+
+def test_mistral_has_no_attention_biases_whatever_the_config_says():
+    """transformers builds Mistral's projections without biases, attention_bias or not."""
+    assert not ModelConfig.from_dict(base("mistral-7b-v0.3", attention_bias=True)).attention_bias

@@ -206,4 +206,7 @@ def _validate_config(c: dict) -> None:
 
 
 def head_dim(c: dict) -> int:
-    return c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    """As transformers reads it: Qwen3's config class defaults to 128, the others' to hidden / heads."""
+    if c.get("head_dim"):
+        return c["head_dim"]
+    return 128 if c.get("model_type") == "qwen3" else c["hidden_size"] // c["num_attention_heads"]

@@ -71,9 +71,10 @@ def tensor_specs(config: dict) -> list[TensorSpec]:
     hd = head_dim(config)
     q_out, kv_out = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
     # Which biases exist: Qwen2 always has q/k/v biases (no o bias); Llama and Qwen3 have q/k/v/o
-    # biases when attention_bias is true; Llama has MLP biases when mlp_bias is true.
-    qkv_bias = arch == "qwen2" or bool(config.get("attention_bias"))
-    o_bias = arch != "qwen2" and bool(config.get("attention_bias"))
+    # biases when attention_bias is true (Mistral never has any); Llama has MLP biases when
+    # mlp_bias is true.
+    o_bias = arch in ("llama", "qwen3") and bool(config.get("attention_bias"))
+    qkv_bias = arch == "qwen2" or o_bias
     mlp_bias = bool(config.get("mlp_bias"))
 
     def linear(name: str, out_f: int, in_f: int, bias: bool, gain: float = 1.0) -> list[TensorSpec]:
