@@ -4,6 +4,7 @@ command takes). Light on purpose (grpc, no torch): `helm-plan recalibrate` uses 
 from __future__ import annotations
 
 import errno
+import hashlib
 import hmac
 import ipaddress
 import logging
@@ -130,6 +131,26 @@ def bearer_token(metadata) -> str | None:
         if key == "authorization" and isinstance(value, str) and value[:7].lower() == "bearer ":
             return value[7:].strip()
     return None
+
+
+def caller_scope(context, tokens: bool) -> bytes:
+    """Who is calling, by the credential the daemon checked: a digest of the bearer token where
+    the daemon has tokens (the guard let the call in only with a known one); else of the client
+    certificate's identities under mutual TLS, any token header ignored (nothing checked it);
+    b"" for everyone on an open daemon. The kind of credential is part of the digest, so a token
+    can never stand for a certificate of the same name."""
+    if tokens:
+        identity = b"token\0" + (bearer_token(context.invocation_metadata()) or "").encode()
+    else:
+        names = context.peer_identities() or ()
+        identity = b"certificate\0" + b"\0".join(names) if names else b""
+    return hashlib.blake2b(identity, digest_size=16, person=b"helm-scope").digest() if identity else b""
+
+
+def peer_host(context) -> str:
+    """The caller's address without its port ("ipv4:10.0.0.5:4242" → "ipv4:10.0.0.5")."""
+    peer = context.peer() or ""
+    return peer.rsplit(":", 1)[0] if peer.count(":") > 1 else peer
 
 
 

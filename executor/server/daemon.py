@@ -8,7 +8,9 @@
 A plan swap is atomic: the new plan's stages are loaded and warmed up while the old plan serves;
 then new requests go to the new plan's worker and the old worker finishes what it holds. Both
 models are in memory during the swap. Admission counts every request from `submit` to its end:
-at most `max_batch + max_queue` at once, beyond that OverloadedError.
+at most `max_batch + max_queue` at once, and at most `max_per_caller` of one caller's (its
+checked credential: a token, a client certificate), beyond that OverloadedError; so one client
+cannot hold every slot while others are refused. A daemon without credentials is one caller.
 """
 from __future__ import annotations
 
@@ -85,10 +87,14 @@ def cap_gpu_memory(cap_bytes: int) -> None:
 class Daemon:
     def __init__(self, model_dir: str | Path, max_batch: int = MAX_RUNNING_SEQUENCES, max_queue: int = 64,
                  backend: str = "auto", threads: int | None = None, plan_dir: str | Path | None = None,
-                 prefix_cache: bool = True, gpu_memory_bytes: int | None = None):
+                 prefix_cache: bool = True, gpu_memory_bytes: int | None = None, max_per_caller: int | None = None):
 
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")
+        if max_per_caller is not None and max_per_caller < 1:
+            raise ValueError(f"max_per_caller must be >= 1, got {max_per_caller}")
+        # one caller's share of the slots: by default half, so another is never locked out
+        self.max_per_caller = max_per_caller or -(-(max_batch + max_queue) // 2)
         self.model_dir = Path(model_dir)
         self.config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None
@@ -110,7 +116,9 @@ class Daemon:
         self._stopped: str | None = None  # why the serving engine stopped, until a plan loads again
         self._retired: list[EngineWorker] = []
         self._active: dict[str, EngineWorker] = {}  # engine key of each admitted request → its worker
-        self._client_ids: dict[str, str] = {}  # request_id in flight → its engine key
+        self._client_ids: dict[tuple[bytes, str], str] = {}  # (caller, request_id) in flight → its engine key
+        self._owners: dict[str, tuple[bytes, str]] = {}  # engine key → (caller, request_id)
+        self._per_caller: dict[bytes, int] = {}  # requests in flight of each caller (b"": none checked)
         self._keys = itertools.count()
         self._recorders: OrderedDict[str, Recorder] = OrderedDict()
         self._lock = threading.Condition()
@@ -316,7 +324,7 @@ class Daemon:
             raise RequestError("stop_strings need the model's tokenizer.json, which this model lacks")
         if any(t >= self.config.vocab_size for t in spec.stop.stop_token_ids):
             raise RequestError(f"stop token ids must be in [0, {self.config.vocab_size})")
-        prompt = self._prompt_ids(spec)
+        prompt = self._prompt_ids(spec, scope)
         with self._lock:
             serving = self._require_plan()  # checked against the plan it is submitted to, even across a LoadPlan
             if len(prompt) + spec.stop.max_new_tokens > serving.context_tokens:
@@ -325,22 +333,28 @@ class Daemon:
                     f"plan's context of {serving.context_tokens} tokens")
             if self.state == "draining":
                 raise ShuttingDownError("the daemon is shutting down: not accepting new requests")
-            self._refuse_if_full()
+            self._refuse_if_full(scope)
             request_id = spec.request_id or f"req-{uuid.uuid4().hex[:16]}"
-            if request_id in self._client_ids:
+            if (scope, request_id) in self._client_ids:  # a caller's own ids: another's are none of its business
                 raise RequestError(f"request_id {request_id!r} is already in flight")
             key = f"{request_id}#{next(self._keys)}"  # the engine's id: unique even when a client reuses one
             events = serving.worker.submit(Submission(key, prompt, spec.sampling, spec.stop, scope))
             self._active[key] = serving.worker
-            self._client_ids[request_id] = key
+            self._client_ids[scope, request_id] = key
+            self._owners[key] = (scope, request_id)
+            self._per_caller[scope] = self._per_caller.get(scope, 0) + 1
         return RequestHandle(self, serving, request_id, key, spec, len(prompt), events)
 
-    def _refuse_if_full(self) -> None:
+    def _refuse_if_full(self, scope: bytes) -> None:
         if len(self._active) >= self.max_batch + self.max_queue:
             raise OverloadedError(f"the daemon is full: {len(self._active)} requests in flight "
                                   f"(max batch {self.max_batch} + max queue {self.max_queue}); retry later")
+        held = self._per_caller.get(scope, 0) if scope else 0
+        if held >= self.max_per_caller:
+            raise OverloadedError(f"this caller has {held} requests in flight, the most one caller may hold "
+                                  f"(--max-requests-per-caller {self.max_per_caller}); retry when one ends")
 
-    def _prompt_ids(self, spec: GenerateSpec) -> tuple[int, ...]:
+    def _prompt_ids(self, spec: GenerateSpec, scope: bytes = b"") -> tuple[int, ...]:
         if spec.prompt_ids is not None:
             if not spec.prompt_ids:
                 raise RequestError("token_ids is empty: give at least one token")
@@ -351,7 +365,7 @@ class Daemon:
         if len(spec.prompt_text) > limit or len(spec.prompt_text.encode("utf-8")) > limit:  # before tokenizing
             raise RequestError(f"the prompt text is more than {limit} bytes ({MAX_PROMPT_BYTES_PER_TOKEN} per token "
                                f"of the {self.context_tokens}-token context)")
-        self._refuse_if_full()  # before tokenizing: a full daemon refuses at no cost (checked again on submit)
+        self._refuse_if_full(scope)  # before tokenizing: a full daemon refuses at no cost (checked again on submit)
         ids = tuple(self.tokenizer.encode(spec.prompt_text, special_tokens=not spec.raw_text))
         if not ids:
             raise RequestError("the prompt text is empty: give some text")
@@ -361,9 +375,14 @@ class Daemon:
         """The engine is done with a request (or its client left): free its admission slot."""
         with self._lock:
             if self._active.pop(key, None) is not None:
-                client_id = key.rpartition("#")[0]
-                if self._client_ids.get(client_id) == key:
-                    del self._client_ids[client_id]
+                owner = self._owners.pop(key)
+                scope = owner[0]
+                if self._client_ids.get(owner) == key:
+                    del self._client_ids[owner]
+                if self._per_caller[scope] > 1:
+                    self._per_caller[scope] -= 1
+                else:
+                    del self._per_caller[scope]
                 self._lock.notify_all()
 
     # -- inspection -----------------------------------------------------------------------

@@ -19,6 +19,11 @@ lane: a bounded number of calls of its kind at once.
   lane is not refused: it is answered from the daemon's overall status without its request
   being read, on one of `SPARE_THREADS` threads kept for what takes no time (refusals too). So
   anyone may flood health with calls whose request never comes, and a probe is still answered.
+- **Shares.** One caller holds at most its share of a lane (`_Lane.per_caller`): of Generate
+  streams twice its admission slots (the daemon's `max_per_caller`), half of the client calls'
+  lane, half of Watch's and reflection's. A caller is the credential checked (auth.caller_scope),
+  or the address for what anyone may open; without credentials Generate and unary calls are one
+  trust domain, held to the lane only.
 - **Request bodies.** A call whose request has not arrived within `BODY_TIMEOUT_S` is cancelled
   (`OPEN_BODY_TIMEOUT_S` for health, open to anyone); refusals do not read the request at all.
   (A server on grpc.aio would read requests without holding threads at all.)
@@ -33,7 +38,7 @@ import time
 
 import grpc
 
-from executor.server.auth import ADMIN, CLIENT, RANK, Tokens, bearer_token
+from executor.server.auth import ADMIN, CLIENT, RANK, Tokens, bearer_token, caller_scope, peer_host
 
 log = logging.getLogger("helm.guard")
 
@@ -75,34 +80,51 @@ _UNDECODABLE = _Undecodable()
 
 
 class _Lane:
-    """At most `size` calls of a kind at once; one more is refused at once (RESOURCE_EXHAUSTED).
-    `open`: calls in the lane now; `serving`: those of them whose request has arrived."""
+    """At most `size` calls of a kind at once, and at most `per_caller` of them from one caller;
+    one more is refused at once (RESOURCE_EXHAUSTED). `open`: calls in the lane now; `serving`:
+    those of them whose request has arrived."""
 
-    def __init__(self, size: int, what: str):
-        self.size, self.what = size, what
+    def __init__(self, size: int, what: str, per_caller: int | None = None):
+        self.size, self.what, self.per_caller = size, what, per_caller or size
         self._slots = threading.BoundedSemaphore(size)
         self._lock = threading.Lock()
+        self._held: dict[object, int] = {}  # caller → its calls in the lane
         self.open = self.serving = 0
 
-    def try_enter(self) -> bool:
+    def try_enter(self, caller=None) -> str | None:
+        """Take a place for a call of `caller` (None: one no caller's share limits); None if
+        taken, else why not."""
         if not self._slots.acquire(blocking=False):
-            return False
+            return f"{self.size} {self.what} are open, the most this daemon serves at once; retry later"
         with self._lock:
+            held = self._held.get(caller, 0) if caller is not None else 0
+            if held >= self.per_caller:
+                self._slots.release()
+                return (f"this caller has {held} {self.what} open, the most one caller may hold of the "
+                        f"daemon's {self.size}; retry when one ends")
+            if caller is not None:
+                self._held[caller] = held + 1
             self.open += 1
-        return True
+        return None
 
-    def enter(self, context) -> None:
-        if not self.try_enter():
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"{self.size} {self.what} are open, the most this daemon serves at once; retry later")
+    def enter(self, context, caller=None) -> None:
+        refused = self.try_enter(caller)
+        if refused is not None:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
 
     def count_serving(self, delta: int) -> None:
         with self._lock:
             self.serving += delta
 
-    def leave(self) -> None:
+    def leave(self, caller=None) -> None:
         with self._lock:
             self.open -= 1
+            if caller is not None:
+                left = self._held[caller] - 1
+                if left:
+                    self._held[caller] = left
+                else:
+                    del self._held[caller]
         self._slots.release()
 
 
@@ -169,13 +191,14 @@ class _RefusalLog:
 
 
 class RpcGuard(grpc.ServerInterceptor):
-    def __init__(self, tokens: Tokens | None, generate_streams: int, body_timeout_s: float = BODY_TIMEOUT_S):
+    def __init__(self, tokens: Tokens | None, generate_streams: int, body_timeout_s: float = BODY_TIMEOUT_S,
+                 generate_per_caller: int | None = None):
         self.tokens = tokens
-        self.generate = _Lane(generate_streams, "Generate streams")
-        self.lanes = {HEALTH_WATCH: _Lane(WATCH_STREAMS, "health Watch streams"),
-                      REFLECTION: _Lane(WATCH_STREAMS, "reflection streams"), GENERATE: self.generate,
-                      HEALTH_CHECK: _Lane(OPEN_READERS, "health checks being read")}
-        self.client_calls = _Lane(CLIENT_CALLS, "calls of client callers")
+        self.generate = _Lane(generate_streams, "Generate streams", generate_per_caller)
+        self.lanes = {HEALTH_WATCH: _Lane(WATCH_STREAMS, "health Watch streams", WATCH_STREAMS // 2),
+                      REFLECTION: _Lane(WATCH_STREAMS, "reflection streams", WATCH_STREAMS // 2),
+                      GENERATE: self.generate, HEALTH_CHECK: _Lane(OPEN_READERS, "health checks being read")}
+        self.client_calls = _Lane(CLIENT_CALLS, "calls of client callers", CLIENT_CALLS // 2)
         self.admin_calls = _Lane(ADMIN_CALLS, "calls of admin callers")
         self.body_timeout_s = body_timeout_s
         self.bodies = _BodyDeadlines()
@@ -204,6 +227,18 @@ class RpcGuard(grpc.ServerInterceptor):
             lane = self.admin_calls if (role or required) == ADMIN else self.client_calls
         return self._checked(handler, method, lane, open_to_anyone=required is None)
 
+    def _caller(self, context, lane: _Lane, open_to_anyone: bool):
+        """Whose share of `lane` a call takes: its checked credential (auth.caller_scope); by
+        address where there is none to check, for the streams anyone may open (health Watch) and
+        reflection on a daemon without credentials; None (no share) for Generate and unary calls
+        on such a daemon, one trust domain."""
+        if lane.per_caller >= lane.size:
+            return None
+        scope = b"" if open_to_anyone else caller_scope(context, self.tokens is not None)
+        if scope:
+            return scope
+        return peer_host(context) if open_to_anyone or lane is self.lanes[REFLECTION] else None
+
     def _checked(self, handler, method: str, lane: _Lane, open_to_anyone: bool):
         """`handler` run in its lane from its start, with its request read here (under a deadline,
         decoded safely)."""
@@ -213,11 +248,12 @@ class RpcGuard(grpc.ServerInterceptor):
             duplex = handler.stream_stream
 
             def laned(requests, context):
-                lane.enter(context)
+                caller = self._caller(context, lane, open_to_anyone)
+                lane.enter(context, caller)
                 try:
                     yield from duplex(requests, context)
                 finally:
-                    lane.leave()
+                    lane.leave(caller)
 
             return grpc.stream_stream_rpc_method_handler(laned, handler.request_deserializer,
                                                          handler.response_serializer)
@@ -253,21 +289,24 @@ class RpcGuard(grpc.ServerInterceptor):
             inner = handler.unary_unary
 
             def unary(requests, context):
-                if not lane.try_enter():
+                caller = self._caller(context, lane, open_to_anyone)
+                refused = lane.try_enter(caller)
+                if refused is not None:
                     if method == HEALTH_CHECK and self.health_status is not None:
                         return self._overall_health()
-                    lane.enter(context)  # refused: RESOURCE_EXHAUSTED
+                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
                 try:
                     return inner(request_of(requests, context), context)
                 finally:
-                    lane.leave()
+                    lane.leave(caller)
 
             return grpc.stream_unary_rpc_method_handler(unary, safe_decode, handler.response_serializer)
 
         inner_stream = handler.unary_stream
 
         def stream(requests, context):
-            lane.enter(context)
+            caller = self._caller(context, lane, open_to_anyone)
+            lane.enter(context, caller)
             try:
                 request = request_of(requests, context)
                 lane.count_serving(1)  # a drain waits for these, not for calls whose request never came
@@ -276,7 +315,7 @@ class RpcGuard(grpc.ServerInterceptor):
                 finally:
                     lane.count_serving(-1)
             finally:
-                lane.leave()
+                lane.leave(caller)
 
         return grpc.stream_stream_rpc_method_handler(stream, safe_decode, handler.response_serializer)
 

@@ -14,14 +14,24 @@ daemon when scraped. Each daemon has its own registry (no process-global state).
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+import logging
+import socket
+import threading
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
+
+log = logging.getLogger("helm.metrics")
 
 # Step times span a 1-token decode of a small stage (~0.1 ms) to a long prompt chunk (seconds).
 STEP_BUCKETS_S = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 RATE_BUCKETS = (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
 STATES = ("loading", "serving", "draining")
+MAX_SCRAPES = 8  # connections served at once; one beyond is closed at once
+SCRAPE_DEADLINE_S = 10.0  # a connection's whole life: its request in, the answer out
 
 
 class DaemonMetrics:
@@ -68,7 +78,10 @@ class DaemonMetrics:
         """Start the /metrics endpoint (plain HTTP: the serve command keeps it on loopback unless
         told --insecure; prometheus_client's TLS does its handshakes on the accepting thread, where
         one idle connection blocks every scrape); the port it listens on."""
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]  # IPv4 or IPv6, as host is
+        server_class = type("ScrapeServer", (_ScrapeServer,), {"address_family": family})
+        server = make_server(host, port, make_wsgi_app(self.registry), server_class, handler_class=_QuietHandler)
+        threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
         self._http = server
         return server.server_port
 
@@ -76,6 +89,54 @@ class DaemonMetrics:
         if getattr(self, "_http", None) is not None:
             self._http.shutdown()
             self._http.server_close()
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002 — the base class's name
+        """Scrapes are not logged: they come every few seconds."""
+
+
+class _ScrapeServer(ThreadingMixIn, WSGIServer):
+    """The /metrics HTTP server, bounded: a thread per connection (prometheus_client's server), but
+    at most MAX_SCRAPES of them, and each connection closed SCRAPE_DEADLINE_S after it was
+    accepted, whether its request came or not; so connections opened and left half-sent (or a
+    request sent a byte at a time) cannot pile up threads."""
+    daemon_threads = True
+
+    def __init__(self, *args, **kwargs):
+        self._slots = threading.BoundedSemaphore(MAX_SCRAPES)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request, client_address):
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)  # starts process_request_thread
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        request.settimeout(SCRAPE_DEADLINE_S)
+        deadline = threading.Timer(SCRAPE_DEADLINE_S, _close_socket, (request,))
+        deadline.daemon = True
+        deadline.start()
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            deadline.cancel()
+            self._slots.release()
+
+    def handle_error(self, request, client_address):
+        log.debug("metrics connection ended early", extra={"fields": {"client": str(client_address)}})
+
+
+def _close_socket(sock) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # already closed
+        pass
 
 
 class _DaemonState:

@@ -86,7 +86,7 @@ def start_server(daemon, host: str, port: int, tokens=None, credentials=None, st
     # slot) until the stall timeout cuts it off, and must not starve the streams being admitted.
     generate_streams = 2 * (daemon.max_batch + daemon.max_queue)
     threads = pool_threads(generate_streams)
-    guard = RpcGuard(tokens, generate_streams, body_timeout_s)
+    guard = RpcGuard(tokens, generate_streams, body_timeout_s, generate_per_caller=2 * daemon.max_per_caller)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rpc"),
         interceptors=(guard,),
@@ -96,7 +96,7 @@ def start_server(daemon, host: str, port: int, tokens=None, credentials=None, st
         # with the first, each answering some of its calls
         options=(("grpc.max_receive_message_length", max(MAX_FILE_BYTES, daemon.max_prompt_bytes) + (64 << 10)),
                  ("grpc.so_reuseport", 0)))
-    pb_grpc.add_ExecutorServiceServicer_to_server(ExecutorServicer(daemon, stall_timeout_s, metrics), server)
+    pb_grpc.add_ExecutorServiceServicer_to_server(ExecutorServicer(daemon, stall_timeout_s, metrics, tokens), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -183,7 +183,7 @@ def serve(args) -> int:
         model_dir = args.model or plan_model_dir
         daemon = Daemon(model_dir, max_batch=args.max_batch, max_queue=args.max_queue, backend=args.kernels,
                         threads=args.threads, plan_dir=args.plan_dir, prefix_cache=args.prefix_cache,
-                        gpu_memory_bytes=args.gpu_memory)
+                        gpu_memory_bytes=args.gpu_memory, max_per_caller=args.max_requests_per_caller)
         if args.metrics_port is not None:
             from executor.server.metrics import DaemonMetrics
 

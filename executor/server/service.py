@@ -8,10 +8,10 @@ streams are watched for clients that stopped reading (`StallWatch`) and counted 
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import threading
 import time
+from pathlib import PurePath
 
 import grpc
 
@@ -20,7 +20,7 @@ from executor.errors import (ConfigError, DeviceLostError, HelmError, LoadInProg
                              ShuttingDownError, WeightsError)
 from executor.pb import executor_pb2 as pb
 from executor.pb import executor_pb2_grpc as pb_grpc
-from executor.server.auth import bearer_token
+from executor.server.auth import CLIENT, Tokens, bearer_token, caller_scope
 from executor.server.daemon import Daemon
 from executor.server.messages import GenerateSpec, PlanSource, finish_reason_name
 from executor.server.metrics import DaemonMetrics
@@ -76,14 +76,9 @@ def _unary(method):
     return wrapper
 
 
-def caller_scope(context) -> bytes:
-    """Who is calling, as far as the daemon can tell (a digest of its bearer token, else its client
-    certificate's identities under mutual TLS; b"" for everyone on an open daemon). Requests reuse
-    kept prompt prefixes of their own scope only: a shorter TTFT would tell one caller that
-    another sent the same prompt."""
-    token = bearer_token(context.invocation_metadata())
-    identity = token.encode() if token else b"\0".join(context.peer_identities() or ())
-    return hashlib.blake2b(identity, digest_size=16, person=b"helm-scope").digest() if identity else b""
+def _file_name(path: str) -> str:
+    """What a client token is told of a server path: its last part ("inline" stays)."""
+    return PurePath(path).name or path
 
 
 def _past_deadline(context) -> bool:
@@ -92,10 +87,20 @@ def _past_deadline(context) -> bool:
 
 
 class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
-    def __init__(self, daemon: Daemon, stall_timeout_s: float = 30.0, metrics: DaemonMetrics | None = None):
+    """`tokens`: the daemon's (None: it has none). A request's caller is the credential the guard
+    checked (auth.caller_scope): its admission share, its request ids and the prompt prefixes it
+    may reuse (a shorter TTFT would tell one caller that another sent the same prompt) are its
+    own. A client token is told file names, not the server's paths."""
+
+    def __init__(self, daemon: Daemon, stall_timeout_s: float = 30.0, metrics: DaemonMetrics | None = None,
+                 tokens: Tokens | None = None):
         self.daemon = daemon
         self.stalls = StallWatch(stall_timeout_s)
         self.metrics = metrics
+        self.tokens = tokens
+
+    def _a_client(self, context) -> bool:
+        return self.tokens is not None and self.tokens.role_of(bearer_token(context.invocation_metadata())) == CLIENT
 
     def Generate(self, request, context):
         outcome = "error"
@@ -119,7 +124,8 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             _abort(context, "Generate", e)
 
     def _generate(self, request, context):
-        handle = self.daemon.submit(GenerateSpec.from_pb(request), caller_scope(context))
+        handle = self.daemon.submit(GenerateSpec.from_pb(request), caller_scope(context, self.tokens is not None))
+        client = self._a_client(context)
         sending = self.stalls.watch(context, handle.request_id)
 
         def on_end():  # the RPC is over: a no-op if the request ended; else the client went away
@@ -136,7 +142,10 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         try:
             for event in handle:
                 sending.begin()
-                yield event.to_pb(pb, handle.request_id)  # returns once gRPC has sent it
+                message = event.to_pb(pb, handle.request_id)
+                if client and message.HasField("result"):
+                    message.result.plan.source = _file_name(message.result.plan.source)
+                yield message  # returns once gRPC has sent it
                 sending.end()
         finally:
             self.stalls.forget(sending)
@@ -152,7 +161,12 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
 
     @_unary
     def Info(self, request, context):
-        return self.daemon.info().to_pb(pb)
+        info = self.daemon.info().to_pb(pb)
+        if self._a_client(context):
+            info.model.directory = _file_name(info.model.directory)
+            if info.HasField("plan"):
+                info.plan.source = _file_name(info.plan.source)
+        return info
 
     @_unary
     def GetReport(self, request, context):
