@@ -7,16 +7,19 @@ every measurement runs the engines back to back, HELM next to each peer, in an o
 from run to run; each ratio is taken within a run and the table shows the median of those paired
 ratios (and their range), since a shared machine's bandwidth can swing by a third within a
 minute, more than the gaps being measured; the times shown are medians over the runs.
-Decode: --new-tokens after a 128-token prompt; TTFT: the prompt and its first token.
-llama.cpp runs through ../shared/anchors/llama-cpp.sh (llama-bench on a GGUF of the same weights;
-its TTFT is the prompt at its measured prompt-processing rate, its decode a run from an empty
-context). transformers' bf16 prompt GEMMs are slow on CPUs without AVX512-BF16/AMX: prompts
+Decode: --new-tokens after a 128-token prompt; TTFT: the prompt and its first token; with
+--depths, decode again with that many tokens already in the cache (long contexts read more KV than
+weights per token: the attention kernels' share). llama.cpp runs through
+../shared/anchors/llama-cpp.sh (llama-bench on a GGUF of the same weights; its TTFT is the prompt
+at its measured prompt-processing rate, its decode a run from an empty context); at a depth,
+llama-bench itself (`-d`) on the GGUF the anchor made, its untimed prompt filling the cache. transformers' bf16 prompt GEMMs are slow on CPUs without AVX512-BF16/AMX: prompts
 longer than --hf-max-prompt are left out for it. Also printed: the decode's share of the DRAM read
 bandwidth measured in the same run, and a HELM decode run's peak RSS in its own process.
 
     python tools/bench_decode.py                                   # Qwen3-0.6B bf16, HELM vs HF
     python tools/bench_decode.py --sizes qwen3-0.6b,qwen3-1.7b --dtypes bf16,fp16 \
         --prompts 128,512,2048 --llama-cpp --runs 2                # the issue-15 table
+    python tools/bench_decode.py --prompts 128 --depths 4096,16384 --llama-cpp --hf-max-prompt 0
 """
 from __future__ import annotations
 
@@ -157,6 +160,29 @@ def run_llama_cpp(model_dir: str, dtype: str, prompt_tokens: int, new_tokens: in
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def llama_cpp_at_depth(model_dir: str, dtype: str, depth: int, new_tokens: int, threads: int) -> float:
+    """llama.cpp's decode tok/s with `depth` tokens in its cache: llama-bench `-d` on the GGUF the
+    anchor built (run_llama_cpp first: it builds llama-bench and converts the checkpoint), found
+    where the anchor keeps it, by the anchor's own key (the checkpoint's path and files' mtimes)."""
+    import json
+    import subprocess
+
+    gguf_dtype = {"bf16": "bf16", "fp16": "f16"}[dtype]
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "helm-anchors"
+    bench = next(cache.glob("llama_cpp_python-*/vendor/llama.cpp/build/bin/llama-bench"), None)
+    key = subprocess.run(["bash", "-c", 'ckpt=$(cd "$1" && pwd); echo "$ckpt $(stat -c %Y "$ckpt"/*.safetensors '
+                          '| sort | tr \'\\n\' \' \')" | sha1sum | cut -c1-12', "-", model_dir],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    gguf = cache / "gguf" / f"{key}-{gguf_dtype}.gguf"
+    if bench is None or not gguf.is_file():
+        raise RuntimeError(f"llama.cpp at a depth needs the anchor's llama-bench and {gguf}: run the anchor first")
+    out = subprocess.run([str(bench), "-m", str(gguf), "-t", str(threads), "-p", "0", "-n", str(new_tokens),
+                          "-d", str(depth), "-r", "1", "-o", "json"], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"llama-bench -d {depth} failed: {out.stderr.strip()[-500:]}")
+    return next(r["avg_ts"] for r in json.loads(out.stdout) if r["n_gen"])
+
+
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
@@ -181,7 +207,8 @@ def bench_model(args, size: str, dtype: str) -> dict:
     helm = load_model(model_dir, Placement.from_split(config.num_units, config.num_units), config)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=config.dtype).eval()
     nbytes = weight_bytes_per_token(helm)
-    prompt = [1000 + (i * 7919) % 50000 % (config.vocab_size - 1000) for i in range(max(args.prompts + [128]))]
+    prompt = [1000 + (i * 7919) % 50000 % (config.vocab_size - 1000)
+              for i in range(max(args.prompts + args.depths + [128]))]
     print(f"\n== {model_dir}: {size} {dtype}, {nbytes / 1e9:.2f} GB of weights per decode token, "
           f"{args.threads} threads, HELM kernels {kernel_isa(helm)}, routes {helm.stages[0].ops.kernel_set.routes}")
     run_helm(helm, prompt[:8], 4)  # warm up both
@@ -191,6 +218,7 @@ def bench_model(args, size: str, dtype: str) -> dict:
     peers = [e for e in engines if e != "helm"]
     decode = {e: [] for e in engines}
     ttft = {(e, p): [] for e in engines for p in args.prompts}
+    decode_at = {(e, d): [] for e in engines if e != "hf" for d in args.depths}
     paired = {}  # (measure, peer) → the peer's ratio to HELM in each run (> 1: HELM faster)
     read = []
     for r in range(args.runs):
@@ -228,12 +256,28 @@ def bench_model(args, size: str, dtype: str) -> dict:
             for e in peers:
                 if e in got:
                     paired.setdefault((f"ttft@{p}", e), []).append(got[e] / got["helm"])
+        for d in args.depths:
+            got = {}
+            for engine in order:
+                if engine == "helm":
+                    _, tps = run_helm(helm, prompt[:d], args.new_tokens)
+                elif engine == "llama.cpp":
+                    tps = llama_cpp_at_depth(model_dir, dtype, d, args.new_tokens, args.threads)
+                else:
+                    continue  # transformers' prompt of d tokens: --hf-max-prompt's reason
+                got[engine] = tps
+                decode_at[engine, d].append(tps)
+                print(f"  run {r + 1} decode at {d:>5} {engine:>9}: {tps:6.2f} tok/s (load {os.getloadavg()[0]:.2f})",
+                      flush=True)
+            if "llama.cpp" in got:
+                paired.setdefault((f"decode@{d}", "llama.cpp"), []).append(got["helm"] / got["llama.cpp"])
     del hf, helm
     med_bw = _median(read)
     grown, budget = rss["peak"] - rss["baseline"], rss["weights"] + rss["kv"]
     return {"model": model_dir, "size": size, "dtype": dtype, "read_gbps": med_bw, "weight_bytes": nbytes,
             "decode": {e: _median(v) for e, v in decode.items()},
             "ttft": {f"{e}@{p}": _median(v) for (e, p), v in ttft.items()},
+            "decode_at": {f"{e}@{d}": _median(v) for (e, d), v in decode_at.items()},
             "ratio": {f"{m}/{e}": {"median": _median(v), "min": min(v), "max": max(v)}
                       for (m, e), v in paired.items()},
             "rss_of_weights_kv": grown / budget, "rss_grown_mib": grown / 2**20, "weights_kv_mib": budget / 2**20}
@@ -257,10 +301,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--runs", type=int, default=2, help="alternating runs of each engine")
     parser.add_argument("--llama-cpp", action="store_true", help=f"also run llama.cpp ({LLAMA_CPP})")
+    parser.add_argument("--depths", default="", help="also decode with this many tokens already cached, "
+                        "comma-separated (HELM and llama.cpp)")
     parser.add_argument("--hf-max-prompt", type=int, default=512, help="longest prompt run through transformers")
     parser.add_argument("--json", help="also write the medians here")
     args = parser.parse_args(argv)
     args.prompts = sorted(int(p) for p in args.prompts.split(","))
+    args.depths = sorted(int(d) for d in args.depths.split(",") if d)
     torch.set_num_threads(args.threads)
     print(f"load average at start: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     results = [bench_model(args, size, dtype) for size in args.sizes.split(",") for dtype in args.dtypes.split(",")]
@@ -285,6 +332,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<24} {'decode tok/s':<13} {h:>9.2f} {cells}   "
               f"({h * res['weight_bytes'] / 1e9 / res['read_gbps']:.0%} of read; peak RSS +"
               f"{res['rss_grown_mib']:.0f} MiB = {res['rss_of_weights_kv']:.1%} of weights + KV)")
+        for d in args.depths:
+            h = res["decode_at"][f"helm@{d}"]
+            cells = " ".join((f"{res['decode_at'][f'{e}@{d}']:>10.2f} {_paired(res, f'decode@{d}', e)}"
+                              if f"{e}@{d}" in res["decode_at"] else f"{'-':>10} {_paired(res, '', e)}")
+                             for e in engines)
+            print(f"{name:<24} {f'tok/s @{d}':<13} {h:>9.2f} {cells}")
     if args.json:
         import json
         Path(args.json).write_text(json.dumps(results, indent=1))
