@@ -155,7 +155,16 @@ cdef tuple _linear_args(object x, PreparedLinear w, object out, bint accumulate)
         if (out.dtype is not _F32 or len(os_) != 2 or os_[0] != B or os_[1] != N
                 or not out.is_contiguous() or not out.is_cpu):
             raise ValueError(f"out must be a contiguous fp32 CPU tensor of shape ({B}, {N})")
+        if _overlap(x, out):
+            raise ValueError("out overlaps x: the product is written while x is still being read")
     return x, out
+
+
+cdef bint _overlap(object a, object b):
+    """Whether two contiguous tensors share any byte."""
+    cdef size_t a0 = a.data_ptr(), b0 = b.data_ptr()
+    cdef size_t a1 = a0 + <size_t> a.numel() * a.element_size(), b1 = b0 + <size_t> b.numel() * b.element_size()
+    return a0 < b1 and b0 < a1
 
 
 cdef inline void _check_cpu_tensor(object t, str name) except *:
@@ -248,6 +257,9 @@ cdef class KernelSet:
                 raise ValueError(f"unknown GEMM path {path!r}: expected one of {', '.join(PROMPT_PATHS)}")
             if int(min_rows) <= HELM_MAX_TILE_B:
                 raise ValueError(f"min_rows must exceed MAX_TILE_B={HELM_MAX_TILE_B}, got {min_rows}")
+            if path == "torch" and dtype is torch.float16:
+                raise ValueError("the torch path for fp16 weights multiplies in fp16, whose result can overflow: "
+                                 "use gemm, gemv or torch_fp32")
             self.route_path[_DTYPE_CODE[dtype]] = PROMPT_PATHS.index(path)
             self.route_min[_DTYPE_CODE[dtype]] = int(min_rows)
             self.routes[dtype] = (path, int(min_rows))
@@ -386,7 +398,7 @@ cdef class KernelSet:
             out = torch.empty(gate.shape, dtype=torch.float32)
         elif out.shape != gate.shape:
             raise ValueError("out must be shaped like gate")
-        r3, n3, ldo = _rows_view(out, "out")
+        r3, n3, ldo = _rows_view(out, "out", True)
         if rows == 0 or n == 0:
             return out
         cdef helm_silu_mul_fn fn = self.t.silu_mul
@@ -489,7 +501,7 @@ cdef class KernelSet:
         each row contiguous): RMSNorm of each q head by q_norm and each k head by k_norm ([D] fp32,
         both or neither), then the rotary rotation by cos, sin [T, D/2] fp32. Returns qkv."""
         cdef long T, width, ld
-        T, width, ld = _rows_view(qkv, "qkv")
+        T, width, ld = _rows_view(qkv, "qkv", True)
         if qkv.dim() != 2:
             raise ValueError("qkv must be 2-D [T, columns]")
         _check_table(cos, "cos", T)
@@ -548,7 +560,7 @@ cdef class KernelSet:
         cdef long T, ld
         T, ld = kv.check(qkv, pages, layer, start, num_heads, &desc)
         cdef long ot, ow, ldo
-        ot, ow, ldo = _rows_view(out, "out")
+        ot, ow, ldo = _rows_view(out, "out", True)
         if out.dim() != 2 or ot != T or ow != <long> num_heads * kv.head_dim:
             raise ValueError(f"out must be [{T}, {num_heads * kv.head_dim}], got {tuple(out.shape)}")
         if T == 0:
@@ -674,8 +686,9 @@ cdef inline int _threads_for(int num_threads, long work_units) noexcept:
     return <int> n if n >= 1 else 1
 
 
-cdef tuple _rows_view(object t, str name):
-    """(rows, n, row stride) of a fp32 CPU tensor [n] or [rows, n] with a contiguous last dim."""
+cdef tuple _rows_view(object t, str name, bint written=False):
+    """(rows, n, row stride) of a fp32 CPU tensor [n] or [rows, n] with a contiguous last dim;
+    `written`: one the kernel writes, whose rows must not overlap (an expanded tensor's do)."""
     if t.dtype is not torch.float32:
         raise ValueError(f"{name} must be fp32, got {t.dtype}")
     _check_cpu_tensor(t, name)
@@ -686,6 +699,9 @@ cdef tuple _rows_view(object t, str name):
     if t.dim() == 2:
         if t.stride(1) != 1 and t.shape[1] > 1:
             raise ValueError(f"{name}'s last dimension must be contiguous")
+        if written and t.shape[0] > 1 and t.stride(0) < t.shape[1]:
+            raise ValueError(f"{name}'s rows overlap (row stride {t.stride(0)} < width {t.shape[1]}): "
+                             "it is written in place")
         return t.shape[0], t.shape[1], t.stride(0)
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous when it has more than 2 dimensions")

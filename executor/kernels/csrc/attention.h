@@ -138,7 +138,7 @@ HELM_INLINE void CAT(att_heads_, WNAME)(float *restrict m, float *restrict l, fl
     for (int g = 0; g < GG; g++) {
         float *p = sc + g * HELM_ATT_BLOCK;
         const float mx = helm_max(p, nb, m[g]);
-        /* The first block rescales nothing (l = o = 0); exp(-inf) clamps to ~1e-38 there. */
+        /* The first block rescales nothing (l = o = 0; exp(-inf) is 0). */
         corr[g] = helm_expf(m[g] - mx);
         for (int j = 0; j < nb; j++) p[j] = helm_expf(p[j] - mx);
         l[g] = l[g] * corr[g] + helm_sum(p, nb);
@@ -206,7 +206,7 @@ static void CAT(att_range_, WNAME)(float *restrict m_out, float *restrict l_out,
         for (int r = 1; r < lanes; r++) mx = m[r][g] > mx ? m[r][g] : mx;
         float sum = 0.0f, w[HELM_ATT_LANES];
         for (int r = 0; r < lanes; r++) {
-            w[r] = helm_expf(m[r][g] - mx);
+            w[r] = m[r][g] == -INFINITY ? 0.0f : helm_expf(m[r][g] - mx); /* a lane with no keys */
             sum += l[r][g] * w[r];
         }
         float *og = o + g * D;
@@ -258,7 +258,7 @@ static void CAT(attention_, WNAME)(float *out, long ldo, const float *qkv, long 
         for (int r = 0; r < S; r++) mx = part[r * stride + g] > mx ? part[r * stride + g] : mx;
         float sum = 0.0f, w[HELM_ATT_MAX_SEGS];
         for (int r = 0; r < S; r++) {
-            w[r] = helm_expf(part[r * stride + g] - mx);
+            w[r] = part[r * stride + g] == -INFINITY ? 0.0f : helm_expf(part[r * stride + g] - mx); /* no keys */
             sum += part[r * stride + G + g] * w[r];
         }
         float *og = o + g * D;

@@ -24,7 +24,9 @@ static uint16_t *xs_prepare(const float *x, int B, int K, int K32) {
             const __m512 v = _mm512_loadu_ps(xb + k);
             const __m256bh h = _mm512_cvtneps_pbh(v);
             const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
-            const __m256bh l = _mm512_cvtneps_pbh(_mm512_sub_ps(v, hf));
+            /* lo = x - hi where hi is finite; 0 where x rounded to ±inf (inf - inf would be NaN) */
+            const __mmask16 finite = _mm512_cmp_ps_mask(_mm512_abs_ps(hf), _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
+            const __m256bh l = _mm512_cvtneps_pbh(_mm512_maskz_sub_ps(finite, v, hf));
             _mm256_storeu_si256((__m256i *)(hi + k), (__m256i)h);
             _mm256_storeu_si256((__m256i *)(lo + k), (__m256i)l);
         }

@@ -100,12 +100,15 @@ HELM_INLINE float helm_f16_f32(uint16_t h) {
 }
 
 /* exp(x) to ~1 ulp on the float range (Cody–Waite reduction, degree-6 Taylor on |r| <= ln2/2);
- * branch-free so that loops over it vectorise. */
+ * 0 below -87.3 (where exp is subnormal or 0), exp(88.7) above 88.7, NaN for NaN. Branch-free
+ * (selects) so that loops over it vectorise; the reduction runs on a clamped, non-NaN argument,
+ * so the float → int conversion is always defined. */
 HELM_INLINE float helm_expf(float x) {
-    x = x < -87.3f ? -87.3f : x;
-    x = x > 88.7f ? 88.7f : x;
-    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* rint(x / ln2) */
-    float r = x - n * 0.693145751953125f;
+    float c = x < -87.3f ? -87.3f : x;
+    c = c > 88.7f ? 88.7f : c;
+    c = c == c ? c : 0.0f;
+    const float n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* rint(c / ln2) */
+    float r = c - n * 0.693145751953125f;
     r = r - n * 1.428606765330187e-06f;
     float p = 1.0f / 720.0f;
     p = p * r + 1.0f / 120.0f;
@@ -114,10 +117,11 @@ HELM_INLINE float helm_expf(float x) {
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
-    /* p * 2^n in two halves so that n = 128 (x near 88.7) does not overflow the exponent. */
+    /* p * 2^n in two halves so that n = 128 (c near 88.7) does not overflow the exponent. */
     const int32_t ni = (int32_t)n;
     const int32_t n1 = ni >> 1, n2 = ni - n1;
-    return p * helm_bits_f32((uint32_t)(n1 + 127) << 23) * helm_bits_f32((uint32_t)(n2 + 127) << 23);
+    const float y = p * helm_bits_f32((uint32_t)(n1 + 127) << 23) * helm_bits_f32((uint32_t)(n2 + 127) << 23);
+    return x == x ? (x < -87.3f ? 0.0f : y) : x;
 }
 
 /* max(init, x[0..n)) and sum(x[0..n)) in 16 independent lanes, so the loops vectorise without
@@ -322,7 +326,10 @@ static void silu_mul(float *out, long ldo, const float *gate, long ldg, const fl
     for (long b = b0; b < b1; b++) {
         float *o = out + b * ldo;
         const float *g = gate + b * ldg, *u = up + b * ldu;
-        for (long i = 0; i < n; i++) o[i] = g[i] / (1.0f + helm_expf(-g[i])) * u[i];
+        for (long i = 0; i < n; i++) { /* g·sigmoid(g), with exp of -|g| only: no overflow */
+            const float e = helm_expf(g[i] < 0.0f ? g[i] : -g[i]);
+            o[i] = g[i] * ((g[i] < 0.0f ? e : 1.0f) / (1.0f + e)) * u[i];
+        }
     }
 }
 

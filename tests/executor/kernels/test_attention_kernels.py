@@ -188,7 +188,9 @@ def test_paged_attention_argument_errors():
 def test_linear_accumulate_adds_into_out(isa, dtype, path):
     """accumulate=True: out += x Wᵀ + b, the same bits as computing y and then out + y, below
     and above MAX_TILE_B on every route (K = 70: one GEMM panel; over several panels the GEMM
-    adds each panel's sum into out in turn, see helm_gemm_fn)."""
+    adds each panel's sum into out in turn, see helm_gemm_fn; fp16 weights never take "torch")."""
+    if (path, dtype) == ("torch", torch.float16):
+        return
     ks = K.KernelSet(isa, routes={dtype: (path, K.MAX_TILE_B + 1)})
     gen = torch.Generator().manual_seed(5)
     w = K.prepare_linear(torch.randn(37, 70, generator=gen).to(dtype), torch.randn(37, generator=gen))

@@ -48,7 +48,10 @@ def _rel_err(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, ref: torch.Tenso
 @pytest.mark.parametrize("isa", ISAS_HERE)
 def test_linear_matches_reference(isa, dtype, path):
     """Every route batches above MAX_TILE_B can take (from 12 rows here), every dtype, every ISA
-    this CPU runs (for fp32 weights "torch_fp32" is the "torch" call)."""
+    this CPU runs (for fp32 weights "torch_fp32" is the "torch" call; fp16 weights never take
+    "torch", whose fp16 product can overflow: test_routes_are_checked)."""
+    if (path, dtype) == ("torch", torch.float16):
+        return
     ks = K.KernelSet(isa, routes={dtype: (path, 12)})
     gen = torch.Generator().manual_seed(1)
     worst = {}
@@ -108,6 +111,8 @@ def test_routes_are_checked():
         K.KernelSet("portable", routes={torch.bfloat16: ("gemm", K.MAX_TILE_B)})
     with pytest.raises(TypeError):
         K.KernelSet("portable", routes={torch.int8: ("gemm", 16)})
+    with pytest.raises(ValueError, match="can overflow"):  # a profile or plan edited by hand
+        K.KernelSet("portable", routes={torch.float16: ("torch", 16)})
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
@@ -169,6 +174,12 @@ def test_linear_out_buffer_and_errors():
         K.linear(torch.randn(17, 3).t(), prepared, num_threads=1)  # not contiguous
     with pytest.raises(ValueError):
         K.linear(x, prepared, out=torch.empty(3, 32), num_threads=1)
+    square = K.prepare_linear(torch.randn(17, 17))
+    with pytest.raises(ValueError, match="out overlaps x"):  # rows would be read after being written
+        K.linear(x, square, out=x, num_threads=1)
+    with pytest.raises(ValueError, match="out overlaps x"):
+        both = torch.randn(4, 17)
+        K.linear(both[:3], square, out=both[1:], num_threads=1)
     with pytest.raises(TypeError):
         K.prepare_linear(torch.ones(4, 4, dtype=torch.int8))
     with pytest.raises(ValueError):
@@ -214,10 +225,12 @@ def test_silu_mul_matches_reference(isa):
             torch.testing.assert_close(ks.silu_mul(gate, up, num_threads=t), ref,
                                        rtol=SILU_MUL_TOL[0], atol=SILU_MUL_TOL[1])
     # Extremes: exp overflow/underflow must give silu's limits, not inf/NaN.
-    gate = torch.tensor([[-1e4, -200.0, -88.5, -87.0, -20.0, -1e-30, 0.0, 1e-30, 20.0, 88.0, 89.0, 200.0, 1e4]])
+    # Far below exp's range the product goes to -0 (it went to -g/exp(88.7): -0.9 at -3e38).
+    gate = torch.tensor([[-3e38, -1e37, -1e4, -200.0, -88.5, -87.0, -20.0, -1e-30, 0.0, 1e-30, 20.0, 88.0, 89.0,
+                          200.0, 1e4, 3e38, float("nan"), float("-inf")]])
     up = torch.full_like(gate, 1.5)
     torch.testing.assert_close(ks.silu_mul(gate, up), silu_mul_ref(gate, up),
-                               rtol=SILU_MUL_TOL[0], atol=SILU_MUL_TOL[1])
+                               rtol=SILU_MUL_TOL[0], atol=SILU_MUL_TOL[1], equal_nan=True)
     # The two halves of a fused gate_up output: strided row views, no copy needed.
     gate_up = torch.randn(4, 2 * 96, generator=gen)
     gate, up = gate_up.split(96, dim=-1)
@@ -353,3 +366,30 @@ def test_a_block_stack_step_is_bounded_and_one_at_a_time():
         step(1, table[256:257])
     t.join(60)
     assert errors and all("already running a step" in str(e) for e in errors)
+
+
+@pytest.mark.parametrize("isa", ISAS_HERE)
+def test_infinite_inputs_give_infinite_outputs(isa):
+    """An infinite activation gives ±inf where the reference does (the avx512bf16 GEMV splits x
+    into bf16 hi + lo parts, and inf - inf made the lo part NaN)."""
+    ks = K.KernelSet(isa)
+    gen = torch.Generator().manual_seed(9)
+    for dtype in DTYPES:
+        weight = (torch.rand(9, 70, generator=gen) + 0.5).to(dtype)  # no zero: inf · 0 is NaN
+        x = torch.randn(2, 70, generator=gen)
+        x[0, 3], x[1, 40] = float("inf"), float("-inf")
+        y = ks.linear(x, K.prepare_linear(weight), num_threads=1)
+        assert torch.equal(y, linear_ref(x, weight)), f"{isa} {dtype}"
+
+
+def test_kernels_refuse_to_write_rows_that_overlap():
+    """An expanded tensor's rows are one row in memory: rotated or written in place several times
+    over (PyTorch refuses such in-place writes too)."""
+    ks = K.KernelSet("portable")
+    row = torch.randn(1, 2 * 3 * 8)
+    cos, sin = torch.ones(4, 4), torch.zeros(4, 4)
+    with pytest.raises(ValueError, match="rows overlap"):
+        ks.rope_qk_(row.expand(4, -1), 2, 1, cos, sin, num_threads=1)
+    gate = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="rows overlap"):
+        ks.silu_mul(gate, gate, out=torch.empty(1, 8).expand(4, -1), num_threads=1)
