@@ -126,8 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="most requests waiting beyond a full batch (default 64; beyond: RESOURCE_EXHAUSTED)")
     srv.add_argument("--max-requests-per-caller", type=int, metavar="N",
                      help="most requests in flight of one caller, told apart by token or client certificate "
-                          "(default: half of --max-batch + --max-queue, so no one caller locks the others out; "
-                          "a daemon without credentials is one caller)")
+                          "(default: half of --max-batch + --max-queue where there are several clients: two client "
+                          "tokens or more, or mutual TLS without tokens; else all of them)")
     srv.add_argument("--drain-timeout", type=lambda text: _seconds(text, zero_ok=True), default=30.0,
                      metavar="SECONDS", help="seconds requests in flight may take to finish after SIGTERM, then "
                                              "aborted (default 30; 0 aborts them at once)")

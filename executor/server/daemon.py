@@ -10,7 +10,8 @@ then new requests go to the new plan's worker and the old worker finishes what i
 models are in memory during the swap. Admission counts every request from `submit` to its end:
 at most `max_batch + max_queue` at once, and at most `max_per_caller` of one caller's (its
 checked credential: a token, a client certificate), beyond that OverloadedError; so one client
-cannot hold every slot while others are refused. A daemon without credentials is one caller.
+cannot hold every slot while others are refused (serve sets a share where callers can be told
+apart: `caller_share`). Requests without a caller (b"": no credentials) are held to no share.
 """
 from __future__ import annotations
 
@@ -67,6 +68,16 @@ class _Serving:
     max_running: int  # the most sequences its engine runs at once (--max-batch, within what the plan priced)
 
 
+def caller_share(max_batch: int, max_queue: int, client_tokens: int, mutual_tls: bool) -> int:
+    """The admission slots one caller may hold by default: half of them where several clients
+    can be told apart (two client tokens or more, or client certificates under mutual TLS, with
+    no tokens), so one cannot lock the others out; all of them where there is one client (one
+    client token, the admin's trusted beside it) or none can be told apart."""
+    slots = max_batch + max_queue
+    several = client_tokens >= 2 or (mutual_tls and client_tokens == 0)
+    return -(-slots // 2) if several else slots
+
+
 def cap_gpu_memory(cap_bytes: int) -> None:
     """Hold what PyTorch's CUDA allocator may reserve in this process to cap_bytes (the CUDA
     context and libraries' handles come on top): an allocation beyond it raises OutOfMemoryError,
@@ -93,8 +104,7 @@ class Daemon:
             raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")
         if max_per_caller is not None and max_per_caller < 1:
             raise ValueError(f"max_per_caller must be >= 1, got {max_per_caller}")
-        # one caller's share of the slots: by default half, so another is never locked out
-        self.max_per_caller = max_per_caller or -(-(max_batch + max_queue) // 2)
+        self.max_per_caller = max_per_caller or max_batch + max_queue  # one caller's slots (default: all)
         self.model_dir = Path(model_dir)
         self.config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None

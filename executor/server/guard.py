@@ -19,11 +19,12 @@ lane: a bounded number of calls of its kind at once.
   lane is not refused: it is answered from the daemon's overall status without its request
   being read, on one of `SPARE_THREADS` threads kept for what takes no time (refusals too). So
   anyone may flood health with calls whose request never comes, and a probe is still answered.
-- **Shares.** One caller holds at most its share of a lane (`_Lane.per_caller`): of Generate
-  streams twice its admission slots (the daemon's `max_per_caller`), half of the client calls'
-  lane, half of Watch's and reflection's. A caller is the credential checked (auth.caller_scope),
-  or the address for what anyone may open; without credentials Generate and unary calls are one
-  trust domain, held to the lane only.
+- **Shares.** One caller holds at most its share of a lane (`_Lane.per_caller`): half of
+  Watch's and reflection's; where serve holds callers to a share of the admission slots (the
+  daemon's `max_per_caller`, daemon.caller_share), twice that of Generate streams and half of
+  the client calls' lane. A caller is the credential checked (auth.caller_scope), or the address
+  for what anyone may open; without credentials Generate and unary calls are one trust domain,
+  held to the lane only.
 - **Request bodies.** A call whose request has not arrived within `BODY_TIMEOUT_S` is cancelled
   (`OPEN_BODY_TIMEOUT_S` for health, open to anyone); refusals do not read the request at all.
   (A server on grpc.aio would read requests without holding threads at all.)
@@ -117,15 +118,19 @@ class _Lane:
             self.serving += delta
 
     def leave(self, caller=None) -> None:
-        with self._lock:
-            self.open -= 1
-            if caller is not None:
-                left = self._held[caller] - 1
-                if left:
-                    self._held[caller] = left
-                else:
+        """Give back a place taken by try_enter(caller) (the same caller)."""
+        try:
+            with self._lock:
+                self.open -= 1
+                held = self._held.get(caller, 0) if caller is not None else 0
+                if held > 1:
+                    self._held[caller] = held - 1
+                elif held == 1:
                     del self._held[caller]
-        self._slots.release()
+                elif caller is not None:
+                    log.error("a lane place given back for a caller that held none", extra={"fields": {"lane": self.what}})
+        finally:
+            self._slots.release()
 
 
 class _BodyDeadlines:
@@ -192,13 +197,13 @@ class _RefusalLog:
 
 class RpcGuard(grpc.ServerInterceptor):
     def __init__(self, tokens: Tokens | None, generate_streams: int, body_timeout_s: float = BODY_TIMEOUT_S,
-                 generate_per_caller: int | None = None):
+                 generate_per_caller: int | None = None, client_shares: bool = False):
         self.tokens = tokens
         self.generate = _Lane(generate_streams, "Generate streams", generate_per_caller)
         self.lanes = {HEALTH_WATCH: _Lane(WATCH_STREAMS, "health Watch streams", WATCH_STREAMS // 2),
                       REFLECTION: _Lane(WATCH_STREAMS, "reflection streams", WATCH_STREAMS // 2),
                       GENERATE: self.generate, HEALTH_CHECK: _Lane(OPEN_READERS, "health checks being read")}
-        self.client_calls = _Lane(CLIENT_CALLS, "calls of client callers", CLIENT_CALLS // 2)
+        self.client_calls = _Lane(CLIENT_CALLS, "calls of client callers", CLIENT_CALLS // 2 if client_shares else None)
         self.admin_calls = _Lane(ADMIN_CALLS, "calls of admin callers")
         self.body_timeout_s = body_timeout_s
         self.bodies = _BodyDeadlines()

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from executor.errors import HelmError, PlacementError, PlanNotFoundError
 from executor.pb import executor_pb2_grpc as pb_grpc
-from executor.server.auth import Tokens, is_loopback, server_credentials
-from executor.server.daemon import Daemon
+from executor.server.auth import CLIENT, Tokens, is_loopback, server_credentials
+from executor.server.daemon import Daemon, caller_share
 from executor.server.guard import BODY_TIMEOUT_S, RpcGuard, pool_threads
 from executor.server.messages import PlanSource
 from executor.server.service import SERVICE_NAME, ExecutorServicer
@@ -86,7 +86,9 @@ def start_server(daemon, host: str, port: int, tokens=None, credentials=None, st
     # slot) until the stall timeout cuts it off, and must not starve the streams being admitted.
     generate_streams = 2 * (daemon.max_batch + daemon.max_queue)
     threads = pool_threads(generate_streams)
-    guard = RpcGuard(tokens, generate_streams, body_timeout_s, generate_per_caller=2 * daemon.max_per_caller)
+    shares = daemon.max_per_caller < daemon.max_batch + daemon.max_queue  # callers held to a share
+    guard = RpcGuard(tokens, generate_streams, body_timeout_s,
+                     generate_per_caller=2 * daemon.max_per_caller if shares else None, client_shares=shares)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rpc"),
         interceptors=(guard,),
@@ -181,9 +183,12 @@ def serve(args) -> int:
         tokens, credentials = security_of(args)
         startup_plan, plan_model_dir = read_startup_plan(args.plan) if args.plan else (None, None)
         model_dir = args.model or plan_model_dir
+        clients = sum(1 for _, role in tokens.by_role if role == CLIENT) if tokens else 0
+        per_caller = args.max_requests_per_caller or caller_share(args.max_batch, args.max_queue, clients,
+                                                                  bool(args.tls_client_ca))
         daemon = Daemon(model_dir, max_batch=args.max_batch, max_queue=args.max_queue, backend=args.kernels,
                         threads=args.threads, plan_dir=args.plan_dir, prefix_cache=args.prefix_cache,
-                        gpu_memory_bytes=args.gpu_memory, max_per_caller=args.max_requests_per_caller)
+                        gpu_memory_bytes=args.gpu_memory, max_per_caller=per_caller)
         if args.metrics_port is not None:
             from executor.server.metrics import DaemonMetrics
 

@@ -29,9 +29,9 @@ def spec(request_id: str = "", n: int = 4) -> GenerateSpec:
 
 @pytest.fixture
 def held_daemon(model, tmp_path):
-    """A daemon of 1 running + 3 waiting slots (so 2 per caller) whose engine steps only once
+    """A daemon of 1 running + 3 waiting slots, 2 per caller, whose engine steps only once
     `release` is set."""
-    daemon = Daemon(model, max_batch=1, max_queue=3)
+    daemon = Daemon(model, max_batch=1, max_queue=3, max_per_caller=2)
     daemon.load_plan(PlanSource(yaml=write_plan(model, 2, tmp_path / "plan.yaml").read_text()))
     engine = daemon._serving.worker.engine
     real_step, release = engine.step, threading.Event()
@@ -47,7 +47,7 @@ def held_daemon(model, tmp_path):
     daemon.close()
 
 
-def test_one_caller_holds_at_most_half_the_slots(held_daemon):
+def test_one_caller_holds_at_most_its_share_of_the_slots(held_daemon):
     daemon, release = held_daemon
     assert daemon.max_per_caller == 2
     alice, bob = b"a" * 16, b"b" * 16
@@ -92,6 +92,18 @@ def test_max_per_caller_is_checked():
         Daemon("/nonexistent", max_per_caller=0)
 
 
+@pytest.mark.parametrize("client_tokens,mutual_tls,share", [
+    (0, False, 8), (1, False, 8), (1, True, 8),   # one client, or none told apart: every slot
+    (2, False, 4), (5, True, 4), (0, True, 4),    # several: half each
+])
+def test_a_share_is_set_only_where_several_clients_can_be_told_apart(client_tokens, mutual_tls, share):
+    """A one-token deployment (the admin's token beside it is the operator's) keeps the whole
+    daemon; two client tokens, or client certificates, split it."""
+    from executor.server.daemon import caller_share
+
+    assert caller_share(5, 3, client_tokens, mutual_tls) == share
+
+
 def _context(token: str | None = None, certificate: bytes | None = None):
     return SimpleNamespace(invocation_metadata=lambda: (("authorization", f"Bearer {token}"),) if token else (),
                            peer_identities=lambda: [certificate] if certificate else None)
@@ -115,7 +127,7 @@ def test_calls_that_never_send_their_request_hold_only_their_callers_share(model
     """Bob opens Generate calls and never sends the request: he gets his share of the streams
     (twice his slots), the next is refused at once, and Alice is served meanwhile. A client token
     is told file names, not the server's paths."""
-    daemon = Daemon(model, max_batch=1, max_queue=3)
+    daemon = Daemon(model, max_batch=1, max_queue=3, max_per_caller=2)  # serve's share for two client tokens
     plan_path = write_plan(model, 2, tmp_path / "plan.yaml")  # as serve --plan names it: the operator's path
     daemon.load_plan(PlanSource(yaml=plan_path.read_text(), name=str(plan_path)))
     tokens = Tokens(((ALICE, CLIENT), (BOB, CLIENT), (ADMIN_TOKEN, ADMIN)))
@@ -173,6 +185,9 @@ def test_a_lane_holds_each_caller_to_its_share_and_all_to_its_size():
     for caller in ("a", "a", "b", "b", None):
         lane.leave(caller)
     assert lane.open == 0 and not lane._held
+    lane.try_enter("a")
+    lane.leave("b")  # a caller that held none: logged; the place still comes back
+    assert lane.open == 0 and lane.try_enter("c") is None and lane.try_enter(None) is None
 
 
 def test_connections_left_half_sent_cannot_pile_up_metrics_threads(model, monkeypatch):
