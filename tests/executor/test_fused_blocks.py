@@ -22,7 +22,7 @@ def _op_by_op(monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2", "mistral"])
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 def test_fused_logits_equal_op_by_op(checkpoint, arch, dtype, monkeypatch):
     """A 20-token prefill (fused or op by op, as this machine's measured routes and attention
     limit decide) then 20 fused decode steps over 16-token pages: every logit the same bits."""
