@@ -169,12 +169,14 @@ def llama_cpp_at_depth(model_dir: str, dtype: str, depth: int, new_tokens: int, 
 
     gguf_dtype = {"bf16": "bf16", "fp16": "f16"}[dtype]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "helm-anchors"
-    bench = next(cache.glob("llama_cpp_python-*/vendor/llama.cpp/build/bin/llama-bench"), None)
+    version = next(line.split("=", 1)[1].strip() for line in LLAMA_CPP.read_text().splitlines()
+                   if line.startswith("VER="))  # the anchor's llama.cpp, not an older build beside it
+    bench = cache / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp" / "build" / "bin" / "llama-bench"
     key = subprocess.run(["bash", "-c", 'ckpt=$(cd "$1" && pwd); echo "$ckpt $(stat -c %Y "$ckpt"/*.safetensors '
                           '| sort | tr \'\\n\' \' \')" | sha1sum | cut -c1-12', "-", model_dir],
                          capture_output=True, text=True, check=True).stdout.strip()
     gguf = cache / "gguf" / f"{key}-{gguf_dtype}.gguf"
-    if bench is None or not gguf.is_file():
+    if not bench.is_file() or not gguf.is_file():
         raise RuntimeError(f"llama.cpp at a depth needs the anchor's llama-bench and {gguf}: run the anchor first")
     out = subprocess.run([str(bench), "-m", str(gguf), "-t", str(threads), "-p", "0", "-n", str(new_tokens),
                           "-d", str(depth), "-r", "1", "-o", "json"], capture_output=True, text=True)

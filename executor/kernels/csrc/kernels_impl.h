@@ -100,9 +100,9 @@ HELM_INLINE float helm_f16_f32(uint16_t h) {
 }
 
 /* exp(x) to ~1 ulp on the float range (Cody–Waite reduction, degree-6 Taylor on |r| <= ln2/2);
- * 0 below -87.3 (where exp is subnormal or 0), exp(88.7) above 88.7, NaN for NaN. Branch-free
- * (selects) so that loops over it vectorise; the reduction runs on a clamped, non-NaN argument,
- * so the float → int conversion is always defined. */
+ * 0 below -87.3 (exp(-87.3) is 1.2e-38, at the smallest normal float), exp(88.7) above 88.7, NaN
+ * for NaN. Branch-free (selects) so that loops over it vectorise; the reduction runs on a
+ * clamped, non-NaN argument, so the float → int conversion is always defined. */
 HELM_INLINE float helm_expf(float x) {
     float c = x < -87.3f ? -87.3f : x;
     c = c > 88.7f ? 88.7f : c;
