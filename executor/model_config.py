@@ -16,10 +16,10 @@ from executor.errors import ConfigError
 from planner.config import read_config
 from planner.errors import PlanError
 
-# model_type -> family traits the executor needs beyond the common decoder layout.
-# What sets a family apart, and the values transformers' config class gives a key config.json
-# leaves out (a head_dim of None: hidden_size / num_attention_heads). Which projections carry
-# biases: Qwen2 q/k/v always; Llama and Qwen3 q/k/v and o with attention_bias; Mistral none.
+# model_type -> family traits the executor needs beyond the common decoder layout, and the values
+# transformers' config class gives a key config.json leaves out (a head_dim of None: hidden_size /
+# num_attention_heads). Which projections carry biases: Qwen2 q/k/v always; Llama and Qwen3 q/k/v
+# and o with attention_bias; Mistral none.
 FAMILIES = {
     "qwen3": {"qk_norm": True, "head_dim": 128, "bias": "attention_bias"},
     "llama": {"qk_norm": False, "head_dim": None, "bias": "attention_bias"},
